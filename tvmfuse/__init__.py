@@ -1,0 +1,1 @@
+"""tvmfuse: fuse transformer operators and tune the fused kernels with Apache TVM."""
