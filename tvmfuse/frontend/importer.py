@@ -46,6 +46,16 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
                 renamed.input[i] = alias
         return renamed or node
 
+    def _name_lost_dims(self, node: onnx.NodeProto):
+        """Give a tensor whose rank is known but whose dims were lost fresh symbolic dims (a MatchCast), so later
+        ops that need dims (Reshape with -1, Expand, Slice) still import."""
+        for k, name in enumerate(node.output):
+            value = self._nodes.get(name)
+            ty = getattr(value, "ty", None)
+            if isinstance(ty, relax.TensorType) and ty.shape is None and ty.ndim > 0:
+                dims = [tvm.tirx.Var(f"{node.op_type.lower()}{k}_d{i}", "int64") for i in range(ty.ndim)]
+                self._nodes[name] = self.bb.match_cast(value, relax.TensorType(dims, ty.dtype))
+
     def _construct_nodes(self, graph: onnx.GraphProto):
         # TVM converts node by node; run it one node at a time so a failure can name the node.
         for node in graph.node:
@@ -53,6 +63,7 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
             sub.node.append(self._shape_inputs_as_tensors(node))
             try:
                 super()._construct_nodes(sub)
+                self._name_lost_dims(node)
             except ModelError:
                 raise
             except Exception as err:  # noqa: BLE001 - any converter failure becomes one clear line

@@ -40,7 +40,9 @@ def ort_fold(model: onnx.ModelProto) -> onnx.ModelProto:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         opts.optimized_model_filepath = out
         opts.log_severity_level = 3
-        ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        # ConstantSharing would merge equal weights (e.g. freshly initialised LayerNorm gains) into one parameter.
+        ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"],
+                             disabled_optimizers=["ConstantSharing"])
         return onnx.load(out)
 
 

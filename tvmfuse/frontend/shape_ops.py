@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
+import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as _tvm
 
-from .values import const_array, resolve, scalar
+from .values import const_array, int_list, resolve, scalar
 
 
 class Range(_tvm.Range):
@@ -14,12 +16,10 @@ class Range(_tvm.Range):
 
     @classmethod
     def _impl_v12(cls, bb, inputs, attr, params):
-        bounds = [scalar(bb, x) for x in inputs[:3]]
-        dtype = str(inputs[0].ty.dtype) if hasattr(inputs[0].ty, "dtype") else ""
-        if "int" in dtype and all(b is not None for b in bounds) and not isinstance(bounds[2], tvm_expr_types()):
-            start, limit, delta = bounds
-            if delta != 0:
-                return relax.op.arange(start, limit, delta, dtype)
+        start, limit, delta = (scalar(bb, x) for x in inputs[:3])
+        dtype = str(getattr(inputs[0].ty, "dtype", ""))
+        if "int" in dtype and start is not None and limit is not None and isinstance(delta, int) and delta != 0:
+            return relax.op.arange(start, limit, delta, dtype)
         return super()._impl_v12(bb, inputs, attr, params)
 
 
@@ -35,11 +35,62 @@ class Gather(_tvm.Gather):
         return super()._impl_v13(bb, inputs, attr, params)
 
 
-def tvm_expr_types():
-    """Types that mean "symbolic" (a step must be a known constant for a static length formula)."""
-    import tvm  # noqa: PLC0415
+class Reshape(_tvm.Reshape):
+    """Reshape of a scalar dim (e.g. `1 + seq`) stays a shape; a runtime-tensor target shape goes through
+    `tensor_to_shape` (TVM requires the data to be a tensor and the target to be a constant or a shape)."""
 
-    return (tvm.ir.Expr,)
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data, target = inputs[0], const_array(bb, inputs[1])
+        value = scalar(bb, data) if isinstance(getattr(data, "ty", None), tvm.ir.PrimType) else None
+        if value is not None and target is not None and target.size <= 1:
+            if target.size == 0:
+                return data
+            return relax.ShapeExpr([value])
+        new_shape = inputs[1]
+        if target is None and isinstance(getattr(new_shape, "ty", None), relax.TensorType):
+            length = new_shape.ty.shape[0] if new_shape.ty.shape is not None else None
+            if length is None or not isinstance(length, tvm.tirx.IntImm) or attr.get("allowzero", 0):
+                raise ValueError("target shape is a run-time tensor of unknown length (or allowzero=1)")
+            shape = _tvm._tensor_to_shape_expr(bb, new_shape, int(length), "reshape_dim")
+            if isinstance(data, relax.ShapeExpr):
+                data = bb.normalize(relax.op.shape_to_tensor(data))
+            return relax.op.reshape(data, shape)
+        return super()._impl_v13(bb, inputs, attr, params)
 
 
-OVERRIDES: dict[str, type] = {"Range": Range, "Gather": Gather}
+class ConstantOfShape(_tvm.ConstantOfShape):
+    """The fill value is a one-element tensor: use it as a scalar, so a rank-0 target shape works
+    (TVM broadcasts the 1-D value and fails with "ndim 1 while the target shape has ndim 0")."""
+
+    @classmethod
+    def _impl_v9(cls, bb, inputs, attr, params):
+        value = attr.get("value")
+        array = _tvm.get_numpy(value).reshape(()) if value is not None else np.zeros((), "float32")
+        dims = int_list(bb, inputs[0])
+        if dims is not None:
+            if all(isinstance(d, int) for d in dims):
+                return relax.const(np.full(dims, array, array.dtype), str(array.dtype))
+            return relax.op.full(relax.ShapeExpr(dims), relax.const(array, str(array.dtype)), str(array.dtype))
+        shape = bb.normalize(relax.op.tensor_to_shape(inputs[0]))
+        return relax.op.full(shape, relax.const(array, str(array.dtype)), str(array.dtype))
+
+
+class Expand(_tvm.Expand):
+    """Expand of a tensor whose dims are unknown at import: when no target dim is 1 the output shape is the
+    target itself, so `broadcast_to` it (TVM reads the data dims and crashes with "'NoneType' is not iterable")."""
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data, dims = inputs[0], int_list(bb, inputs[1])
+        if isinstance(data.ty, relax.TensorType) and data.ty.shape is None:
+            ones = dims is None or any(isinstance(d, int) and d == 1 or getattr(d, "value", None) == 1 for d in dims)
+            if ones or data.ty.ndim < 0 or data.ty.ndim > len(dims):
+                raise ValueError("input dims are unknown at import and the target shape has 1s (or is unknown): "
+                                 "the output shape cannot be derived; fix the input shapes")
+            return relax.op.broadcast_to(data, relax.ShapeExpr(dims))
+        return super()._impl_v13(bb, inputs, attr, params)
+
+
+OVERRIDES: dict[str, type] = {"Range": Range, "Gather": Gather, "Reshape": Reshape, "ConstantOfShape": ConstantOfShape,
+                             "Expand": Expand}
