@@ -24,6 +24,11 @@ def convert_map() -> dict[str, type]:
 
 def unsupported_ops(model: onnx.ModelProto) -> list[tuple[str, str]]:
     """(op_type, node_name) of every node, subgraphs included, that no converter handles; nothing is converted."""
+    return unsupported_nodes(model.graph)
+
+
+def unsupported_nodes(graph: onnx.GraphProto) -> list[tuple[str, str]]:
+    """`unsupported_ops` for a graph."""
     known = convert_map()
     found = []
 
@@ -35,5 +40,5 @@ def unsupported_ops(model: onnx.ModelProto) -> list[tuple[str, str]]:
                 for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                     walk(sub)
 
-    walk(model.graph)
+    walk(graph)
     return found

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import warnings
 
 import onnx
@@ -10,7 +12,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as _tvm_onnx
 
 from ..errors import ModelError
-from .convert_map import DIRECT_OPS, convert_map
+from .convert_map import convert_map, unsupported_nodes
 
 
 # Ops whose TVM (or tvmfuse) converters accept shape-valued (relax.ShapeExpr) inputs.
@@ -22,8 +24,7 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
     """ONNXGraphImporter whose op lookups go through `convert_map()` instead of TVM's module global."""
 
     def _check_for_unsupported_ops(self, graph: onnx.GraphProto):
-        known = convert_map()
-        bad = [(n.op_type, n.name) for n in graph.node if n.op_type not in known and n.op_type not in DIRECT_OPS]
+        bad = unsupported_nodes(graph)
         if bad:
             op, name = bad[0]
             raise ModelError(f"cannot import ONNX op {op} (node {name!r}): no Relax converter for it"
@@ -62,7 +63,8 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
             sub = onnx.GraphProto()
             sub.node.append(self._shape_inputs_as_tensors(node))
             try:
-                super()._construct_nodes(sub)
+                with contextlib.redirect_stdout(io.StringIO()):  # TVM prints its own partial message first
+                    super()._construct_nodes(sub)
                 self._name_lost_dims(node)
             except ModelError:
                 raise
