@@ -1,0 +1,69 @@
+"""Build stage: apply tuning records, give every other kernel a default schedule, compile for the target."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir import meta_schedule as ms
+
+from .errors import TvmfuseError
+
+TUNED, DEFAULT = "tuned", "default"
+
+
+def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None) -> tvm.IRModule:
+    """Schedule each kernel that has a record; the module must be exactly the one that was tuned."""
+    if database is None:
+        return mod
+    with target, database:
+        return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+
+
+def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """Give every kernel without a schedule TVM's default one (dlight), kernel by kernel, on a copy.
+
+    dlight's rules are tried in order; a rule that cannot handle a fused kernel (they raise on some
+    multi-output reductions) is skipped. On CPUs an unscheduled kernel is still valid code; on GPUs
+    dlight's Fallback must succeed, else the kernel could not run and we say which one.
+    """
+    gpu = "gpu" in target.keys
+    rule_sets = ([[dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()],
+                  [dl.gpu.Fallback()]] if gpu else [[dl.cpu.GEMV(), dl.cpu.Reduction()]])
+    out = mod.clone()  # ApplyDefaultSchedule mutates its input (notes pitfall 12)
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
+            continue
+        for rules in rule_sets:
+            try:
+                with target:
+                    scheduled = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({gv: func}))
+                out[gv] = scheduled[gv]
+                break
+            except Exception as err:  # pylint: disable=broad-except  (dlight raises many kinds)
+                last = err
+        else:
+            if gpu:
+                raise TvmfuseError(f"kernel {gv.name_hint}: no default GPU schedule applies "
+                                   f"({type(last).__name__}: {str(last).strip().splitlines()[-1]})")
+    return out
+
+
+def schedule_kinds(mod: tvm.IRModule) -> dict[str, str]:
+    """Which kernels carry a tuned schedule (after `apply_database`) and which do not."""
+    return {gv.name_hint: TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False) else DEFAULT
+            for gv, fn in mod.functions.items() if isinstance(fn, tirx.PrimFunc)}
+
+
+def compile_module(mod: tvm.IRModule, target: tvm.target.Target):
+    """Lower the already-fused, scheduled module to a VM executable (no re-fusion: records stay valid)."""
+    backend = relax.backend.cuda.pipeline if target.kind.name == "cuda" else relax.backend.cpu_generic.pipeline
+    passes = backend.dataflow_lower_passes(target) + backend.finalize_passes(target)
+    return tvm.compile(mod, target=target, relax_pipeline=tvm.transform.Sequential(passes))
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None = None):
+    """Apply the database, then defaults; returns (executable, {kernel: "tuned" | "default"})."""
+    tuned = apply_database(mod, target, database)
+    kinds = schedule_kinds(tuned)
+    return compile_module(apply_default_schedules(tuned, target), target), kinds

@@ -1,0 +1,91 @@
+"""`scripts/tune.py`: parse arguments, run each job through the pipeline, print a summary table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import TvmfuseError
+from .jobs import Job, job_from_path, load_jobs, parse_shape
+
+USAGE_EXAMPLES = """examples:
+  python scripts/tune.py --target llvm                       # the embedded default job
+  python scripts/tune.py --target cuda model.onnx --shape input_ids=1,128 --trials 64
+  python scripts/tune.py --target cuda --jobs jobs.toml --out exports
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tune.py", epilog=USAGE_EXAMPLES, formatter_class=argparse.RawTextHelpFormatter,
+                                description="Import ONNX models, fuse, tune, verify against onnxruntime and "
+                                            "export one TVM library per model.")
+    p.add_argument("models", nargs="*", metavar="MODEL.onnx", help="ONNX files (none: the embedded default job)")
+    p.add_argument("--target", required=True,
+                   help="llvm, cuda (the nvidia/nvidia-h100 tag, sm_90a), a tag, or a target JSON dict")
+    p.add_argument("--jobs", metavar="JOBS.toml", help="a TOML jobs file: [[model]] path, name, shapes, trials")
+    p.add_argument("--trials", type=int, metavar="N",
+                   help="MetaSchedule trials per kernel (default: 16 on llvm, 64 on cuda; 0: no tuning)")
+    p.add_argument("--out", default="out", metavar="DIR", help="where exports go (default: out)")
+    p.add_argument("--logs", default="tuning_logs", metavar="DIR", help="tuning databases (default: tuning_logs)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
+                   help="fix an input's dims (x=1,128,768) or a symbolic dim (seq=128); repeatable")
+    return p
+
+
+def collect_jobs(args: argparse.Namespace) -> list[Job]:
+    if args.trials is not None and args.trials < 0:
+        raise TvmfuseError("--trials must be >= 0")
+    shapes = dict(parse_shape(s) for s in args.shape)
+    jobs = [job_from_path(m, shapes, args.trials) for m in args.models]
+    if args.jobs:
+        jobs += load_jobs(args.jobs, args.trials)
+    if not jobs:
+        jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials)]
+    names = [j.name for j in jobs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise TvmfuseError(f"two jobs would export to the same name: {', '.join(dupes)} (name them in a jobs file)")
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from .pipeline import run_job  # pylint: disable=import-outside-toplevel  (TVM import is slow)
+    from .targets import resolve_target  # pylint: disable=import-outside-toplevel
+
+    try:
+        target = resolve_target(args.target)
+        jobs = collect_jobs(args)
+    except TvmfuseError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    results = []
+    for job in jobs:
+        result = run_job(job, target, args.out, args.logs, say=lambda s: print(s, flush=True))
+        if not result.ok:
+            print(f"error: {result.error}", file=sys.stderr, flush=True)
+        results.append(result)
+    print_summary(results)
+    if all(r.ok for r in results):
+        return 0
+    return 2 if len(results) == 1 else 1
+
+
+def print_summary(results) -> None:
+    rows = [("model", "kernels", "fused", "tuned", "before us", "after us", "verify", "output")]
+    for r in results:
+        if r.ok:
+            rows.append((r.name, str(r.kernels), str(r.fused), str(r.tuned), _us(r.latency_before_us),
+                         _us(r.latency_after_us), r.verification, r.output or "-"))
+        else:
+            rows.append((r.name, "-", "-", "-", "-", "-", "FAILED", r.error or ""))
+    widths = [max(len(row[i]) for row in rows[:]) if i < 7 else 0 for i in range(8)]
+    print()
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    ok = sum(r.ok for r in results)
+    print(f"\n{ok} of {len(results)} jobs succeeded")
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.1f}"

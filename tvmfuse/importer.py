@@ -1,0 +1,188 @@
+"""Import stage: read an ONNX file, check it, and turn it into a Relax module with detached weights."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import tvm
+from tvm import relax
+
+from .errors import ModelError
+
+ShapeSpec = dict[str, list[int | str]]  # input name -> dims (ints, or names kept symbolic)
+
+
+@dataclass
+class TensorInfo:
+    """Name, dims (ints, or str for symbolic dims) and dtype of a model input or output."""
+
+    name: str
+    shape: list[int | str]
+    dtype: str
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass
+class Imported:
+    """What the import stage hands to the next: the Relax module (weights as trailing params) and facts."""
+
+    mod: tvm.IRModule
+    params: list[tvm.runtime.Tensor]
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    onnx_model: onnx.ModelProto = field(repr=False)
+
+    @property
+    def symbolic_dims(self) -> list[str]:
+        return sorted({d for t in self.inputs for d in t.shape if isinstance(d, str)})
+
+
+def load_onnx(path: str) -> onnx.ModelProto:
+    """Read and check an ONNX file; every failure is one ModelError naming the file and the problem."""
+    if not os.path.exists(path):
+        raise ModelError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelError(f"{path}: is a directory, not an ONNX file")
+    if os.path.getsize(path) == 0:
+        raise ModelError(f"{path}: empty file")
+    try:
+        model = onnx.load(path)
+    except Exception as err:  # protobuf raises DecodeError, onnx raises several others
+        raise ModelError(f"{path}: not a readable ONNX model ({type(err).__name__}: {_first_line(err)})") from None
+    if not model.graph.node and not model.graph.output:
+        raise ModelError(f"{path}: not an ONNX model (no graph: truncated or another kind of file)")
+    try:
+        onnx.checker.check_model(model)
+    except Exception as err:
+        raise ModelError(f"{path}: invalid ONNX model: {_first_line(err)}") from None
+    return model
+
+
+def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source: str = "model") -> Imported:
+    """ONNX -> Relax with weights detached; `shapes` fixes input dims (by input name or by dim name)."""
+    _check_supported(model, source)
+    inputs = _graph_inputs(model)
+    shape_dict = _resolve_shapes(inputs, shapes or {}, source)
+    try:
+        mod = _frontend().from_onnx(model, shape_dict=shape_dict or None, keep_params_in_input=True)
+    except ModelError:
+        raise
+    except Exception as err:
+        raise ModelError(f"{source}: import failed: {type(err).__name__}: {_first_line(err)}") from None
+    mod, params = relax.frontend.detach_params(mod)
+    main = mod["main"]
+    n_in = int(main.attrs["num_input"])
+    infos = [_info(p.name, p.ty) for p in main.params[:n_in]]
+    outputs = _output_infos(model, main.ret_ty)
+    return Imported(mod, list(params.get("main", [])), infos, outputs, model)
+
+
+def _frontend():
+    """tvmfuse's robust frontend when present, TVM's own otherwise."""
+    try:
+        from . import frontend  # pylint: disable=import-outside-toplevel
+
+        return frontend
+    except ImportError:
+        from tvm.relax.frontend import onnx as relax_onnx  # pylint: disable=import-outside-toplevel
+
+        return relax_onnx
+
+
+def _check_supported(model: onnx.ModelProto, source: str) -> None:
+    frontend = _frontend()
+    if hasattr(frontend, "unsupported_ops"):
+        missing = frontend.unsupported_ops(model)
+    else:
+        from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map  # pylint: disable=import-outside-toplevel
+
+        known = set(_get_convert_map()) | {"If", "Constant"}
+        missing = [(n.op_type, n.name) for n in model.graph.node if n.op_type not in known]
+    if missing:
+        op, node = missing[0]
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelError(f"{source}: operator {op} (node {node or '?'}) is not supported by the importer{more}")
+
+
+def _graph_inputs(model: onnx.ModelProto) -> list[TensorInfo]:
+    weights = {t.name for t in model.graph.initializer}
+    infos = []
+    for value in model.graph.input:
+        if value.name in weights:
+            continue
+        ttype = value.type.tensor_type
+        dims = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else "?")
+                for d in ttype.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type).name
+        infos.append(TensorInfo(value.name, dims, dtype))
+    return infos
+
+
+def _resolve_shapes(inputs: list[TensorInfo], shapes: ShapeSpec, source: str) -> dict[str, list]:
+    """Apply `--shape` entries; a name is an input (full dims) or a symbolic dim (one int)."""
+    by_input = {t.name: t for t in inputs}
+    dim_values = {}
+    out = {}
+    for name, dims in shapes.items():
+        if name in by_input:
+            if len(dims) != len(by_input[name].shape):
+                raise ModelError(f"{source}: --shape {name} has {len(dims)} dims, the input has "
+                                 f"{len(by_input[name].shape)} ({_fmt(by_input[name].shape)})")
+            out[name] = list(dims)
+        elif len(dims) == 1 and any(name in t.shape for t in inputs):
+            dim_values[name] = dims[0]
+        else:
+            dims_known = sorted({d for t in inputs for d in t.shape if isinstance(d, str)})
+            raise ModelError(f"{source}: --shape {name}: no input or symbolic dim of that name "
+                             f"(inputs: {', '.join(by_input)}; symbolic dims: {', '.join(dims_known) or 'none'})")
+    if dim_values:
+        for t in inputs:
+            if t.name not in out and any(d in dim_values for d in t.shape):
+                out[t.name] = [dim_values.get(d, d) if isinstance(d, str) else d for d in t.shape]
+    for t in inputs:  # fixed inputs must be fully static ints; keep others as the model says
+        if t.name in out:
+            out[t.name] = [d if isinstance(d, str) and not d.isdigit() else int(d) for d in out[t.name]]
+            if any(isinstance(d, int) and d <= 0 for d in out[t.name]):
+                raise ModelError(f"{source}: --shape {t.name}: dims must be positive ({_fmt(out[t.name])})")
+    return out
+
+
+def _info(name: str, ty) -> TensorInfo:
+    dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in ty.shape]
+    return TensorInfo(name, dims, str(ty.dtype))
+
+
+def _output_infos(model: onnx.ModelProto, ret_ty) -> list[TensorInfo]:
+    names = [o.name for o in model.graph.output]
+    fields = list(ret_ty.fields) if isinstance(ret_ty, relax.TupleType) else [ret_ty]
+    return [_info(n, f) for n, f in zip(names, fields)]
+
+
+def _fmt(dims) -> str:
+    return "x".join(str(d) for d in dims)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def random_inputs(inputs: list[TensorInfo], seed: int = 0, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Random inputs for verification; symbolic dims take `dims` or 4. Masks are ones, indices small."""
+    rng = np.random.default_rng(seed)
+    data = {}
+    for t in inputs:
+        shape = [d if isinstance(d, int) else (dims or {}).get(d, 4) for d in t.shape]
+        if np.issubdtype(np.dtype(t.dtype), np.integer):
+            arr = np.ones(shape, t.dtype) if "mask" in t.name else rng.integers(0, 2, shape).astype(t.dtype)
+        elif t.dtype == "bool":
+            arr = np.ones(shape, bool)
+        else:
+            arr = rng.standard_normal(shape).astype(t.dtype)
+        data[t.name] = arr
+    return data

@@ -1,0 +1,109 @@
+"""Job descriptions: models from the command line or a TOML jobs file, checked before any work starts."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from .errors import JobError
+from .export import check_safe_name
+
+MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype"}
+TOP_KEYS = {"trials", "model"}
+DTYPES = {"float32", "fp32"}  # mixed precision (fp16/bf16) comes with the model-level work
+
+
+@dataclass
+class Job:
+    """One model to import, fuse, tune, build, verify and export. `path=None` is the embedded default."""
+
+    name: str
+    path: str | None
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    trials: int | None = None
+
+
+def parse_shape(text: str) -> tuple[str, list[int]]:
+    """`x=1,128,64` / `x=1x128x64` (an input) or `seq=128` (a symbolic dim) -> (name, dims)."""
+    name, sep, dims = text.partition("=")
+    if not sep or not name.strip() or not re.fullmatch(r"\s*\d+(\s*[,x]\s*\d+)*\s*", dims):
+        raise JobError(f"--shape {text!r}: expected NAME=DIMS, e.g. x=1,128,768 or seq=128")
+    return name.strip(), [int(d) for d in re.split(r"[,x]", dims)]
+
+
+def job_from_path(path: str, shapes: dict[str, list[int]], trials: int | None) -> Job:
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return Job(name=_sanitize(stem), path=path, shapes=dict(shapes), trials=trials)
+
+
+def _sanitize(stem: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem).lstrip(".") or "model"
+
+
+def load_jobs(path: str, trials: int | None = None) -> list[Job]:
+    """Read a jobs file; a typo'd key, a bad value or a duplicate name is one JobError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise JobError(f"{path}: no such jobs file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise JobError(f"{path}: not valid TOML: {err}") from None
+    _check_keys(path, "top level", data, TOP_KEYS)
+    models = data.get("model")
+    if not isinstance(models, list) or not models:
+        raise JobError(f"{path}: no [[model]] entries")
+    default_trials = _trials(path, "top level", data.get("trials", trials))
+    base = os.path.dirname(os.path.abspath(path))
+    jobs, seen = [], set()
+    for i, entry in enumerate(models, 1):
+        where = f"model #{i}"
+        if not isinstance(entry, dict):
+            raise JobError(f"{path}: {where} is not a table")
+        _check_keys(path, where, entry, MODEL_KEYS)
+        if "path" not in entry:
+            raise JobError(f"{path}: {where} has no 'path'")
+        model_path = os.path.join(base, str(entry["path"]))
+        name = str(entry.get("name", _sanitize(os.path.splitext(os.path.basename(model_path))[0])))
+        try:
+            check_safe_name(name)
+        except JobError as err:
+            raise JobError(f"{path}: {where}: {err}") from None
+        if name in seen:
+            raise JobError(f"{path}: {where}: duplicate name {name!r}")
+        seen.add(name)
+        dtype = str(entry.get("dtype", "float32"))
+        if dtype not in DTYPES:
+            raise JobError(f"{path}: {where}: dtype {dtype!r} is not supported yet (use float32)")
+        shapes = entry.get("shapes", {})
+        if not isinstance(shapes, dict) or not all(
+                isinstance(v, list) and v and all(isinstance(d, int) and d > 0 for d in v) or
+                isinstance(v, int) and v > 0 for v in shapes.values()):
+            raise JobError(f"{path}: {where}: 'shapes' must map names to lists of positive ints "
+                           "(an input) or to one int (a symbolic dim)")
+        shapes = {k: v if isinstance(v, list) else [v] for k, v in shapes.items()}
+        jobs.append(Job(name, model_path, shapes, _trials(path, where, entry.get("trials", default_trials))))
+    return jobs
+
+
+def _trials(path: str, where: str, value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise JobError(f"{path}: {where}: 'trials' must be a non-negative integer, not {value!r}")
+    return value
+
+
+def _check_keys(path: str, where: str, table: dict, allowed: set[str]) -> None:
+    for key in table:
+        if key not in allowed:
+            hint = difflib.get_close_matches(key, sorted(allowed), n=1)
+            more = f" (did you mean {hint[0]!r}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
+            raise JobError(f"{path}: {where}: unknown key {key!r}{more}")

@@ -1,0 +1,155 @@
+"""The pipeline: the one place that decides stage order — import, fuse, tune, build, verify, export."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.s_tir import meta_schedule as ms
+
+from . import __version__
+from .build import TUNED, apply_database, apply_default_schedules, compile_module, schedule_kinds
+from .default_model import NAME as DEFAULT_NAME
+from .default_model import make_tiny_block
+from .errors import TvmfuseError
+from .export import export, export_dir
+from .fuse import lower
+from .importer import import_model, load_onnx, random_inputs
+from .jobs import Job
+from .targets import device_for, has_device, target_json, target_name
+from .tune import TaskProgress, kernel_records, tune
+from .verify import compare, onnxruntime_outputs, run_vm
+
+DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
+
+
+@dataclass
+class JobResult:
+    """What the summary table and the exit code need to know about one job."""
+
+    name: str
+    ok: bool
+    error: str | None = None
+    kernels: int = 0
+    fused: int = 0
+    tuned: int = 0
+    latency_before_us: float | None = None
+    latency_after_us: float | None = None
+    verification: str = "-"
+    output: str | None = None
+    details: dict = field(default_factory=dict)
+
+
+def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tuning_logs",
+            say: Callable[[str], None] = print) -> JobResult:
+    """Run one job end to end; user errors become a failed JobResult, never a traceback."""
+    try:
+        return _run(job, target, out, logs_root, say)
+    except TvmfuseError as err:
+        return JobResult(job.name, ok=False, error=str(err))
+
+
+def _run(job: Job, target, out, logs_root, say) -> JobResult:
+    tname = target_name(target)
+    dest = export_dir(out, job.name, tname)
+    source = job.path or f"<embedded {DEFAULT_NAME}>"
+    model = load_onnx(job.path) if job.path else make_tiny_block()
+    imported = import_model(model, job.shapes, source)
+    if imported.symbolic_dims:
+        say(f"[{job.name}] symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them "
+            "get default schedules (fix them with --shape NAME=VALUE to tune those)")
+    fused = lower(imported.mod, imported.params)
+    kernels = fused.kernels()
+    say(f"[{job.name}] {len(kernels)} kernels, {len(fused.kernel_patterns)} fused by pattern: "
+        + ", ".join(sorted(set(fused.kernel_patterns.values()))) if fused.kernel_patterns else
+        f"[{job.name}] {len(kernels)} kernels, none fused by pattern")
+
+    trials = job.trials if job.trials is not None else DEFAULT_TRIALS.get(target.kind.name, 16)
+    work_dir = os.path.join(logs_root, f"{job.name}-{tname}")
+    runnable = has_device(target)
+    if trials > 0 and not runnable:
+        raise TvmfuseError(f"{job.name}: no {target.kind.name} device on this machine to measure on; "
+                           "run on a machine with one, or pass --trials 0 to build with default schedules")
+    if trials > 0:
+        say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
+        tune(fused.mod, target, work_dir, trials, on_progress=_progress_printer(job.name, say))
+    database = ms.database.JSONDatabase(work_dir=work_dir) if _has_db(work_dir) else None
+
+    tuned_mod = apply_database(fused.mod, target, database)
+    kinds = schedule_kinds(tuned_mod)
+    executable = compile_module(apply_default_schedules(tuned_mod, target), target)
+    records = kernel_records(fused.mod, database) if database is not None else {}
+
+    result = JobResult(job.name, ok=True, kernels=len(kernels), fused=len(fused.kernel_patterns),
+                       tuned=sum(kinds.get(k) == TUNED for k in kernels))
+    verification = {"status": "skipped", "reason": f"no {target.kind.name} device here"}
+    if runnable:
+        dims = {d: 4 for d in imported.symbolic_dims}
+        feeds = random_inputs(imported.inputs, seed=0, dims=dims)
+        device = device_for(target)
+        vm = relax.VirtualMachine(executable, device)
+        check = compare(run_vm(vm, device, list(feeds.values())), onnxruntime_outputs(model, feeds))
+        verification = check.as_dict()
+        result.latency_after_us = _latency_us(vm, device, feeds)
+        if result.tuned:
+            untuned = compile_module(apply_default_schedules(fused.mod, target), target)
+            result.latency_before_us = _latency_us(relax.VirtualMachine(untuned, device), device, feeds)
+        else:
+            result.latency_before_us = result.latency_after_us
+        if not check.ok:
+            raise TvmfuseError(f"{job.name}: verification against onnxruntime FAILED "
+                               f"(max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g})")
+        result.verification = f"ok {check.max_abs_err:.1e}"
+    else:
+        result.verification = "skipped"
+
+    manifest = {
+        "tvmfuse_version": __version__, "tvm_version": tvm.__version__,
+        "model": {"name": job.name, "source": os.path.abspath(job.path) if job.path else source},
+        "target": _json_obj(target_json(target)),
+        "inputs": [t.as_dict() for t in imported.inputs],
+        "outputs": [t.as_dict() for t in imported.outputs],
+        "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
+                     "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1]}
+                    for k in kernels],
+        "rejected_matches": [{"pattern": p, "at": at, "reason": why} for p, at, why in fused.rejections],
+        "verification": verification,
+        "latency_us": {"default_schedules": result.latency_before_us, "tuned": result.latency_after_us},
+        "tuning_log": os.path.abspath(work_dir),
+    }
+    result.output = export(executable, manifest, dest)
+    result.details = manifest
+    say(f"[{job.name}] exported {result.output}")
+    return result
+
+
+def _has_db(work_dir: str) -> bool:
+    return os.path.exists(os.path.join(work_dir, "database_tuning_record.json"))
+
+
+def _json_obj(text: str):
+    import json  # pylint: disable=import-outside-toplevel
+
+    return json.loads(text)
+
+
+def _latency_us(vm: relax.VirtualMachine, device, feeds: dict[str, np.ndarray]) -> float:
+    args = [tvm.runtime.tensor(a, device) for a in feeds.values()]
+    timer = vm.time_evaluator("main", device, number=5, repeat=3, min_repeat_ms=50)
+    return float(np.median(timer(*args).results) * 1e6)
+
+
+def _progress_printer(name: str, say: Callable[[str], None]) -> Callable[[TaskProgress], None]:
+    def report(task: TaskProgress) -> None:
+        elapsed = time.time() - task.started
+        eta = elapsed / max(task.trials, 1) * max(task.budget - task.trials, 0)
+        best = f"{task.best_us:.1f} us" if task.best_us is not None else "-"
+        failed = f", {task.failed} failed" if task.failed else ""
+        say(f"[{name}]   {task.name}: {task.trials}/{task.budget} trials{failed}, best {best}, ETA {eta:.0f} s")
+
+    return report

@@ -1,0 +1,72 @@
+"""Resolve the user's `--target` into a TVM target and a short name for folders."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import tvm
+
+from .errors import TvmfuseError
+
+#: What `--target cuda` means when the user gives no JSON: the H100 tag (sm_90a), which the H200 shares.
+DEFAULT_CUDA_TAG = "nvidia/nvidia-h100"
+
+
+def resolve_target(spec: str) -> tvm.target.Target:
+    """`llvm`, `cuda`, a tag, or a target JSON dict -> Target (CUDA targets get an llvm host)."""
+    spec = spec.strip()
+    try:
+        if spec.startswith("{"):
+            target = tvm.target.Target(json.loads(spec))
+        elif spec == "llvm":
+            target = tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
+        elif spec == "cuda":
+            target = tvm.target.Target(DEFAULT_CUDA_TAG)
+        else:
+            target = tvm.target.Target(spec)
+    except Exception as err:  # TVM raises several error types for a bad target
+        raise TvmfuseError(f"invalid --target {spec!r}: {str(err).splitlines()[-1]}") from None
+    if target.kind.name == "llvm" and "num-cores" not in target.attrs:
+        # MetaSchedule needs to know how many cores it may use on CPU targets.
+        target = tvm.target.Target({**_as_dict(target), "num-cores": os.cpu_count() or 1})
+    if target.kind.name == "cuda" and target.host is None:
+        target = tvm.target.Target(target, host=tvm.target.Target({"kind": "llvm"}))
+    return target
+
+
+def _as_dict(target: tvm.target.Target) -> dict:
+    return {k: v for k, v in json.loads(target_json(target)).items() if k != "host"}
+
+
+def target_json(target: tvm.target.Target) -> str:
+    """The target as canonical JSON (what the manifest and the tuning records store)."""
+    return json.dumps(_to_py(target.export()), sort_keys=True)
+
+
+def _to_py(value):
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {str(k): _to_py(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, str)):
+        return [_to_py(v) for v in value]
+    if isinstance(value, (bool, int, float)) or value is None:
+        return value
+    return str(value)
+
+
+def target_name(target: tvm.target.Target) -> str:
+    """A short folder-safe name: `llvm`, `cuda-sm_90a`."""
+    name = target.kind.name
+    arch = target.attrs.get("arch")
+    return f"{name}-{arch}" if arch else name
+
+
+def device_for(target) -> tvm.runtime.Device:
+    """Device 0 of a Target, or of a target kind name such as "llvm" or "cuda"."""
+    kind = target if isinstance(target, str) else target.kind.name
+    return tvm.cpu(0) if kind in ("llvm", "c") else tvm.device(kind, 0)
+
+
+def has_device(target: tvm.target.Target) -> bool:
+    """True when this machine can run code built for `target`."""
+    return target.kind.name == "llvm" or bool(device_for(target).exist)

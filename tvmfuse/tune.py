@@ -1,0 +1,130 @@
+"""Tune stage: MetaSchedule (evolutionary search, XGBoost cost model) over every static-shape kernel."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import tvm
+import tvm_ffi
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.cost_model.xgb_model import XGBConfig
+from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
+from tvm.s_tir.meta_schedule.utils import fork_seed
+
+from .fuse import symbolic_kernels
+
+FAILED = 1e9  # MetaSchedule stores 1e10 s for candidates that failed to build or run
+
+
+@dataclass
+class TaskProgress:
+    """What tuning one kernel has done so far."""
+
+    name: str
+    budget: int
+    trials: int = 0
+    failed: int = 0
+    best_us: float | None = None
+    started: float = field(default_factory=time.time)
+
+
+def fast_build(mod, target, _params):
+    """MetaSchedule f_build that skips importing the tensor intrinsics in every worker (notes §3.1)."""
+    from tvm.driver import build as tvm_build  # pylint: disable=import-outside-toplevel
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # pylint: disable=import-outside-toplevel
+
+    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
+def tunable_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list:
+    """The extracted tasks worth tuning: static shapes (MetaSchedule needs them), not yet scheduled."""
+    symbolic = symbolic_kernels(mod)
+    tasks = ms.relax_integration.extract_tasks(mod, target)
+    return [t for t in tasks if t.task_name not in symbolic
+            and not t.dispatched[0]["main"].attrs.get("tirx.is_scheduled", False)]
+
+
+def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per_task: int,
+         on_progress: Callable[[TaskProgress], None] | None = None, database=None,
+         space_for: Callable | None = None, seed: int | None = None) -> dict[str, TaskProgress]:
+    """Tune every tunable kernel of `mod` with `trials_per_task` trials; records go to `database`."""
+    tasks = tunable_tasks(mod, target)
+    progress = {t.task_name: TaskProgress(t.task_name, trials_per_task) for t in tasks}
+    if not tasks or trials_per_task <= 0:
+        return progress
+    os.makedirs(work_dir, exist_ok=True)
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)  # reset by each tune call
+    contexts = []
+    loggers = get_loggers_from_work_dir(work_dir, [t.task_name for t in tasks])
+    for task, logger, rand in zip(tasks, loggers, fork_seed(seed, n=len(tasks))):
+        func = task.dispatched[0]["main"]
+        space = (space_for(func, target) if space_for else None) or "post-order-apply"
+        contexts.append(ms.TuneContext(mod=task.dispatched[0], target=target, space_generator=space,
+                                       search_strategy="evolutionary", task_name=task.task_name,
+                                       logger=logger, rand_state=rand, num_threads="physical").clone())
+    cores = os.cpu_count() or 1
+    is_gpu = "gpu" in target.keys
+    ms.tune_tasks(
+        tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=work_dir,
+        max_trials_global=trials_per_task * len(contexts), max_trials_per_task=trials_per_task,
+        num_trials_per_iter=min(trials_per_task, 64 if is_gpu else 16),
+        builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=60, f_build=fast_build),
+        runner=ms.runner.LocalRunner(timeout_sec=30, evaluator_config=ms.runner.EvaluatorConfig(
+            number=3, repeat=1, min_repeat_ms=50 if not is_gpu else 20, enable_cpu_cache_flush=False)),
+        database=database if database is not None else ms.database.JSONDatabase(work_dir=work_dir),
+        cost_model=ms.cost_model.XGBModel(
+            extractor=ms.feature_extractor.PerStoreFeature(),
+            config=XGBConfig(max_depth=10, eta=0.2, nthread=cores),
+            num_warmup_samples=min(16, trials_per_task), adaptive_training=True),
+        measure_callbacks=ms.measure_callback.MeasureCallback.create("default")
+        + [ProgressCallback([progress[c.task_name] for c in contexts], on_progress)],
+        task_scheduler="gradient")
+    return progress
+
+
+@derived_object
+class ProgressCallback(ms.measure_callback.PyMeasureCallback):
+    """Counts trials and the best latency per task after every measured batch, and reports them."""
+
+    def __init__(self, tasks: list[TaskProgress], on_progress: Callable[[TaskProgress], None] | None):
+        self.tasks = tasks
+        self.on_progress = on_progress
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+        task = self.tasks[task_id]
+        for built, ran in zip(builder_results, runner_results):
+            task.trials += 1
+            secs = [float(s) for s in (ran.run_secs or [])]
+            if built.error_msg or ran.error_msg or not secs or min(secs) >= FAILED:
+                task.failed += 1
+                continue
+            us = sum(secs) / len(secs) * 1e6
+            task.best_us = us if task.best_us is None else min(task.best_us, us)
+        if self.on_progress:
+            self.on_progress(task)
+
+
+def kernel_records(mod: tvm.IRModule, database: ms.Database) -> dict[str, tuple[int, float | None]]:
+    """Per kernel of `mod`: (trials recorded in `database`, best measured latency in µs or None)."""
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod  # pylint: disable=import-outside-toplevel
+
+    all_records = database.get_all_tuning_records()
+    out = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        key = _normalize_mod(func)
+        if not database.has_workload(key):
+            continue
+        workload = database.commit_workload(key)
+        mine = [r for r in all_records if r.workload.same_as(workload)
+                or tvm_ffi.structural_equal(r.workload.mod, key)]
+        times = [sum(map(float, r.run_secs)) / len(r.run_secs) for r in mine if r.run_secs
+                 and min(map(float, r.run_secs)) < FAILED]
+        out[gv.name_hint] = (len(mine), min(times) * 1e6 if times else None)
+    return out

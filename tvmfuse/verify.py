@@ -1,0 +1,62 @@
+"""Verify stage: run the built module and onnxruntime on the same random inputs and compare."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import tvm
+from tvm import relax
+
+from .runtime import to_numpy
+
+#: (atol, rtol) per output dtype: an element passes when |tvm - ort| <= atol + rtol * |ort|.
+TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2), "float64": (1e-7, 1e-7)}
+
+
+@dataclass
+class Verification:
+    """The largest errors over all outputs and whether every element is within tolerance."""
+
+    max_abs_err: float
+    max_rel_err: float
+    ok: bool
+    tolerance: dict
+
+    def as_dict(self) -> dict:
+        return {"status": "passed" if self.ok else "FAILED", "max_abs_err": self.max_abs_err,
+                "max_rel_err": self.max_rel_err, "tolerance": self.tolerance, "reference": "onnxruntime"}
+
+
+def run_vm(vm: relax.VirtualMachine, device, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return to_numpy(vm["main"](*[tvm.runtime.tensor(a, device) for a in arrays]))
+
+
+def onnxruntime_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort  # pylint: disable=import-outside-toplevel
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def compare(got: list[np.ndarray], want: list[np.ndarray]) -> Verification:
+    if len(got) != len(want):
+        raise ValueError(f"the module returned {len(got)} outputs, onnxruntime {len(want)}")
+    max_abs = max_rel = 0.0
+    ok = True
+    tol = {}
+    for g, w in zip(got, want):
+        if g.shape != w.shape:
+            raise ValueError(f"output shape {g.shape} differs from onnxruntime's {w.shape}")
+        atol, rtol = TOLERANCES.get(str(w.dtype), (0.0, 0.0))
+        tol[str(w.dtype)] = {"atol": atol, "rtol": rtol}
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        both_nan = np.isnan(g64) & np.isnan(w64)  # NaN where onnxruntime has NaN is agreement
+        err = np.where(both_nan, 0.0, np.abs(g64 - w64))
+        err = np.where(np.isnan(err), np.inf, err)
+        if err.size:
+            max_abs = max(max_abs, float(err.max()))
+            max_rel = max(max_rel, float((err / np.maximum(np.abs(np.nan_to_num(w64)), 1e-12)).max()))
+            ok = ok and bool(np.all(err <= atol + rtol * np.abs(np.nan_to_num(w64))))
+    return Verification(max_abs, max_rel, ok, tol)
