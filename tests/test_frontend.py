@@ -198,14 +198,16 @@ def test_gather_nd_batch_dims_symbolic():
 
 
 def test_where_on_shape_values():
-    """Legacy exporters' `where(shape == -1, 1, shape)` on a shape keeps it a shape."""
-    nodes = [oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Equal", ["s", "neg"], ["e"]),
+    """The legacy exporter's expand idiom: `where(shape == -1 * ones_like(shape), 1, shape)` stays a shape."""
+    nodes = [oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Shape", ["s"], ["rank"]),
+             oh.make_node("ConstantOfShape", ["rank"], ["ones"], value=oh.make_tensor("v", I64, [1], [1])),
+             oh.make_node("Mul", ["ones", "neg"], ["negs"]), oh.make_node("Equal", ["s", "negs"], ["e"]),
              oh.make_node("Where", ["e", "ones", "s"], ["t"]), oh.make_node("Expand", ["b", "t"], ["y"])]
     model = make(nodes, [vi("x", F, ["n", "m"]), vi("b", F, [1, "m"])], [vi("y", F, ["n", "m"])],
-                 [const("neg", [-1, -1]), const("ones", [1, 1])])
-    mod = fe.from_onnx(model)
-    assert ret_shape(mod) == 'R.Tensor((n, m), dtype="float32")'
-    run_vs_ort(model, mod, [{"x": rand(2, 3), "b": rand(1, 3)}])
+                 [const("neg", -1)])
+    for mod in (convert(model), fe.from_onnx(model)):
+        assert ret_shape(mod) == 'R.Tensor((n, m), dtype="float32")'
+        run_vs_ort(model, mod, [{"x": rand(2, 3), "b": rand(1, 3)}])
 
 
 # --- entry point, pre-processing, errors ----------------------------------------------------------------------

@@ -34,11 +34,11 @@ def scalar(bb: relax.BlockBuilder, expr):
     if array is not None:
         return array.reshape(()).item() if array.size == 1 else None
     if isinstance(expr, relax.ShapeExpr) and len(expr.values) == 1:
-        return expr.values[0]
+        return _int(expr.values[0])
     if tvm.ir.is_prim_expr(expr) and not isinstance(expr, relax.DataflowVar):
         ty = expr.ty
         if isinstance(ty, tvm.ir.PrimType) and "int" in str(ty.dtype):
-            return expr
+            return _int(expr)
     return None
 
 
@@ -49,7 +49,12 @@ def int_list(bb: relax.BlockBuilder, expr) -> list | None:
     if array is not None:
         return [int(v) for v in array.reshape(-1)] if array.ndim <= 1 and array.dtype.kind in "iu" else None
     if isinstance(expr, relax.ShapeExpr):
-        return list(expr.values)
+        return [_int(v) for v in expr.values]
     if isinstance(expr.ty, relax.ShapeType) and expr.ty.values is not None:
-        return list(expr.ty.values)
+        return [_int(v) for v in expr.ty.values]
     return None
+
+
+def _int(value):
+    """A Python int for an integer immediate, the PrimExpr itself otherwise."""
+    return int(value.value) if isinstance(value, tvm.tirx.IntImm) else value
