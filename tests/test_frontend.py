@@ -210,6 +210,13 @@ def test_where_on_shape_values():
         run_vs_ort(model, mod, [{"x": rand(2, 3), "b": rand(1, 3)}])
 
 
+def test_equal_of_shape_and_runtime_tensor():
+    nodes = [oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Equal", ["s", "t"], ["y"])]
+    model = make(nodes, [vi("x", F, ["n", "m"]), vi("t", I64, [2])], [vi("y", TP.BOOL, [2])])
+    mod = convert(model)
+    run_vs_ort(model, mod, [{"x": rand(2, 3), "t": np.array([2, 4])}, {"x": rand(4, 4), "t": np.array([2, 4])}])
+
+
 # --- entry point, pre-processing, errors ----------------------------------------------------------------------
 
 def _mlp(batch="n"):

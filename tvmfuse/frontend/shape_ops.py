@@ -1,4 +1,4 @@
-"""Converter overrides for ONNX ops that take shape-valued inputs (Reshape, Expand, ConstantOfShape, Range, Slice)."""
+"""Converter overrides for ONNX ops that take shape-valued inputs (Reshape, Expand, ConstantOfShape, Range, Gather)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class Expand(_tvm.Expand):
     def _impl_v13(cls, bb, inputs, attr, params):
         data, dims = inputs[0], int_list(bb, inputs[1])
         if isinstance(data.ty, relax.TensorType) and data.ty.shape is None:
-            ones = dims is None or any(isinstance(d, int) and d == 1 or getattr(d, "value", None) == 1 for d in dims)
+            ones = dims is None or any(isinstance(d, int) and d == 1 for d in dims)
             if ones or data.ty.ndim < 0 or data.ty.ndim > len(dims):
                 raise ValueError("input dims are unknown at import and the target shape has 1s (or is unknown): "
                                  "the output shape cannot be derived; fix the input shapes")
@@ -92,5 +92,6 @@ class Expand(_tvm.Expand):
         return super()._impl_v13(bb, inputs, attr, params)
 
 
-OVERRIDES: dict[str, type] = {"Range": Range, "Gather": Gather, "Reshape": Reshape, "ConstantOfShape": ConstantOfShape,
-                             "Expand": Expand}
+OVERRIDES: dict[str, type] = {
+    "Range": Range, "Gather": Gather, "Reshape": Reshape, "ConstantOfShape": ConstantOfShape, "Expand": Expand,
+}
