@@ -66,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {result.error}", file=sys.stderr, flush=True)
         results.append(result)
     print_summary(results)
-    if all(r.ok for r in results):
-        return 0
-    return 2 if len(results) == 1 else 1
+    failed = [r for r in results if not r.ok]
+    return max((r.details.get("exit_code", 1) for r in failed), default=0)
 
 
 def print_summary(results) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -51,7 +52,11 @@ def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tun
     try:
         return _run(job, target, out, logs_root, say)
     except TvmfuseError as err:
-        return JobResult(job.name, ok=False, error=str(err))
+        return JobResult(job.name, ok=False, error=str(err), details={"exit_code": err.exit_code})
+    except Exception as err:  # pylint: disable=broad-except  (one job's crash must not lose the others)
+        say(traceback.format_exc())
+        return JobResult(job.name, ok=False, error=f"internal error: {type(err).__name__}: {err}",
+                         details={"exit_code": 1})
 
 
 def _run(job: Job, target, out, logs_root, say) -> JobResult:

@@ -16,6 +16,7 @@ from tvm.s_tir.meta_schedule.cost_model.xgb_model import XGBConfig
 from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
 from tvm.s_tir.meta_schedule.utils import fork_seed
 
+from .builder import fast_build
 from .fuse import symbolic_kernels
 
 FAILED = 1e9  # MetaSchedule stores 1e10 s for candidates that failed to build or run
@@ -31,14 +32,6 @@ class TaskProgress:
     failed: int = 0
     best_us: float | None = None
     started: float = field(default_factory=time.time)
-
-
-def fast_build(mod, target, _params):
-    """MetaSchedule f_build that skips importing the tensor intrinsics in every worker (notes §3.1)."""
-    from tvm.driver import build as tvm_build  # pylint: disable=import-outside-toplevel
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # pylint: disable=import-outside-toplevel
-
-    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
 def tunable_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list:

@@ -1,0 +1,62 @@
+"""Tiny ONNX models for the tests, built with onnx.helper (nothing downloaded)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+
+def _model(nodes, inputs, outputs, inits, opset=20) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "t", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.checker.check_model(model)
+    return model
+
+
+def _f32(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def _const(name, array):
+    array = np.asarray(array)
+    dtype = TensorProto.INT64 if array.dtype.kind == "i" else TensorProto.FLOAT
+    return helper.make_tensor(name, dtype, array.shape, array.ravel().tolist())
+
+
+def layer_norm_gelu(rows=8, hidden=64, ln_also_output=False, dyn=False) -> onnx.ModelProto:
+    """y = Gelu(LayerNorm(x)); with `ln_also_output`, the LayerNorm result is a model output too."""
+    rng = np.random.default_rng(1)
+    r = "batch" if dyn else rows
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["ln"], axis=-1, epsilon=1e-5),
+             helper.make_node("Gelu", ["ln"], ["y"])]
+    outputs = [_f32("y", [r, hidden])] + ([_f32("ln", [r, hidden])] if ln_also_output else [])
+    return _model(nodes, [_f32("x", [r, hidden])], outputs,
+                  [_const("g", rng.standard_normal(hidden).astype(np.float32)),
+                   _const("b", rng.standard_normal(hidden).astype(np.float32) * 0.1)])
+
+
+def rms_norm_residual(rows=8, hidden=64, leak: str | None = None) -> onnx.ModelProto:
+    """h = x + r; y = h / sqrt(mean(h*h) + eps) * w; outputs y and h (and `leak`, an intermediate)."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Add", ["x", "r"], ["h"]),
+             helper.make_node("Mul", ["h", "h"], ["h_sq"]),
+             helper.make_node("ReduceMean", ["h_sq", "axes"], ["ms"], keepdims=1),
+             helper.make_node("Add", ["ms", "eps"], ["ms_eps"]),
+             helper.make_node("Sqrt", ["ms_eps"], ["rms"]),
+             helper.make_node("Div", ["h", "rms"], ["h_norm"]),
+             helper.make_node("Mul", ["h_norm", "w"], ["y"])]
+    outputs = [_f32("y", [rows, hidden]), _f32("h", [rows, hidden])]
+    if leak:
+        outputs.append(_f32(leak, [rows, 1] if leak in ("ms", "ms_eps", "rms") else [rows, hidden]))
+    return _model(nodes, [_f32("x", [rows, hidden]), _f32("r", [rows, hidden])], outputs,
+                  [_const("axes", np.array([-1])), _const("eps", np.float32(1e-6)),
+                   _const("w", rng.standard_normal(hidden).astype(np.float32))])
+
+
+def with_op(op_type: str = "NoSuchOp") -> onnx.ModelProto:
+    """A model using an operator the importer does not know (checker-free: custom domain)."""
+    node = helper.make_node(op_type, ["x"], ["y"], name="mystery_node", domain="com.example")
+    graph = helper.make_graph([node], "t", [_f32("x", [4])], [_f32("y", [4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
+                                                   helper.make_opsetid("com.example", 1)])

@@ -1,0 +1,75 @@
+"""Build stage: default schedules for every kernel; CUDA code compiles here (nvcc) and runs on a GPU."""
+
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import onnx_models
+from tvmfuse.build import DEFAULT, apply_default_schedules, build, schedule_kinds
+from tvmfuse.fuse import lower
+from tvmfuse.importer import import_model, random_inputs
+from tvmfuse.targets import resolve_target
+from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
+
+
+def _fused(model):
+    imp = import_model(model)
+    return imp, lower(imp.mod, imp.params)
+
+
+def _cuda_sources(executable) -> list[str]:
+    found = []
+
+    def walk(mod):
+        if mod.kind == "cuda":
+            found.append(mod.inspect_source("cuda"))
+        for sub in mod.imports:
+            walk(sub)
+
+    walk(executable.mod)
+    return found
+
+
+def test_without_database_every_kernel_is_default(llvm):
+    _, fused = _fused(onnx_models.rms_norm_residual())
+    _, kinds = build(fused.mod, llvm)
+    assert set(kinds.values()) == {DEFAULT}
+
+
+def test_default_schedules_bind_every_gpu_kernel():
+    cuda = resolve_target("cuda")
+    _, fused = _fused(onnx_models.rms_norm_residual(rows=64, hidden=256))
+    scheduled = apply_default_schedules(fused.mod, cuda)
+    assert all(fn.attrs.get("tirx.is_scheduled", False) for fn in scheduled.functions.values()
+               if isinstance(fn, tvm.tirx.PrimFunc))
+    assert not any(fn.attrs.get("tirx.is_scheduled", False) for fn in fused.mod.functions.values()
+                   if isinstance(fn, tvm.tirx.PrimFunc)), "the input module must not be mutated"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("make", [onnx_models.rms_norm_residual, onnx_models.layer_norm_gelu])
+def test_fused_module_cuda_code_compiles_with_nvcc(make):
+    cuda = resolve_target("cuda")
+    _, fused = _fused(make(rows=64, hidden=256))
+    executable, _ = build(fused.mod, cuda)
+    sources = _cuda_sources(executable)
+    assert sources and "__global__" in sources[0]
+    with cuda:
+        fatbin = tvm.support.nvcc.compile_cuda(sources[0], target_format="fatbin", compiler="nvcc")
+    assert len(fatbin) > 1000
+
+
+@pytest.mark.gpu
+def test_fused_module_runs_on_gpu_and_matches_onnxruntime():
+    cuda = resolve_target("cuda")
+    model = onnx_models.rms_norm_residual(rows=64, hidden=256)
+    imp, fused = _fused(model)
+    executable, _ = build(fused.mod, cuda)
+    feeds = random_inputs(imp.inputs)
+    dev = tvm.cuda(0)
+    check = compare(run_vm(relax.VirtualMachine(executable, dev), dev, list(feeds.values())),
+                    onnxruntime_outputs(model, feeds))
+    assert check.ok, check

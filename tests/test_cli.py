@@ -1,0 +1,161 @@
+"""scripts/tune.py end to end: tuned, verified exports; one clear error and exit code 2 for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+
+import onnx_models
+from conftest import ROOT
+from tvmfuse.cli import main
+
+TUNE = os.path.join(ROOT, "scripts", "tune.py")
+
+
+def _tune(*args, cwd=None):
+    return subprocess.run([sys.executable, TUNE, *args], capture_output=True, text=True, cwd=cwd, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def rms_export(tmp_path_factory):
+    """One tuned export of the RMSNorm+residual model (4 trials), shared by the tests below."""
+    tmp = tmp_path_factory.mktemp("rms")
+    model = tmp / "rms.onnx"
+    onnx.save(onnx_models.rms_norm_residual(rows=8, hidden=64), model)
+    proc = _tune("--target", "llvm", str(model), "--trials", "4", "--out", str(tmp / "out"),
+                 "--logs", str(tmp / "logs"))
+    return proc, tmp / "out" / "rms-llvm", model
+
+
+def test_tuned_export_has_one_rms_kernel_and_passes_verification(rms_export):
+    proc, folder, _ = rms_export
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [(k["pattern"], k["schedule"]) for k in manifest["kernels"]] == [("tvmfuse.rms_norm_residual", "tuned")]
+    assert manifest["kernels"][0]["trials"] >= 4 and manifest["kernels"][0]["best_us"] > 0
+    assert manifest["verification"]["status"] == "passed"
+    assert manifest["verification"]["max_abs_err"] < 1e-4
+    assert [o["name"] for o in manifest["outputs"]] == ["y", "h"]
+    assert "1 of 1 jobs succeeded" in proc.stdout and "4/4 trials" in proc.stdout
+
+
+def test_export_loads_in_a_new_process_with_only_tvm(rms_export, tmp_path):
+    _, folder, model = rms_export
+    rng = np.random.default_rng(7)
+    x, r = (rng.standard_normal((8, 64)).astype("float32") for _ in range(2))
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "r.npy", r)
+    script = textwrap.dedent(f"""
+        import sys, numpy as np, tvm
+        from tvm import relax
+        assert "tvmfuse" not in sys.modules
+        vm = relax.VirtualMachine(tvm.runtime.load_module({str(folder / 'model.so')!r}), tvm.cpu())
+        x, r = np.load({str(tmp_path / 'x.npy')!r}), np.load({str(tmp_path / 'r.npy')!r})
+        y, h = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(r))
+        np.save({str(tmp_path / 'y.npy')!r}, y.numpy()); np.save({str(tmp_path / 'h.npy')!r}, h.numpy())
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    import onnxruntime as ort  # pylint: disable=import-outside-toplevel
+
+    want_y, want_h = ort.InferenceSession(str(model)).run(None, {"x": x, "r": r})
+    assert np.abs(np.load(tmp_path / "y.npy") - want_y).max() < 1e-4
+    assert np.abs(np.load(tmp_path / "h.npy") - want_h).max() < 1e-4
+
+
+def test_tvmfuse_load_checks_sha256(rms_export, tmp_path):
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    import tvmfuse  # pylint: disable=import-outside-toplevel
+    from tvmfuse.errors import TvmfuseError  # pylint: disable=import-outside-toplevel
+
+    _, folder, _ = rms_export
+    model = tvmfuse.load(str(folder))
+    y, h = model(x=np.ones((8, 64), "float32"), r=np.zeros((8, 64), "float32"))
+    assert y.shape == (8, 64) and np.allclose(h, 1.0)
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    with open(copy / "model.so", "ab") as f:
+        f.write(b"tampered")
+    with pytest.raises(TvmfuseError, match="sha256 does not match"):
+        tvmfuse.load(str(copy))
+
+
+def _bad_inputs(tmp):
+    good = tmp / "good.onnx"
+    onnx.save(onnx_models.layer_norm_gelu(), good)
+    (tmp / "empty.onnx").write_bytes(b"")
+    (tmp / "trunc.onnx").write_bytes(good.read_bytes()[:200])
+    (tmp / "notonnx.onnx").write_text("hello\n" * 50)
+    onnx.save(onnx_models.with_op("NoSuchOp"), tmp / "unknownop.onnx")
+    (tmp / "typo.toml").write_text('[[model]]\npath = "good.onnx"\ntrails = 4\n')
+    (tmp / "escape.toml").write_text('[[model]]\nname = "../../etc/x"\npath = "good.onnx"\n')
+    return {
+        "missing": ([str(tmp / "missing.onnx")], "no such file"),
+        "empty": ([str(tmp / "empty.onnx")], "empty file"),
+        "truncated": ([str(tmp / "trunc.onnx")], "trunc.onnx"),
+        "not onnx": ([str(tmp / "notonnx.onnx")], "notonnx.onnx"),
+        "unknown op": ([str(tmp / "unknownop.onnx")], "operator NoSuchOp (node mystery_node) is not supported"),
+        "jobs typo": (["--jobs", str(tmp / "typo.toml")], "unknown key 'trails' (did you mean 'trials'?)"),
+        "path traversal": (["--jobs", str(tmp / "escape.toml")], "invalid model or job name '../../etc/x'"),
+        "bad shape": ([str(good), "--shape", "x=abc"], "expected NAME=DIMS"),
+    }
+
+
+def test_bad_inputs_exit_2_with_one_line_and_nothing_written(tmp_path, capsys):
+    for case, (args, message) in _bad_inputs(tmp_path).items():
+        out = tmp_path / f"out-{case.replace(' ', '_')}"
+        code = main(["--target", "llvm", "--trials", "0", "--out", str(out), "--logs", str(tmp_path / "l"), *args])
+        err = capsys.readouterr().err
+        assert code == 2, case
+        assert message in err, (case, err)
+        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, (case, err)
+        assert not out.exists() or not any(out.iterdir()), case
+
+
+def test_bad_input_process_exit_code_is_2(tmp_path):
+    proc = _tune("--target", "llvm", str(tmp_path / "nope.onnx"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[0] == f"error: {tmp_path / 'nope.onnx'}: no such file"
+    assert "Traceback" not in proc.stderr
+
+
+def test_one_failing_job_does_not_lose_the_others(tmp_path):
+    onnx.save(onnx_models.layer_norm_gelu(), tmp_path / "good.onnx")
+    (tmp_path / "bad.onnx").write_bytes(b"")
+    code = main(["--target", "llvm", "--trials", "0", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"),
+                 str(tmp_path / "bad.onnx"), str(tmp_path / "good.onnx")])
+    assert code == 2
+    manifest = json.loads((tmp_path / "o" / "good-llvm" / "manifest.json").read_text())
+    assert [k["pattern"] for k in manifest["kernels"]] == ["tvmfuse.layer_norm_gelu"]
+    assert not (tmp_path / "o" / "bad-llvm").exists()
+
+
+def test_symbolic_dims_build_with_default_schedules(tmp_path, capsys):
+    onnx.save(onnx_models.layer_norm_gelu(dyn=True), tmp_path / "dyn.onnx")
+    code = main(["--target", "llvm", "--trials", "4", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"),
+                 str(tmp_path / "dyn.onnx")])
+    assert code == 0
+    assert "symbolic dims batch kept symbolic" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "o" / "dyn-llvm" / "manifest.json").read_text())
+    assert manifest["inputs"][0]["shape"] == ["batch", 64]
+    assert [k["schedule"] for k in manifest["kernels"]] == ["default"]
+    assert manifest["verification"]["status"] == "passed"
+
+
+def test_cuda_target_without_gpu_needs_trials_0(tmp_path, capsys):
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a GPU")
+    onnx.save(onnx_models.layer_norm_gelu(rows=64, hidden=256), tmp_path / "m.onnx")
+    base = ["--target", "cuda", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"), str(tmp_path / "m.onnx")]
+    assert main(base) == 2
+    assert "no cuda device on this machine" in capsys.readouterr().err
+    assert main(base + ["--trials", "0"]) == 0
+    manifest = json.loads((tmp_path / "o" / "m-cuda-sm_90a" / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "skipped" and manifest["target"]["arch"] == "sm_90a"

@@ -1,0 +1,62 @@
+"""Import stage: shapes, symbolic dims, and one clear ModelError per bad input."""
+
+import onnx
+import pytest
+
+import onnx_models
+from tvmfuse.errors import ModelError
+from tvmfuse.importer import import_model, load_onnx, random_inputs
+
+
+def test_static_model_imports_with_detached_weights():
+    imp = import_model(onnx_models.layer_norm_gelu(rows=8, hidden=64))
+    assert [t.as_dict() for t in imp.inputs] == [{"name": "x", "shape": [8, 64], "dtype": "float32"}]
+    assert [t.name for t in imp.outputs] == ["y"]
+    assert len(imp.params) == 2 and imp.symbolic_dims == []
+    assert int(imp.mod["main"].attrs["num_input"]) == 1
+
+
+def test_symbolic_dim_is_kept_or_fixed_by_name_or_by_input():
+    model = onnx_models.layer_norm_gelu(hidden=64, dyn=True)
+    assert import_model(model).symbolic_dims == ["batch"]
+    assert import_model(model).inputs[0].shape == ["batch", 64]
+    assert import_model(model, {"batch": [3]}).inputs[0].shape == [3, 64]
+    assert import_model(model, {"x": [5, 64]}).inputs[0].shape == [5, 64]
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ({"x": [5]}, "--shape x has 1 dims, the input has 2"),
+    ({"nope": [5]}, "no input or symbolic dim of that name (inputs: x; symbolic dims: batch)"),
+    ({"batch": [0]}, "dims must be positive"),
+])
+def test_bad_shapes_name_the_problem(shapes, message):
+    with pytest.raises(ModelError, match=None) as err:
+        import_model(onnx_models.layer_norm_gelu(hidden=64, dyn=True), shapes)
+    assert message in str(err.value)
+
+
+def test_bad_files_get_one_clear_error(tmp_path):
+    good = tmp_path / "good.onnx"
+    onnx.save(onnx_models.layer_norm_gelu(), good)
+    data = good.read_bytes()
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "trunc.onnx").write_bytes(data[: len(data) // 2])
+    (tmp_path / "text.onnx").write_text("this is not a model\n" * 10)
+    cases = {"missing.onnx": "no such file", "empty.onnx": "empty file", "trunc.onnx": "ONNX",
+             "text.onnx": "ONNX"}
+    for name, message in cases.items():
+        with pytest.raises(ModelError) as err:
+            load_onnx(str(tmp_path / name))
+        text = str(err.value)
+        assert name in text and message in text and "\n" not in text
+
+
+def test_unsupported_operator_is_named_with_its_node():
+    with pytest.raises(ModelError, match=r"operator NoSuchOp \(node mystery_node\) is not supported"):
+        import_model(onnx_models.with_op("NoSuchOp"))
+
+
+def test_random_inputs_respect_shapes_and_dtypes():
+    imp = import_model(onnx_models.layer_norm_gelu(hidden=64, dyn=True))
+    feeds = random_inputs(imp.inputs, dims={"batch": 3})
+    assert feeds["x"].shape == (3, 64) and feeds["x"].dtype == "float32"

@@ -1,0 +1,43 @@
+"""Jobs: --shape parsing and TOML jobs files, with one clear error per mistake."""
+
+import pytest
+
+from tvmfuse.errors import JobError
+from tvmfuse.jobs import load_jobs, parse_shape
+
+
+def test_parse_shape_forms():
+    assert parse_shape("x=1,128,768") == ("x", [1, 128, 768])
+    assert parse_shape("x=1x128") == ("x", [1, 128])
+    assert parse_shape("seq=128") == ("seq", [128])
+    for bad in ("x", "x=", "=3", "x=1,,2", "x=-1"):
+        with pytest.raises(JobError, match="expected NAME=DIMS"):
+            parse_shape(bad)
+
+
+def test_jobs_file(tmp_path):
+    (tmp_path / "jobs.toml").write_text(
+        'trials = 8\n[[model]]\npath = "a.onnx"\nshapes = { x = [1, 64], seq = 32 }\n'
+        '[[model]]\nname = "b2"\npath = "sub/b.onnx"\ntrials = 0\n')
+    a, b = load_jobs(str(tmp_path / "jobs.toml"))
+    assert (a.name, a.trials, a.shapes) == ("a", 8, {"x": [1, 64], "seq": [32]})
+    assert (b.name, b.trials, b.path) == ("b2", 0, str(tmp_path / "sub" / "b.onnx"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[[model]]\npath = "a.onnx"\nshape = {}\n', "unknown key 'shape' (did you mean 'shapes'?)"),
+    ('[[modle]]\npath = "a.onnx"\n', "unknown key 'modle' (did you mean 'model'?)"),
+    ('[[model]]\nname = "x"\n', "has no 'path'"),
+    ('[[model]]\npath = "a.onnx"\ntrials = -1\n', "'trials' must be a non-negative integer"),
+    ('[[model]]\npath = "a.onnx"\n[[model]]\npath = "a.onnx"\n', "duplicate name 'a'"),
+    ('[[model]]\npath = "a.onnx"\ndtype = "int4"\n', "dtype 'int4' is not supported"),
+    ('[[model]]\npath = "a.onnx"\nshapes = { x = [0] }\n', "'shapes' must map names"),
+    ('[[model]\n', "not valid TOML"),
+    ('[[model]]\nname = "../../etc/x"\npath = "a.onnx"\n', "not a path"),
+])
+def test_bad_jobs_files(tmp_path, text, message):
+    path = tmp_path / "jobs.toml"
+    path.write_text(text)
+    with pytest.raises(JobError) as err:
+        load_jobs(str(path))
+    assert message in str(err.value) and str(path) in str(err.value)

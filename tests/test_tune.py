@@ -1,0 +1,31 @@
+"""Tune stage: only static kernels are tuned; records land in the database; progress is reported."""
+
+from tvm.s_tir import meta_schedule as ms
+
+import onnx_models
+from tvmfuse.build import TUNED, build
+from tvmfuse.fuse import lower
+from tvmfuse.importer import import_model
+from tvmfuse.tune import kernel_records, tunable_tasks, tune
+
+
+def test_tune_records_progress_and_build_uses_them(tmp_path, llvm):
+    imp = import_model(onnx_models.layer_norm_gelu(rows=16, hidden=64))
+    fused = lower(imp.mod, imp.params)
+    seen = []
+    progress = tune(fused.mod, llvm, str(tmp_path), trials_per_task=4, on_progress=lambda t: seen.append(t.trials))
+    (kernel,) = fused.kernels()
+    assert progress[kernel].trials == 4 and progress[kernel].best_us > 0
+    assert seen and seen[-1] == 4
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    trials, best_us = kernel_records(fused.mod, db)[kernel]
+    assert trials == 4 and best_us == progress[kernel].best_us
+    _, kinds = build(fused.mod, llvm, db)
+    assert kinds[kernel] == TUNED
+
+
+def test_symbolic_kernels_are_not_tuned(llvm):
+    imp = import_model(onnx_models.layer_norm_gelu(dyn=True))
+    assert tunable_tasks(lower(imp.mod, imp.params).mod, llvm) == []
+    imp = import_model(onnx_models.layer_norm_gelu(dyn=True), {"batch": [4]})
+    assert len(tunable_tasks(lower(imp.mod, imp.params).mod, llvm)) == 1
