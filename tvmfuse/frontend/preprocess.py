@@ -1,4 +1,4 @@
-"""ONNX-level preparation before conversion: pin user-fixed input dims, then fold constants with onnxruntime."""
+"""ONNX-level preparation: pin user-fixed input dims, fold constants, inline the initializers that are not weights."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def pin_input_dims(model: onnx.ModelProto, shape_dict: dict | None) -> onnx.Mode
 
 
 def ort_fold(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Constant-fold with onnxruntime's basic offline optimizer (standard ONNX ops only; symbolic dims stay symbolic)."""
+    """Constant-fold with onnxruntime's basic offline optimizer (standard ONNX ops; symbolic dims stay symbolic)."""
     import onnxruntime as ort  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as tmp:
