@@ -29,6 +29,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--logs", default="tuning_logs", metavar="DIR", help="tuning databases (default: tuning_logs)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
                    help="fix an input's dims (x=1,128,768) or a symbolic dim (seq=128); repeatable")
+    p.add_argument("--schedules", metavar="DIR",
+                   help="library of best schedules used as a warm start (default: the repo's schedules/; 'none': off)")
+    p.add_argument("--rpc", metavar="HOST:PORT", help="measure on RPC servers of this tracker (builds stay local)")
+    p.add_argument("--rpc-key", metavar="KEY", help="the device key the servers registered under (with --rpc)")
     return p
 
 
@@ -50,24 +54,44 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .pipeline import run_job  # pylint: disable=import-outside-toplevel  (TVM import is slow)
+    from .pipeline import SCHEDULES_DIR, run_job  # pylint: disable=import-outside-toplevel  (TVM import is slow)
     from .targets import resolve_target  # pylint: disable=import-outside-toplevel
 
     try:
         target = resolve_target(args.target)
         jobs = collect_jobs(args)
+        rpc = _rpc(args)
     except TvmfuseError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     results = []
+    library = {"none": None, None: SCHEDULES_DIR}.get(args.schedules, args.schedules)
     for job in jobs:
-        result = run_job(job, target, args.out, args.logs, say=lambda s: print(s, flush=True))
+        try:
+            result = run_job(job, target, args.out, args.logs, say=lambda s: print(s, flush=True), rpc=rpc,
+                             schedules=library)
+        except KeyboardInterrupt as err:  # tuning already wrote every measured record; exports are atomic
+            print(f"\n{err or 'interrupted'}", file=sys.stderr, flush=True)
+            return 130
         if not result.ok:
             print(f"error: {result.error}", file=sys.stderr, flush=True)
         results.append(result)
     print_summary(results)
     failed = [r for r in results if not r.ok]
     return max((r.details.get("exit_code", 1) for r in failed), default=0)
+
+
+def _rpc(args: argparse.Namespace) -> tuple[str, str] | None:
+    from .remote import parse_address  # pylint: disable=import-outside-toplevel
+
+    if args.rpc is None:
+        if args.rpc_key:
+            raise TvmfuseError("--rpc-key needs --rpc HOST:PORT")
+        return None
+    parse_address(args.rpc)
+    if not args.rpc_key:
+        raise TvmfuseError("--rpc needs --rpc-key KEY (the key the servers registered under)")
+    return args.rpc, args.rpc_key
 
 
 def print_summary(results) -> None:
@@ -82,6 +106,12 @@ def print_summary(results) -> None:
     print()
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for r in results:  # the fusion report's totals (full report: fusion_report.txt beside each export)
+        f = r.details.get("fusion") if r.ok else None
+        if f:
+            print(f"fusion {r.name}: kept {f['kept']} of {f['candidates']} candidates "
+                  f"({', '.join(f'{k.split('.')[-1]} x{v}' for k, v in sorted(f['kept_by_pattern'].items()))}); "
+                  f"launches {f['launches_before']} -> {f['launches_after']}; predicted {f['predicted_saved_us']:.1f} us saved")
     ok = sum(r.ok for r in results)
     print(f"\n{ok} of {len(results)} jobs succeeded")
 

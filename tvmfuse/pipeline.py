@@ -11,7 +11,6 @@ from typing import Callable
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.s_tir import meta_schedule as ms
 
 from . import __version__
 from .build import TUNED, apply_database, apply_default_schedules, compile_module, schedule_kinds
@@ -19,11 +18,15 @@ from .default_model import NAME as DEFAULT_NAME
 from .default_model import make_tiny_block
 from .errors import TvmfuseError
 from .export import export, export_dir
-from .fuse import lower
+from .decide import decide
+from .fuse import bind_params, lower
+from .report import fusion_report, report_files
 from .importer import import_model, load_onnx, random_inputs
 from .jobs import Job
 from .targets import device_for, has_device, target_json, target_name
-from .tune import TaskProgress, kernel_records, tune
+from .schedules import DEFAULT_DIR as SCHEDULES_DIR
+from .schedules import open_database
+from .tune import TaskProgress, TuningInterrupted, kernel_records, tune
 from .verify import compare, onnxruntime_outputs, run_vm
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
@@ -47,10 +50,11 @@ class JobResult:
 
 
 def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tuning_logs",
-            say: Callable[[str], None] = print) -> JobResult:
+            say: Callable[[str], None] = print, rpc: tuple[str, str] | None = None,
+            schedules: str | None = SCHEDULES_DIR) -> JobResult:
     """Run one job end to end; user errors become a failed JobResult, never a traceback."""
     try:
-        return _run(job, target, out, logs_root, say)
+        return _run(job, target, out, logs_root, say, rpc, schedules)
     except TvmfuseError as err:
         return JobResult(job.name, ok=False, error=str(err), details={"exit_code": err.exit_code})
     except Exception as err:  # pylint: disable=broad-except  (one job's crash must not lose the others)
@@ -59,7 +63,7 @@ def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tun
                          details={"exit_code": 1})
 
 
-def _run(job: Job, target, out, logs_root, say) -> JobResult:
+def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     tname = target_name(target)
     dest = export_dir(out, job.name, tname)
     source = job.path or f"<embedded {DEFAULT_NAME}>"
@@ -68,7 +72,9 @@ def _run(job: Job, target, out, logs_root, say) -> JobResult:
     if imported.symbolic_dims:
         say(f"[{job.name}] symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them "
             "get default schedules (fix them with --shape NAME=VALUE to tune those)")
-    fused = lower(imported.mod, imported.params)
+    bound = bind_params(imported.mod, imported.params)
+    plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
+    fused = lower(bound, plan=plan)
     kernels = fused.kernels()
     say(f"[{job.name}] {len(kernels)} kernels, {len(fused.kernel_patterns)} fused by pattern: "
         + ", ".join(sorted(set(fused.kernel_patterns.values()))) if fused.kernel_patterns else
@@ -77,13 +83,23 @@ def _run(job: Job, target, out, logs_root, say) -> JobResult:
     trials = job.trials if job.trials is not None else DEFAULT_TRIALS.get(target.kind.name, 16)
     work_dir = os.path.join(logs_root, f"{job.name}-{tname}")
     runnable = has_device(target)
-    if trials > 0 and not runnable:
+    if trials > 0 and not runnable and rpc is None:
         raise TvmfuseError(f"{job.name}: no {target.kind.name} device on this machine to measure on; "
-                           "run on a machine with one, or pass --trials 0 to build with default schedules")
+                           "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
+                           "with default schedules")
+    database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"))
     if trials > 0:
         say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
-        tune(fused.mod, target, work_dir, trials, on_progress=_progress_printer(job.name, say))
-    database = ms.database.JSONDatabase(work_dir=work_dir) if _has_db(work_dir) else None
+        try:
+            progress = tune(fused.mod, target, work_dir, trials, on_progress=_progress_printer(job.name, say),
+                            rpc=rpc, database=database)
+        except TuningInterrupted:
+            raise TuningInterrupted(f"interrupted: {sum(database.spent.values())} records kept in {work_dir}; "
+                                    "rerun the same command to resume") from None
+        resumed = sum(p.resumed for p in progress.values())
+        if resumed:
+            say(f"[{job.name}] resumed: {resumed} trials were already recorded and counted toward the budget; "
+                f"{sum(p.trials - p.resumed for p in progress.values())} run now")
 
     tuned_mod = apply_database(fused.mod, target, database)
     kinds = schedule_kinds(tuned_mod)
@@ -127,14 +143,13 @@ def _run(job: Job, target, out, logs_root, say) -> JobResult:
         "latency_us": {"default_schedules": result.latency_before_us, "tuned": result.latency_after_us},
         "tuning_log": os.path.abspath(work_dir),
     }
-    result.output = export(executable, manifest, dest)
+    report = fusion_report(plan, fused, lower(bound, patterns=[]),
+                           {k: us for k, (_, us) in records.items() if us is not None})
+    manifest["fusion"] = report["totals"]
+    result.output = export(executable, manifest, dest, extra_files=report_files(report))
     result.details = manifest
     say(f"[{job.name}] exported {result.output}")
     return result
-
-
-def _has_db(work_dir: str) -> bool:
-    return os.path.exists(os.path.join(work_dir, "database_tuning_record.json"))
 
 
 def _json_obj(text: str):
@@ -152,7 +167,7 @@ def _latency_us(vm: relax.VirtualMachine, device, feeds: dict[str, np.ndarray]) 
 def _progress_printer(name: str, say: Callable[[str], None]) -> Callable[[TaskProgress], None]:
     def report(task: TaskProgress) -> None:
         elapsed = time.time() - task.started
-        eta = elapsed / max(task.trials, 1) * max(task.budget - task.trials, 0)
+        eta = elapsed / max(task.trials - task.resumed, 1) * max(task.budget - task.trials, 0)
         best = f"{task.best_us:.1f} us" if task.best_us is not None else "-"
         failed = f", {task.failed} failed" if task.failed else ""
         say(f"[{name}]   {task.name}: {task.trials}/{task.budget} trials{failed}, best {best}, ETA {eta:.0f} s")

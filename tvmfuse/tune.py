@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,6 +21,7 @@ from tvm.s_tir.meta_schedule.utils import fork_seed
 
 from .builder import fast_build
 from .fuse import symbolic_kernels
+from .remote import rpc_runner
 
 FAILED = 1e9  # MetaSchedule stores 1e10 s for candidates that failed to build or run
 
@@ -32,6 +36,11 @@ class TaskProgress:
     failed: int = 0
     best_us: float | None = None
     started: float = field(default_factory=time.time)
+    resumed: int = 0  # trials found in the database before this run (they count toward the budget)
+
+
+class TuningInterrupted(KeyboardInterrupt):
+    """Ctrl-C during tuning: every record measured so far is already on disk."""
 
 
 def tunable_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list:
@@ -44,10 +53,20 @@ def tunable_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list:
 
 def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per_task: int,
          on_progress: Callable[[TaskProgress], None] | None = None, database=None,
-         space_for: Callable | None = None, seed: int | None = None) -> dict[str, TaskProgress]:
-    """Tune every tunable kernel of `mod` with `trials_per_task` trials; records go to `database`."""
+         space_for: Callable | None = None, seed: int | None = None, rpc: tuple[str, str] | None = None,
+         batch: int | None = None) -> dict[str, TaskProgress]:
+    """Tune every tunable kernel of `mod` with `trials_per_task` trials; records go to `database`.
+
+    `rpc=(HOST:PORT, KEY)` measures on the RPC servers registered under KEY (builds stay local);
+    `batch` is how many candidates are built and measured per round.
+    """
     tasks = tunable_tasks(mod, target)
-    progress = {t.task_name: TaskProgress(t.task_name, trials_per_task) for t in tasks}
+    if getattr(database, "names", None) is not None:  # kernel names go into the stored workloads
+        database.names.update({str(tvm_ffi.structural_hash(t.dispatched[0])): t.task_name for t in tasks})
+    spent = {t.task_name: min(_spent(database, t.dispatched[0]), max(trials_per_task, 0)) for t in tasks}
+    progress = {t.task_name: TaskProgress(t.task_name, trials_per_task, trials=spent[t.task_name],
+                                          resumed=spent[t.task_name]) for t in tasks}
+    tasks = [t for t in tasks if spent[t.task_name] < trials_per_task]  # resume: finished kernels are done
     if not tasks or trials_per_task <= 0:
         return progress
     os.makedirs(work_dir, exist_ok=True)
@@ -57,27 +76,86 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
     for task, logger, rand in zip(tasks, loggers, fork_seed(seed, n=len(tasks))):
         func = task.dispatched[0]["main"]
         space = (space_for(func, target) if space_for else None) or "post-order-apply"
-        contexts.append(ms.TuneContext(mod=task.dispatched[0], target=target, space_generator=space,
-                                       search_strategy="evolutionary", task_name=task.task_name,
-                                       logger=logger, rand_state=rand, num_threads="physical").clone())
+        with _no_tensor_intrin(target):
+            contexts.append(ms.TuneContext(mod=task.dispatched[0], target=target, space_generator=space,
+                                           search_strategy="evolutionary", task_name=task.task_name,
+                                           logger=logger, rand_state=rand, num_threads="physical").clone())
     cores = os.cpu_count() or 1
     is_gpu = "gpu" in target.keys
+    cost_model = ms.cost_model.XGBModel(
+        extractor=ms.feature_extractor.PerStoreFeature(), config=XGBConfig(max_depth=10, eta=0.2, nthread=cores),
+        num_warmup_samples=min(16, trials_per_task), adaptive_training=True)
+    warm_start(cost_model, contexts, database)
+    try:
+        for left, group in _by_remaining(contexts, trials_per_task, spent):
+            _tune_group(group, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu,
+                        ProgressCallback([progress[c.task_name] for c in group], on_progress))
+    except KeyboardInterrupt:
+        raise TuningInterrupted() from None
+    return progress
+
+
+def _tune_group(contexts, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu, callback):
+    """One MetaSchedule run over kernels that all have `left` trials to go."""
     ms.tune_tasks(
         tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=work_dir,
-        max_trials_global=trials_per_task * len(contexts), max_trials_per_task=trials_per_task,
-        num_trials_per_iter=min(trials_per_task, 64 if is_gpu else 16),
+        max_trials_global=left * len(contexts), max_trials_per_task=left,
+        num_trials_per_iter=min(left, batch or (64 if is_gpu else 16)),
         builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=60, f_build=fast_build),
-        runner=ms.runner.LocalRunner(timeout_sec=30, evaluator_config=ms.runner.EvaluatorConfig(
+        runner=_runner(rpc, ms.runner.EvaluatorConfig(
             number=3, repeat=1, min_repeat_ms=50 if not is_gpu else 20, enable_cpu_cache_flush=False)),
         database=database if database is not None else ms.database.JSONDatabase(work_dir=work_dir),
-        cost_model=ms.cost_model.XGBModel(
-            extractor=ms.feature_extractor.PerStoreFeature(),
-            config=XGBConfig(max_depth=10, eta=0.2, nthread=cores),
-            num_warmup_samples=min(16, trials_per_task), adaptive_training=True),
-        measure_callbacks=ms.measure_callback.MeasureCallback.create("default")
-        + [ProgressCallback([progress[c.task_name] for c in contexts], on_progress)],
+        cost_model=cost_model, measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
         task_scheduler="gradient")
-    return progress
+
+
+def _spent(database, task_mod: tvm.IRModule) -> int:
+    """Trials already recorded for this kernel (a tvmfuse TuningDatabase knows; others count as none)."""
+    counts = getattr(database, "spent", None)
+    return counts.get(str(tvm_ffi.structural_hash(task_mod)), 0) if counts is not None else 0
+
+
+def _by_remaining(contexts, budget: int, spent: dict[str, int]):
+    """Group the kernels by how many trials each has left, so each gets exactly its remaining budget."""
+    groups: dict[int, list] = {}
+    for ctx in contexts:
+        groups.setdefault(budget - spent[ctx.task_name], []).append(ctx)
+    return sorted(groups.items(), reverse=True)
+
+
+def warm_start(cost_model, contexts, database) -> int:
+    """Train the cost model on the records already stored for these kernels; returns how many it saw."""
+    records_of = getattr(database, "records_of", None)
+    seen = 0
+    for ctx in contexts if records_of else []:
+        records = records_of(ctx.mod)
+        if records:
+            candidates = [r.as_measure_candidate() for r in records]
+            cost_model.update(ctx, candidates, [ms.runner.RunnerResult(run_secs=r.run_secs, error_msg=None)
+                                                for r in records])
+            seen += len(records)
+    return seen
+
+
+@contextlib.contextmanager
+def _no_tensor_intrin(target: tvm.target.Target):
+    """TuneContext imports every tensor intrinsic (15-30 s here, notes §3.1); CPU spaces use none."""
+    name = "tvm.s_tir.tensor_intrin"
+    if target.kind.name != "llvm" or name in sys.modules:
+        yield
+        return
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        del sys.modules[name]  # a later real import (e.g. a CUDA tensor-core job) still loads them all
+
+
+def _runner(rpc: tuple[str, str] | None, evaluator: ms.runner.EvaluatorConfig):
+    """Measure locally, or on every free RPC server under the key (a dead server fails only its candidates)."""
+    if rpc is None:
+        return ms.runner.LocalRunner(timeout_sec=30, evaluator_config=evaluator)
+    return rpc_runner(rpc[0], rpc[1], evaluator)
 
 
 @derived_object

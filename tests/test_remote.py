@@ -1,0 +1,52 @@
+"""Remote measurement on loopback: a tracker and two RPC servers; one dies mid-run, the job finishes."""
+
+import json
+
+import pytest
+
+from tvmfuse.cli import main
+from tvmfuse.errors import TvmfuseError
+from tvmfuse.jobs import Job
+from tvmfuse.pipeline import run_job
+from tvmfuse.remote import Cluster, _free_port, free_servers, parse_address, queue_main
+
+
+@pytest.fixture()
+def cluster():
+    with Cluster("127.0.0.1", _free_port("127.0.0.1"), "loopback-cpu") as c:
+        yield c.start(2)
+
+
+def test_tune_through_rpc_survives_a_dead_server(cluster, tmp_path, llvm, capsys):
+    assert queue_main([cluster.address]) == 0
+    assert "loopback-cpu" in capsys.readouterr().out
+    lines = []
+
+    def say(line):
+        lines.append(line)
+        if "trials" in line and cluster.servers[0].poll() is None:
+            cluster.kill_server(0)  # after the first measured batch
+
+    result = run_job(Job("tiny", None, trials=4), llvm, str(tmp_path / "out"), str(tmp_path / "logs"),
+                     say=say, rpc=(cluster.address, cluster.key))
+    assert result.ok, result.error
+    assert cluster.servers[0].poll() is not None and cluster.servers[1].poll() is None
+    manifest = json.loads((tmp_path / "out" / "tiny-llvm" / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed"
+    assert sum(k["schedule"] == "tuned" for k in manifest["kernels"]) >= 3  # the tasks after the kill too
+    assert sum("4/4 trials" in line for line in lines) == 4
+
+
+def test_rpc_errors_are_one_line(tmp_path, capsys):
+    port = _free_port("127.0.0.1")
+    code = main(["--target", "llvm", "--trials", "4", "--out", str(tmp_path), "--rpc", f"127.0.0.1:{port}",
+                 "--rpc-key", "k"])
+    assert code == 2 and f"no RPC tracker answers at 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["--target", "llvm", "--rpc", "127.0.0.1:9190"]) == 2
+    assert "--rpc needs --rpc-key" in capsys.readouterr().err
+    with pytest.raises(TvmfuseError, match="expected HOST:PORT"):
+        parse_address("nohost")
+
+
+def test_no_free_server_under_key(cluster):
+    assert free_servers(cluster.host, cluster.port, "other-key") == 0
