@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
-from .patterns import collect_rejections, fusion_patterns, stop_collecting
+from .decide import Plan, decide
+from .patterns import Recorder, fusion_patterns, start, stop
 
 DEFAULT_FUSION = "default fusion"
 
@@ -19,6 +20,8 @@ class Fused:
     mod: tvm.IRModule
     kernel_patterns: dict[str, str]
     rejections: list[tuple[str, str, str]] = field(default_factory=list)
+    plan: Plan | None = None
+    kernel_candidates: dict[str, str] = field(default_factory=dict)  # kernel -> "pattern@root"
 
     def kernels(self) -> list[str]:
         """PrimFuncs the Relax `main` calls, in call order (what runs on the device)."""
@@ -28,22 +31,37 @@ class Fused:
         return self.kernel_patterns.get(kernel, DEFAULT_FUSION)
 
 
-def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None = None) -> Fused:
-    """Bind weights, fuse by pattern, legalize, fuse the rest, and merge each group into one PrimFunc."""
-    if params:
-        main = mod["main"]
-        n_in = int(main.attrs["num_input"])
-        names = [p.name for p in main.params[n_in:]]
-        mod = relax.transform.BindParams("main", dict(zip(names, params)))(mod)
+def bind_params(mod: tvm.IRModule, params: list | None) -> tvm.IRModule:
+    """Bind the detached weights back as constants (kept out of fused functions: bind_constants=False)."""
+    if not params:
+        return mod
+    main = mod["main"]
+    names = [p.name for p in main.params[int(main.attrs["num_input"]):]]
+    return relax.transform.BindParams("main", dict(zip(names, params)))(mod)
+
+
+def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None = None,
+          plan: Plan | None = None, target=None) -> Fused:
+    """Fuse the candidates the decide stage kept (deciding here when no plan is given), legalize,
+    fuse the rest with TVM's FuseOps, and merge each group into one PrimFunc. `patterns=[]`: stock TVM."""
+    mod = bind_params(mod, params)
     patterns = fusion_patterns() if patterns is None else patterns
-    rejections, token = collect_rejections()
+    if plan is None and patterns:
+        plan = decide(mod, target, patterns=patterns)
+    rec = Recorder(chosen=plan.chosen() if plan is not None else None)
+    token = start(rec)
     try:
         mod = relax.transform.FuseOpsByPattern(patterns, bind_constants=False, annotate_codegen=False)(mod)
     finally:
-        stop_collecting(token)
-    composite = {gv.name_hint: str(fn.attrs["Composite"]) for gv, fn in mod.functions.items()
-                 if isinstance(fn, relax.Function) and fn.attrs and "Composite" in fn.attrs}
+        stop(token)
+    composite, candidate = {}, {}
+    for gv, fn in mod.functions.items():
+        if isinstance(fn, relax.Function) and fn.attrs and "Composite" in fn.attrs:
+            composite[gv.name_hint] = str(fn.attrs["Composite"])
+            if "tvmfuse.candidate" in fn.attrs:
+                candidate[gv.name_hint] = str(fn.attrs["tvmfuse.candidate"])
     mod = tvm.transform.Sequential([
+        inline_shape_params,
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -52,7 +70,40 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
         relax.transform.DeadCodeElimination(),
     ])(mod)
     kernels = set(called_prim_funcs(mod))
-    return Fused(mod, {k: v for k, v in composite.items() if k in kernels}, list(dict.fromkeys(rejections)))
+    rejections = ([(c.match.pattern, c.match.root, c.reason) for c in plan.candidates if c.decision != "kept"]
+                  if plan is not None else list(dict.fromkeys(rec.rejections)))
+    return Fused(mod, {k: v for k, v in composite.items() if k in kernels}, rejections, plan,
+                 {k: v for k, v in candidate.items() if k in kernels})
+
+
+@tvm.transform.module_pass(opt_level=0, name="InlineShapeParams")
+def inline_shape_params(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
+    """A reshape's target shape lifted into a fused function's params (FuseOpsByPattern does that) is put
+    back inline: its type fixes its value, and LegalizeOps needs a literal shape. The param stays, unused."""
+    for gv, fn in list(mod.functions.items()):
+        if not (isinstance(fn, relax.Function) and fn.attrs and "Composite" in fn.attrs):
+            continue
+        shapes = {p: relax.ShapeExpr(p.ty.values) for p in fn.params
+                  if isinstance(p.ty, relax.ShapeType) and p.ty.values is not None}
+        if shapes:
+            mod[gv] = _Inline(shapes).visit_expr(fn)
+    return mod
+
+
+@relax.expr_functor.mutator
+class _Inline(relax.PyExprMutator):
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = shapes
+
+    def visit_var_(self, var):  # pylint: disable=arguments-renamed
+        return self.shapes.get(var, var)
+
+
+def launches(mod: tvm.IRModule) -> int:
+    """Kernel launches per run of `main`: call_tir sites left once reshapes become views (as the build does)."""
+    viewed = relax.transform.RewriteDataflowReshape()(mod)
+    return sum(len(calls) for calls in _kernel_calls(viewed).values())
 
 
 def called_prim_funcs(mod: tvm.IRModule) -> list[str]:

@@ -1,0 +1,187 @@
+"""Each table entry on a tiny ONNX graph: fused into ONE kernel that matches onnxruntime, and blocked (with
+the reason recorded, module unchanged there) when an intermediate is used outside the match."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from tvm import relax
+
+import onnx_models
+from tvmfuse.build import build
+from tvmfuse.fuse import lower
+from tvmfuse.importer import import_model, random_inputs
+from tvmfuse.targets import device_for
+from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
+
+RNG = np.random.default_rng(0)
+
+
+def _t(name, shape, elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _c(name, value, np_dtype=np.float32):
+    a = np.asarray(value, dtype=np_dtype)
+    return helper.make_tensor(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape, a.ravel().tolist())
+
+
+def _model(nodes, inputs, outputs, inits):
+    m = helper.make_model(helper.make_graph(nodes, "t", inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", 20)])
+    onnx.checker.check_model(m)
+    return m
+
+
+def _n(op, ins, outs, **kw):
+    return helper.make_node(op, ins, [outs] if isinstance(outs, str) else outs, **kw)
+
+
+def _act_nodes(act: str, x: str) -> tuple[list, list]:
+    """Nodes computing y from x as exporters decompose the activation, and the constants they use."""
+    if act == "gelu":
+        return ([_n("Div", [x, "sqrt2"], "a0"), _n("Erf", ["a0"], "a1"), _n("Add", ["a1", "one"], "a2"),
+                 _n("Mul", [x, "a2"], "a3"), _n("Mul", ["a3", "half"], "y")],
+                [_c("sqrt2", math.sqrt(2)), _c("one", 1.0), _c("half", 0.5)])
+    if act == "gelu_tanh":
+        return ([_n("Pow", [x, "three"], "a0"), _n("Mul", ["a0", "k"], "a1"), _n("Add", [x, "a1"], "a2"),
+                 _n("Mul", ["a2", "c"], "a3"), _n("Tanh", ["a3"], "a4"), _n("Mul", [x, "half"], "a5"),
+                 _n("Add", ["a4", "one"], "a6"), _n("Mul", ["a5", "a6"], "y")],
+                [_c("three", 3.0), _c("k", 0.044715), _c("c", math.sqrt(2 / math.pi)), _c("half", 0.5),
+                 _c("one", 1.0)])
+    if act == "silu":
+        return [_n("Sigmoid", [x], "a0"), _n("Mul", [x, "a0"], "y")], []
+    if act in ("relu", "tanh"):
+        return [_n(act.capitalize(), [x], "y")], []
+    return [_n("Identity", [x], "y")], []
+
+
+def matmul_bias(act="gelu", m=8, k=32, n=64, leak=None, dtype=np.float32) -> onnx.ModelProto:
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes, consts = _act_nodes(act, "h")
+    nodes = [_n("MatMul", ["x", "W"], "mm"), _n("Add", ["mm", "b"], "h")] + nodes
+    outs = [_t("y", [m, n], elem)] + ([_t(leak, [m, n], elem)] if leak else [])
+    return _model(nodes, [_t("x", [m, k], elem)], outs,
+                  [_c("W", RNG.standard_normal((k, n)) * 0.2, dtype), _c("b", RNG.standard_normal(n), dtype)]
+                  + [_c(c.name, onnx.numpy_helper.to_array(c), dtype) for c in consts])
+
+
+def skip_layer_norm(bias=True, rows=8, hidden=64, leak=None) -> onnx.ModelProto:
+    """y = LayerNorm((x [+ b]) + r); the sum s is a second output (the residual stream)."""
+    nodes = ([_n("Add", ["x", "b"], "xb"), _n("Add", ["xb", "r"], "s")] if bias else [_n("Add", ["x", "r"], "s")])
+    nodes.append(_n("LayerNormalization", ["s", "g", "beta"], "y", axis=-1, epsilon=1e-5))
+    outs = [_t("y", [rows, hidden]), _t("s", [rows, hidden])] + ([_t(leak, [rows, hidden])] if leak else [])
+    return _model(nodes, [_t("x", [rows, hidden]), _t("r", [rows, hidden])], outs,
+                  [_c("g", RNG.standard_normal(hidden)), _c("beta", RNG.standard_normal(hidden))]
+                  + ([_c("b", RNG.standard_normal(hidden))] if bias else []))
+
+
+def swiglu(rows=8, k=32, inter=64, leak=None) -> onnx.ModelProto:
+    nodes = [_n("MatMul", ["x", "Wg"], "g"), _n("Sigmoid", ["g"], "sg"), _n("Mul", ["g", "sg"], "act"),
+             _n("MatMul", ["x", "Wu"], "u"), _n("Mul", ["act", "u"], "y")]
+    outs = [_t("y", [rows, inter])] + ([_t(leak, [rows, inter])] if leak else [])
+    return _model(nodes, [_t("x", [rows, k])], outs,
+                  [_c("Wg", RNG.standard_normal((k, inter)) * 0.2), _c("Wu", RNG.standard_normal((k, inter)) * 0.2)])
+
+
+def rotary(b=2, h=4, s=8, d=16, split=None, leak=None) -> onnx.ModelProto:
+    """y = x*cos + concat(-x[..., split:], x[..., :split])*sin (split = d/2: rotate-half)."""
+    split = d // 2 if split is None else split
+    nodes = [_n("Slice", ["x", "s_mid", "s_end", "s_ax"], "hi"), _n("Neg", ["hi"], "nhi"),
+             _n("Slice", ["x", "s_zero", "s_mid", "s_ax"], "lo"), _n("Concat", ["nhi", "lo"], "rot", axis=-1),
+             _n("Mul", ["x", "cos"], "xc"), _n("Mul", ["rot", "sin"], "rs"), _n("Add", ["xc", "rs"], "y")]
+    outs = [_t("y", [b, h, s, d])] + ([_t(leak, [b, h, s, d])] if leak else [])
+    i64 = np.int64
+    return _model(nodes, [_t("x", [b, h, s, d]), _t("cos", [s, d]), _t("sin", [s, d])], outs,
+                  [_c("s_mid", [split], i64), _c("s_end", [d], i64), _c("s_zero", [0], i64), _c("s_ax", [-1], i64)])
+
+
+def attention(b=2, h=4, s=8, d=16, leak=None, seq_k=None) -> onnx.ModelProto:
+    """softmax(q @ k^T * scale + mask) @ v, q/k/v/mask as inputs in [B,H,S,D] layout."""
+    sk = seq_k or s
+    nodes = [_n("Transpose", ["k"], "kt", perm=[0, 1, 3, 2]), _n("MatMul", ["q", "kt"], "sc"),
+             _n("Mul", ["sc", "scale"], "ss"), _n("Add", ["ss", "mask"], "sm"),
+             _n("Softmax", ["sm"], "p", axis=-1), _n("MatMul", ["p", "v"], "y")]
+    outs = [_t("y", [b, h, s, d])] + ([_t(leak, [b, h, s, sk])] if leak else [])
+    return _model(nodes, [_t("q", [b, h, s, d]), _t("k", [b, h, sk, d]), _t("v", [b, h, sk, d]),
+                          _t("mask", [b, 1, s, sk])], outs, [_c("scale", 1 / math.sqrt(d))])
+
+
+CASES = {  # pattern -> (builder, name of an intermediate to leak)
+    "tvmfuse.matmul_bias_gelu": (lambda leak=None: matmul_bias("gelu", leak=leak), "a1"),
+    "tvmfuse.matmul_bias_gelu_tanh": (lambda leak=None: matmul_bias("gelu_tanh", leak=leak), "a2"),
+    "tvmfuse.matmul_bias_silu": (lambda leak=None: matmul_bias("silu", leak=leak), "mm"),
+    "tvmfuse.matmul_bias_relu": (lambda leak=None: matmul_bias("relu", leak=leak), "h"),
+    "tvmfuse.matmul_bias_tanh": (lambda leak=None: matmul_bias("tanh", leak=leak), "mm"),
+    "tvmfuse.skip_layer_norm_bias": (lambda leak=None: skip_layer_norm(True, leak=leak), "xb"),
+    "tvmfuse.swiglu": (lambda leak=None: swiglu(leak=leak), "g"),
+    "tvmfuse.rotary_embedding": (lambda leak=None: rotary(leak=leak), "rot"),
+    "tvmfuse.attention": (lambda leak=None: attention(leak=leak), "p"),
+    "tvmfuse.rms_norm_residual": (lambda leak=None: onnx_models.rms_norm_residual(leak=leak), "ms"),
+    "tvmfuse.layer_norm_gelu": (lambda leak=None: onnx_models.layer_norm_gelu(ln_also_output=bool(leak)), "ln"),
+}
+
+
+def _lower(model):
+    imp = import_model(model)
+    return imp, lower(imp.mod, imp.params)
+
+
+def check_against_ort(model, imp, fused, target):
+    ex, _ = build(fused.mod, target)
+    feeds = random_inputs(imp.inputs, dims={d: 3 for d in imp.symbolic_dims})
+    dev = device_for(target)
+    return compare(run_vm(relax.VirtualMachine(ex, dev), dev, list(feeds.values())), onnxruntime_outputs(model, feeds))
+
+
+@pytest.mark.parametrize("pattern", sorted(CASES))
+def test_pattern_fuses_to_one_kernel_and_matches_onnxruntime(pattern, llvm):
+    model = CASES[pattern][0]()
+    imp, fused = _lower(model)
+    assert list(fused.kernel_patterns.values()) == [pattern], (fused.kernels(), fused.rejections)
+    check = check_against_ort(model, imp, fused, llvm)
+    assert check.ok, check.as_dict()
+
+
+@pytest.mark.parametrize("pattern", sorted(CASES))
+def test_intermediate_used_outside_blocks_the_pattern(pattern):
+    make, leak = CASES[pattern]
+    _, fused = _lower(make(leak=leak))
+    assert pattern not in fused.kernel_patterns.values()
+    reasons = [why for p, _, why in fused.rejections if p == pattern]
+    assert reasons and all("used outside the match" in why for why in reasons), fused.rejections
+
+
+def test_skip_layer_norm_without_bias_keeps_the_sum():
+    _, fused = _lower(skip_layer_norm(bias=False))
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.skip_layer_norm"]
+    assert len(fused.kernels()) == 1  # both outputs (y and the sum) come from the one kernel
+
+
+def test_unsupported_dtype_is_rejected_with_reason():
+    _, fused = _lower(matmul_bias("relu", dtype=np.float64))
+    assert not fused.kernel_patterns
+    assert any(p == "tvmfuse.matmul_bias_relu" and "float64" in why for p, _, why in fused.rejections)
+
+
+def test_rotate_not_by_half_is_rejected_with_reason():
+    _, fused = _lower(rotary(d=16, split=4))
+    assert "tvmfuse.rotary_embedding" not in fused.kernel_patterns.values()
+    assert any("half" in why for p, _, why in fused.rejections if p == "tvmfuse.rotary_embedding")
+
+
+def test_attention_candidate_records_shapes_for_templates():
+    from tvmfuse.decide import decide
+    from tvmfuse.fuse import bind_params
+
+    imp = import_model(attention(b=2, h=4, s=8, d=16))
+    plan = decide(bind_params(imp.mod, imp.params))
+    (att,) = [c for c in plan.kept() if c.match.pattern == "tvmfuse.attention"]
+    info = att.match.info
+    assert (info["batch"], info["heads"], info["kv_heads"], info["seq_q"], info["seq_k"], info["head_dim"]) == \
+        ("2", "4", "4", "8", "8", "16")
+    assert info["mask"] == "additive" and info["causal"] is False

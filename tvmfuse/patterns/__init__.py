@@ -1,0 +1,73 @@
+"""The fusion pattern table: one entry (name, pattern maker, check) per fusion, most specific first.
+
+Each check either rejects a match with a recorded reason (the module stays unchanged there) or accepts
+it; acceptance goes through `common.accept`, so the decide stage can run the table as a dry run that
+records every candidate, and the fuse stage can then fuse exactly the chosen ones.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tvm.relax.transform import FusionPattern, PatternCheckContext
+
+from .attention import check_attention, check_rotary_embedding, make_attention_pattern, make_rotary_embedding_pattern
+from .common import Annotated, Match, Recorder, check_private_intermediates, current, reject, start, stop
+from .matmul import check_geglu, check_matmul_bias, check_swiglu, make_geglu_pattern, make_matmul_bias_pattern, \
+    make_swiglu_pattern
+from .norms import (check_layer_norm_gelu, check_rms_norm, check_rms_norm_residual, check_skip_layer_norm,
+                    check_skip_layer_norm_bias, make_layer_norm_gelu_pattern, make_rms_norm_pattern,
+                    make_rms_norm_residual_pattern, make_skip_layer_norm_bias_pattern, make_skip_layer_norm_pattern)
+
+Check = Callable[[PatternCheckContext], bool]
+
+#: The table. FuseOpsByPattern gives earlier entries priority, so the most specific come first; the decide
+#: stage resolves overlaps by predicted benefit, so order only breaks exact ties.
+PATTERN_TABLE: list[tuple[str, Callable[[], Annotated], Check]] = [
+    ("tvmfuse.attention", make_attention_pattern, check_attention),
+    ("tvmfuse.swiglu", make_swiglu_pattern, check_swiglu),
+    ("tvmfuse.geglu", make_geglu_pattern, check_geglu),
+    ("tvmfuse.rotary_embedding", make_rotary_embedding_pattern, check_rotary_embedding),
+    ("tvmfuse.rms_norm_residual", make_rms_norm_residual_pattern, check_rms_norm_residual),
+    ("tvmfuse.rms_norm", make_rms_norm_pattern, check_rms_norm),
+    ("tvmfuse.skip_layer_norm_bias", make_skip_layer_norm_bias_pattern, check_skip_layer_norm_bias),
+    ("tvmfuse.skip_layer_norm", make_skip_layer_norm_pattern, check_skip_layer_norm),
+    ("tvmfuse.layer_norm_gelu", make_layer_norm_gelu_pattern, check_layer_norm_gelu),
+    *[(f"tvmfuse.matmul_bias_{a}", make_matmul_bias_pattern(a), check_matmul_bias(a))
+      for a in ("gelu", "gelu_tanh", "silu", "relu", "tanh")],
+    ("tvmfuse.matmul_bias", make_matmul_bias_pattern(None), check_matmul_bias(None)),
+]
+
+
+def fusion_patterns(names: list[str] | None = None) -> list[FusionPattern]:
+    """The table as FusionPatterns for FuseOpsByPattern, optionally only the named entries."""
+    out = []
+    for name, make, check in PATTERN_TABLE:
+        if names is None or name in names:
+            root, annotations = make()
+            out.append(FusionPattern(name, root, {**annotations, "root": root}, check, _candidate_attrs))
+    return out
+
+
+def _candidate_attrs(annotated) -> dict[str, str]:
+    """Tag each fused function with the candidate it came from (pattern@root), for the report."""
+    rec = current()
+    root = annotated.get("root") if rec is not None else None
+    for expr, (pattern, var) in (rec.accepted if rec is not None else []):
+        if root is not None and expr.same_as(root):
+            return {"tvmfuse.candidate": f"{pattern}@{var}"}
+    return {}
+
+
+def collect_rejections() -> tuple[list, object]:
+    """Start recording rejections (no decision: every passing match fuses); returns the list and a token."""
+    rec = Recorder()
+    return rec.rejections, start(rec)
+
+
+def stop_collecting(token) -> None:
+    stop(token)
+
+
+__all__ = ["PATTERN_TABLE", "fusion_patterns", "check_private_intermediates", "reject", "collect_rejections",
+           "stop_collecting", "Recorder", "Match", "start", "stop"]

@@ -1,0 +1,137 @@
+"""Attention (multi-head layout, scale, mask, GQA) and rotary position embedding (rotate-half)."""
+
+from __future__ import annotations
+
+from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple, wildcard
+from tvm.relax.transform import PatternCheckContext
+
+from .common import dim_str, Annotated, as_int, finish, ndim, producer, reject, same_dim, scalar, shape_of
+
+_COMPARE = {"relax.less", "relax.less_equal", "relax.greater", "relax.greater_equal"}
+
+
+def _op(name: str, *args) -> DFPattern:
+    return is_op(f"relax.{name}")(*args)
+
+
+def _heads(p: DFPattern) -> DFPattern:
+    """[B,S,H*D] -> reshape -> permute -> [B,H,S,D] (or already split, or already in head layout)."""
+    return _op("permute_dims", _op("reshape", p, wildcard())) | _op("permute_dims", p) | p
+
+
+def _gqa(p: DFPattern) -> tuple[DFPattern, DFPattern]:
+    """repeat_kv: [B,KV,S,D] -> expand_dims -> broadcast_to -> reshape -> [B,H,S,D]; also the expand_dims."""
+    expand = _op("expand_dims", p)
+    return _op("reshape", _op("broadcast_to", expand, wildcard()), wildcard()), expand
+
+
+def make_attention_pattern() -> Annotated:
+    """softmax(scale * Q @ K^T [+ mask]) @ V with the head split/merge reshapes and transposes around it."""
+    q_in, k_in, v_in, mask = wildcard(), wildcard(), wildcard(), wildcard()
+    (k_gqa, k_exp), (v_gqa, _) = _gqa(k_in), _gqa(_heads(v_in))
+    q = _heads(q_in)
+    k = _op("permute_dims", k_gqa) | _op("permute_dims", _op("reshape", k_in, wildcard())) | _op("permute_dims", k_in)
+    v = v_gqa | _heads(v_in)
+    qs = _op("multiply", q, is_const()) | _op("divide", q, is_const()) | q
+    ks = _op("multiply", k, is_const()) | _op("divide", k, is_const()) | k
+    scores = _op("matmul", qs, ks)
+    scaled = _op("multiply", scores, is_const()) | _op("divide", scores, is_const()) | scores
+    masked = _op("add", scaled, mask) | scaled
+    sm = _op("nn.softmax", masked)
+    probs = _op("where", _op("isnan", sm), is_const(), sm) | sm
+    out = _op("matmul", probs, v)
+    merged = _op("permute_dims", _op("reshape", out, wildcard())) | _op("permute_dims", out)
+    root = _op("reshape", merged, wildcard()) | merged | out
+    return root, {"q": q, "k": k, "v": v, "scores": scores, "masked": masked, "softmax": sm, "out": out,
+                  "k_exp": k_exp}
+
+
+def check_attention(ctx: PatternCheckContext) -> bool:
+    name = "tvmfuse.attention"
+    ann = dict(ctx.annotated_expr.items())
+    scores, out, sm = ann["scores"], ann["out"], ann["softmax"]
+    q_t, k_t = scores.args[0], scores.args[1]
+    if ndim(out) != 4 or ndim(q_t) != 4 or ndim(k_t) != 4:
+        return reject(ctx, name, f"not 4-D multi-head tensors (out rank {ndim(out)})")
+    b, h, sq, d = shape_of(q_t)
+    if not same_dim(shape_of(k_t)[2], d):
+        return reject(ctx, name, "Q and K head dims differ")
+    sk = shape_of(k_t)[3]
+    if as_int(sm.attrs.axis) not in (-1, 3):
+        return reject(ctx, name, f"softmax over axis {sm.attrs.axis}, not the key axis")
+    if not same_dim(shape_of(out.args[1])[2], sk):
+        return reject(ctx, name, "V length differs from K length")
+    mask, causal = "none", False
+    masked = ann.get("masked")
+    if masked is not None and getattr(masked.op, "name", "") == "relax.add":
+        m = [a for a in masked.args if a not in ctx.matched_bindings]
+        m = m[0] if m else masked.args[1]
+        ms = shape_of(m) or []
+        if len(ms) != 4 or not same_dim(ms[-1], sk) or dim_str(ms[-2]) not in ("1", dim_str(sq)):
+            return reject(ctx, name, f"mask shape {[dim_str(x) for x in ms]} does not broadcast to [B,H,Sq,Sk]")
+        mask, causal = "additive", _is_causal(m)
+    kv = ann.get("k_exp")
+    kv_heads = shape_of(kv.args[0])[1] if kv is not None and _in(ctx, kv) else h
+    scale = [scalar(a) for c in ctx.matched_bindings.values() if c.op.name in ("relax.multiply", "relax.divide")
+             for a in c.args if scalar(a) is not None]
+    info = {"batch": dim_str(b), "heads": dim_str(h), "kv_heads": dim_str(kv_heads), "seq_q": dim_str(sq), "seq_k": dim_str(sk),
+            "head_dim": dim_str(d), "mask": mask, "causal": causal, "scale_consts": scale,
+            "layout": "BSHD" if _in(ctx, ann.get("q")) and ann["q"].op.name == "relax.permute_dims" else "BHSD"}
+    return finish(ctx, name, info)
+
+
+def _in(ctx: PatternCheckContext, expr) -> bool:
+    var = ctx.value_to_bound_var.get(expr) if expr is not None else None
+    return var is not None and var in ctx.matched_bindings
+
+
+def _is_causal(mask, depth: int = 12) -> bool:
+    """The mask is computed from a comparison of two position ranges giving [.., Sq, Sk] (a causal mask)."""
+    stack, seen = [(mask, 0)], set()
+    while stack:
+        expr, level = stack.pop()
+        name = getattr(expr, "name", None)
+        call = producer(name) if name else None
+        if call is None or name in seen or level > depth:
+            continue
+        seen.add(name)
+        if getattr(call.op, "name", "") in _COMPARE and all(scalar(a) is None for a in call.args):
+            shp = shape_of(call) or shape_of(expr)
+            if shp and len(shp) >= 2 and dim_str(shp[-1]) != "1" and dim_str(shp[-2]) != "1":
+                return True
+        stack.extend((a, level + 1) for a in call.args if hasattr(a, "name"))
+    return False
+
+
+def make_rotary_embedding_pattern() -> Annotated:
+    """y = x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])."""
+    x = wildcard()
+    hi = _op("strided_slice", x, wildcard(), wildcard(), wildcard(), wildcard())
+    lo = _op("strided_slice", x, wildcard(), wildcard(), wildcard(), wildcard())
+    rot = _op("concat", is_tuple([_op("negative", hi), lo]))
+    cos, sin = wildcard(), wildcard()
+    y = _op("add", _op("multiply", x, cos), _op("multiply", rot, sin))
+    return y, {"hi": hi, "lo": lo, "rot": rot, "y": y}
+
+
+def check_rotary_embedding(ctx: PatternCheckContext) -> bool:
+    name = "tvmfuse.rotary_embedding"
+    ann = dict(ctx.annotated_expr.items())
+    x = ann["hi"].args[0]
+    d = as_int(shape_of(x)[-1])
+    if d is None or d % 2:
+        return reject(ctx, name, f"head dim {shape_of(x)[-1]} is not a known even size")
+    rank = ndim(x)
+    for part, begin in (("hi", d // 2), ("lo", 0)):
+        call = ann[part]
+        axes, begins = [as_int(a) for a in call.args[1]], [as_int(a) for a in call.args[2]]
+        if axes not in ([rank - 1], [-1]) or begins != [begin] or as_int(shape_of(call)[-1]) != d // 2:
+            return reject(ctx, name, f"{part} slice is not the {'upper' if begin else 'lower'} half of the last axis")
+    if as_int(ann["rot"].attrs.axis) not in (-1, rank - 1):
+        return reject(ctx, name, "rotate-half concat is not on the last axis")
+    for c in ctx.matched_bindings.values():
+        if c.op.name == "relax.multiply" and any(as_int((shape_of(a) or [0])[-1]) not in (d, 1) for a in c.args):
+            return reject(ctx, name, "cos/sin do not broadcast over the head dim")
+    shp = shape_of(x)
+    return finish(ctx, name, {"head_dim": d, "heads": dim_str(shp[1]) if rank == 4 else "?",
+                              "seq": dim_str(shp[-2])})

@@ -1,0 +1,128 @@
+"""Normalization entries: LayerNorm+GELU, skip-LayerNorm (with or without bias), RMSNorm (with residual)."""
+
+from __future__ import annotations
+
+from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
+from tvm.relax.transform import PatternCheckContext
+
+from . import activations as act
+from .common import dim_str, Annotated, finish, last_axis, ndim, reject, same_dim, shape_of
+
+
+def _layer_norm(x: DFPattern) -> DFPattern:
+    return is_op("relax.nn.layer_norm")(x, wildcard(), wildcard())
+
+
+def make_layer_norm_gelu_pattern() -> Annotated:
+    """y = gelu(layer_norm(x)): GELU as the op (erf or tanh) or decomposed by the exporter."""
+    ln = _layer_norm(wildcard())
+    y = act.gelu_erf(ln) | act.gelu_tanh(ln)
+    return y, {"ln": ln, "y": y}
+
+
+def make_skip_layer_norm_pattern() -> Annotated:
+    """y = layer_norm(a + b); the sum stays available to later ops (the residual stream)."""
+    s = is_op("relax.add")(wildcard(), wildcard())
+    y = _layer_norm(s)
+    return y, {"sum": s, "ln": y}
+
+
+def make_skip_layer_norm_bias_pattern() -> Annotated:
+    """y = layer_norm((x + bias) [reshaped] + residual); the sum stays available."""
+    biased = is_op("relax.add")(wildcard(), wildcard())
+    pre = is_op("relax.reshape")(biased, wildcard()) | biased
+    s = is_op("relax.add")(pre, wildcard())
+    y = _layer_norm(s)
+    return y, {"biased": biased, "sum": s, "ln": y}
+
+
+def _rms(h: DFPattern) -> tuple[DFPattern, dict]:
+    """h [->fp32] -> square -> mean -> +eps -> sqrt/rsqrt -> divide/multiply [-> cast back] -> * weight."""
+    h32 = is_op("relax.astype")(h) | h
+    square = is_op("relax.power")(h32, is_const()) | is_op("relax.multiply")(h32, h32)
+    mean = is_op("relax.mean")(square)
+    var_eps = is_op("relax.add")(mean, is_const())
+    sqrt = is_op("relax.sqrt")(var_eps)
+    norm = (is_op("relax.divide")(h32, sqrt) | is_op("relax.multiply")(h32, is_op("relax.rsqrt")(var_eps))
+            | is_op("relax.multiply")(h32, is_op("relax.divide")(is_const(), sqrt)))
+    cast = is_op("relax.astype")(norm) | norm
+    y = is_op("relax.multiply")(cast, wildcard())
+    return y, {"square": square, "mean": mean, "var_eps": var_eps, "norm": norm, "y": y}
+
+
+def make_rms_norm_residual_pattern() -> Annotated:
+    """h = x + r; y = h / sqrt(mean(h*h, -1) + eps) * w  (h stays available)."""
+    h = is_op("relax.add")(wildcard(), wildcard())
+    y, ann = _rms(h)
+    return y, {"h": h, **ann}
+
+
+def make_rms_norm_pattern() -> Annotated:
+    """y = x / sqrt(mean(x*x, -1) + eps) * w, decomposed as exporters emit it."""
+    y, ann = _rms(wildcard())
+    return y, ann
+
+
+def check_layer_norm_gelu(ctx: PatternCheckContext) -> bool:
+    name = "tvmfuse.layer_norm_gelu"
+    if not _ln_last_axis(ctx):
+        return reject(ctx, name, "layer_norm is not over the last axis only")
+    problem = act.gelu_erf_problem(ctx) if "tanh" not in _ops(ctx) and "gelu_tanh" not in _ops(ctx) \
+        else act.gelu_tanh_problem(ctx)
+    if problem:
+        return reject(ctx, name, f"not a GELU: {problem}")
+    return finish(ctx, name, {"hidden": dim_str(shape_of(ctx.annotated_expr["ln"])[-1])})
+
+
+def check_skip_layer_norm(ctx: PatternCheckContext) -> bool:
+    return _check_skip(ctx, "tvmfuse.skip_layer_norm")
+
+
+def check_skip_layer_norm_bias(ctx: PatternCheckContext) -> bool:
+    name = "tvmfuse.skip_layer_norm_bias"
+    biased = ctx.annotated_expr["biased"]
+    hidden = shape_of(biased)[-1]
+    if not any(ndim(a) == 1 and same_dim(shape_of(a)[0], hidden) for a in biased.args):
+        return reject(ctx, name, "the first add is not a bias add (no 1-D operand of the hidden size)")
+    return _check_skip(ctx, name)
+
+
+def _check_skip(ctx: PatternCheckContext, name: str) -> bool:
+    s = ctx.annotated_expr["sum"]
+    if not _ln_last_axis(ctx):
+        return reject(ctx, name, "layer_norm is not over the last axis only")
+    if any(ndim(a) != ndim(s) for a in s.args):
+        return reject(ctx, name, "the add broadcasts: not a residual add of two same-rank tensors")
+    return finish(ctx, name, {"hidden": dim_str(shape_of(s)[-1])}, exposed=("sum",))
+
+
+def check_rms_norm_residual(ctx: PatternCheckContext) -> bool:
+    return _check_rms(ctx, "tvmfuse.rms_norm_residual", exposed=("h",))
+
+
+def check_rms_norm(ctx: PatternCheckContext) -> bool:
+    return _check_rms(ctx, "tvmfuse.rms_norm")
+
+
+def _check_rms(ctx: PatternCheckContext, name: str, exposed: tuple[str, ...] = ()) -> bool:
+    mean = ctx.annotated_expr["mean"]
+    rank = ndim(mean.args[0])
+    if not last_axis(mean.attrs.axis or [], rank) or not mean.attrs.keepdims:
+        return reject(ctx, name, f"mean over axes {list(mean.attrs.axis or [])}, not the last axis with keepdims")
+    square = ctx.annotated_expr["square"]
+    if square.op.name == "relax.power" and abs(float(square.args[1].value.numpy()) - 2.0) > 1e-6:
+        return reject(ctx, name, "power exponent is not 2")
+    weight = ctx.annotated_expr["y"].args
+    hidden = shape_of(mean.args[0])[-1]
+    if not any(ndim(w) == 1 and same_dim(shape_of(w)[0], hidden) for w in weight):
+        return reject(ctx, name, "the final multiply is not by a weight vector of the hidden size")
+    return finish(ctx, name, {"hidden": dim_str(hidden)}, exposed=exposed)
+
+
+def _ln_last_axis(ctx: PatternCheckContext) -> bool:
+    ln = ctx.annotated_expr["ln"]
+    return last_axis(list(ln.attrs.axes), ndim(ln.args[0]))
+
+
+def _ops(ctx: PatternCheckContext) -> set[str]:
+    return {c.op.name.split(".")[-1] for c in ctx.matched_bindings.values()}
