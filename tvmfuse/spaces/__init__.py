@@ -1,0 +1,54 @@
+"""Per-kernel-family MetaSchedule design spaces for tvmfuse's fused kernels, chosen from the PrimFunc's shape."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir import meta_schedule as ms
+
+from . import gemm, gemv, rowreduce
+
+__all__ = ["classify", "space_for", "default_schedule"]
+
+
+def _is_gpu(target: tvm.target.Target) -> bool:
+    return "gpu" in target.keys
+
+
+def classify(func: tirx.PrimFunc) -> str | None:
+    """'row' (row reduction + epilogue), 'gemv' (matmul, small M), 'gemm' (matmul on tensor cores) or None."""
+    info = gemv.matmul_shape(func)
+    if info is not None:
+        m, _n, _k, dtype = info
+        if m <= gemv.MAX_M:
+            return "gemv"
+        if dtype == "float16":
+            return "gemm"
+        return None
+    if rowreduce.is_row_reduction(func):
+        return "row"
+    return None
+
+
+def space_for(func: tirx.PrimFunc, target: tvm.target.Target) -> ms.space_generator.SpaceGenerator | None:
+    """The design space to tune `func` with on `target`; None means MetaSchedule's default space."""
+    if not _is_gpu(target) or target.kind.name != "cuda":
+        return None
+    kind = classify(func)
+    if kind == "row":
+        return ms.space_generator.ScheduleFn(rowreduce.space_fn, sch_rules=[], postprocs="cuda", mutator_probs="cuda")
+    if kind == "gemv":
+        return ms.space_generator.ScheduleFn(gemv.space_fn, sch_rules=[], postprocs="cuda", mutator_probs="cuda")
+    if kind == "gemm":
+        return gemm.space()
+    return None
+
+
+def default_schedule(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """dlight's default schedules on a clone of `mod` (dlight mutates its input)."""
+    from tvm.s_tir import dlight as dl
+
+    with target:
+        return dl.ApplyDefaultSchedule(  # pylint: disable=not-callable
+            dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
+        )(mod.clone())
