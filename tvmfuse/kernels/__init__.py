@@ -1,0 +1,135 @@
+"""Registry of hand-written kernel templates by pattern name, and `substitute` to put them into a lowered module."""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax, tirx
+
+from .attention_decode import TEMPLATE as ATTENTION_DECODE
+from .attention_prefill import TEMPLATE as ATTENTION_PREFILL
+from .common import Template, normalize
+from .roles import attention_roles
+
+_REGISTRY: dict[str, list[Template]] = {}
+
+
+def register(pattern_name: str, template: Template) -> None:
+    """Add a template for a pattern; earlier registrations are tried first."""
+    _REGISTRY.setdefault(pattern_name, []).append(template)
+
+
+def templates(pattern_name: str) -> list[Template]:
+    return list(_REGISTRY.get(pattern_name, []))
+
+
+def lookup(pattern_name: str, shapes: dict) -> Template | None:
+    """The first registered template for the pattern whose check accepts these shapes, else None."""
+    return next((t for t in _REGISTRY.get(pattern_name, []) if t.check(shapes) is None), None)
+
+
+register("tvmfuse.attention", ATTENTION_DECODE)
+register("tvmfuse.attention", ATTENTION_PREFILL)
+
+
+def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
+               knobs: dict[str, dict] | None = None, target: str = "cuda", log: list | None = None) -> tvm.IRModule:
+    """Replace each PrimFunc named in `patterns` ({primfunc: pattern}, e.g. `Fused.kernel_patterns`) by the
+    registered template when its argument roles, shapes and softmax scale are understood and a template
+    accepts them; everything else is left untouched. `info` ({primfunc: candidate info}) may give `scale`,
+    `causal`; `knobs` ({primfunc: knobs}) the tuned knobs. `log` collects (primfunc, outcome) pairs."""
+    log = log if log is not None else []
+    calls, rewrite = _call_sites(mod), {}
+    for gv, fn in mod.functions.items():
+        name = gv.name_hint
+        if not isinstance(fn, tirx.PrimFunc) or name not in patterns:
+            continue
+        pattern = patterns[name]
+        try:
+            roles = attention_roles(fn) if pattern == "tvmfuse.attention" else None
+        except Exception as err:  # noqa: BLE001 - anything unexpected means: keep the generic kernel
+            roles = None
+            log.append((name, f"generic: roles not found ({type(err).__name__}: {err})"))
+            continue
+        if roles is None:
+            log.append((name, "generic: no registered role analysis" if pattern != "tvmfuse.attention"
+                        else "generic: argument roles not recognised"))
+            continue
+        call = calls.get(name)
+        if call is None:
+            log.append((name, "generic: no call site in main"))
+            continue
+        shapes = {**roles["shapes"], **{k: v for k, v in (info or {}).get(name, {}).items() if k in ("causal", "scale")}}
+        scale = shapes.get("scale") or _scale(roles["order"], call)
+        if scale is None or not math.isclose(scale, 1 / math.sqrt(shapes["head_dim"]), rel_tol=1e-3):
+            log.append((name, f"generic: softmax scale {scale} is not 1/sqrt(head_dim)"))
+            continue
+        shapes["scale"] = scale
+        tmpl = lookup(pattern, shapes)
+        if tmpl is None:
+            reasons = "; ".join(f"{t.name}: {t.check(shapes)}" for t in templates(pattern))
+            log.append((name, f"generic: no template accepts ({reasons})"))
+            continue
+        new = tmpl(shapes, (knobs or {}).get(name), target).with_attr("global_symbol", name)
+        rewrite[gv] = (name, new,
+                       [roles["order"].index(r) for r in _signature(normalize(shapes)) if r != "out"])
+        log.append((name, f"template {tmpl.name}"))
+    if not rewrite:
+        return mod
+    out = tvm.IRModule({gv: fn for gv, fn in mod.functions.items() if gv not in rewrite}, attrs=mod.attrs,
+                       global_infos=mod.global_infos)
+    return _CallRewriter(out, rewrite).run()
+
+
+def _call_sites(mod: tvm.IRModule) -> dict:
+    calls = {}
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get("relax.call_tir")):
+            calls[expr.args[0].name_hint] = expr
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return calls
+
+
+def _scale(order: list, call) -> float | None:
+    """The softmax scale from the scalar constants the call passes (multiplied or divided in)."""
+    scale, args = 1.0, list(call.args[1].fields)
+    for role, arg in zip(order, args):
+        if role.startswith("scale"):
+            value = getattr(arg, "value", None)
+            if value is None:
+                return None
+            x = float(value.numpy())
+            scale = scale * x if role == "scale*" else scale / x
+    return scale
+
+
+@relax.expr_functor.mutator
+class _CallRewriter(relax.PyExprMutator):
+    """Point the rewritten kernels' call_tir at the template's argument order (scalars dropped)."""
+
+    def __init__(self, mod: tvm.IRModule, rewrite: dict):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.perm = {gv: (self.builder_.add_func(new, name), new, perm) for gv, (name, new, perm) in rewrite.items()}
+
+    def run(self) -> tvm.IRModule:
+        main = self.mod_.get_global_var("main")
+        self.builder_.update_func(main, self.visit_expr(self.mod_[main]))
+        return self.builder_.get()
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        if call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and call.args[0] in self.perm:
+            new_gv, _, perm = self.perm[call.args[0]]
+            args = list(call.args[1].fields)
+            return relax.call_tir(new_gv, relax.Tuple([args[i] for i in perm]), call.ty_args[0])
+        return call
+
+
+def _signature(s: dict) -> list[str]:
+    return ["q", "k", "v"] + (["mask"] if s["mask"] == "additive" else []) + ["out"]
+
+
+__all__ = ["Template", "register", "lookup", "templates", "substitute", "ATTENTION_DECODE", "ATTENTION_PREFILL"]
