@@ -1,0 +1,198 @@
+"""GPU benchmark of the attention templates vs torch SDPA (and TVM's generic path) at the issue's shapes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+
+CASES = [  # name, template, shapes, knob filter
+    ("prefill_b1_h32_s2048_d128_causal_fp16", "prefill", dict(batch=1, heads=32, kv_heads=32, seq_q=2048, seq_k=2048, head_dim=128, dtype="float16", causal=True)),
+    ("prefill_b1_h32_s2048_d128_causal_bf16", "prefill", dict(batch=1, heads=32, kv_heads=32, seq_q=2048, seq_k=2048, head_dim=128, dtype="bfloat16", causal=True)),
+    ("prefill_b1_h32kv8_s2048_d64_mask_fp16", "prefill", dict(batch=1, heads=32, kv_heads=8, seq_q=2048, seq_k=2048, head_dim=64, dtype="float16", mask="additive", mask_shape=(1, 1, 2048, 2048))),
+    ("decode_b1_h32kv8_L4096_d128_fp16", "decode", dict(batch=1, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="float16")),
+    ("decode_b16_h32kv8_L4096_d128_fp16", "decode", dict(batch=16, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="float16")),
+]
+DECODE_KNOBS = {1: [(s, 4, u) for s in (16, 32, 64) for u in (2, 4)] + [(32, 8, 2)],
+                16: [(s, 4, u) for s in (1, 4, 8) for u in (2, 4)] + [(4, 8, 2)]}
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def torch_time(fn, iters=50):
+    import torch
+    fn(); torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record(); torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def torch_side(s, tensors, res):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v, m = tensors
+    kw = dict(attn_mask=m, is_causal=s.get("causal", False), enable_gqa=s["heads"] != s["kv_heads"])
+    call = lambda: F.scaled_dot_product_attention(q, k, v, **kw)  # noqa: E731
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask=m, dropout_p=0.0, is_causal=kw["is_causal"],
+                                         enable_gqa=kw["enable_gqa"])
+        res["torch_choice"] = SDPBackend(choice).name
+    except Exception as err:  # noqa: BLE001
+        res["torch_choice"] = f"unknown ({type(err).__name__})"
+    res["torch_us"] = torch_time(call)
+    res["torch_backends_us"] = {}
+    for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        try:
+            with sdpa_kernel([b]):
+                res["torch_backends_us"][b.name] = torch_time(call, 20)
+        except Exception as err:  # noqa: BLE001
+            res["torch_backends_us"][b.name] = f"failed: {str(err).splitlines()[0][:120]}"
+    return call().float()
+
+
+def tvm_run(fn, tensors, out, dev, target):
+    """Compile the PrimFunc, run it on torch tensors (shared through DLPack), time it with TVM's evaluator."""
+    import tvm
+    lib = tvm.compile(tvm.IRModule({"main": fn}), target=target)
+    lib = lib.jit() if hasattr(lib, "jit") else lib
+    args = [tvm.runtime.from_dlpack(t) for t in tensors] + [tvm.runtime.from_dlpack(out)]
+    lib["main"](*args)
+    dev.sync()
+    t = lib.time_evaluator("main", dev, number=50, repeat=5, min_repeat_ms=50)(*args)
+    return sorted(t.results)[len(t.results) // 2] * 1e6
+
+
+def generic_path(s, tensors, dev, target):
+    """TVM's stock path: the same attention graph as Relax ops, default GPU pipeline (FuseOps + dlight)."""
+    import tvm
+    from tvm import relax
+    bb, dt, g = relax.BlockBuilder(), s["dtype"], s["heads"] // s["kv_heads"]
+    params = [relax.Var(n, relax.TensorType(tuple(a.shape), dt)) for n, a in zip("qkvm", tensors)]
+    with bb.function("main", params):
+        with bb.dataflow():
+            k, v = params[1], params[2]
+            if g > 1:
+                k, v = (bb.emit(relax.op.repeat(x, g, axis=1)) for x in (k, v))
+            sc = bb.emit(relax.op.matmul(params[0], bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
+            sc = bb.emit(relax.op.multiply(sc, relax.const(1 / math.sqrt(s["head_dim"]), dt)))
+            if len(params) == 4:
+                sc = bb.emit(relax.op.add(sc, params[3]))
+            o = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(sc, axis=-1)), v))
+        bb.emit_func_output(o)
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), target=target), dev)
+    args = [tvm.runtime.from_dlpack(t) for t in tensors]
+    vm.set_input("main", *args)
+    t = vm.time_evaluator("invoke_stateful", dev, number=20, repeat=3)("main")
+    return sorted(t.results)[1] * 1e6
+
+
+def run_case(name, kind, s, dev, target, res, generic):
+    import torch
+    from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL
+    tmpl = ATTENTION_PREFILL if kind == "prefill" else ATTENTION_DECODE
+    res.update(shapes={k: v for k, v in s.items()}, template=tmpl.name)
+    reason = tmpl.check(s)
+    if reason:
+        raise ValueError(reason)
+    tdt = getattr(torch, s["dtype"])
+    B, H, HKV, SQ, L, D = (s[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim"))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(sh, device="cuda", dtype=tdt) for sh in ((B, H, SQ, D), (B, HKV, L, D), (B, HKV, L, D)))
+    m = (torch.randn(s["mask_shape"], device="cuda") * 2).to(tdt) if s.get("mask") == "additive" else None
+    ref = torch_side(s, (q, k, v, m), res)
+    tensors = [t.contiguous() for t in (q, k, v) + ((m,) if m is not None else ())]
+    flops = 4 * B * H * SQ * L * D / (2 if s.get("causal") else 1)
+    bytes_ = 2 * (q.numel() + k.numel() + v.numel() + q.numel())
+    if kind == "prefill":
+        knob_list = tmpl.knob_space(s)
+    else:
+        knob_list = [dict(split=a, warps=b, unroll=c) for a, b, c in DECODE_KNOBS.get(B, [])]
+        knob_list = [kn for kn in knob_list if kn in tmpl.knob_space(s)] or [tmpl.default_knobs(s)]
+    res["trials"] = []
+    for kn in knob_list:
+        trial = {"knobs": kn}
+        res["trials"].append(trial)
+        try:
+            t0 = time.time()
+            out = torch.full((B, H, SQ, D), float("nan"), device="cuda", dtype=tdt)
+            us = tvm_run(tmpl(s, kn), tensors, out, dev, target)
+            got = out.float()
+            err = (got - ref).abs().max().item()
+            trial.update(us=us, max_abs_err=err, ok=bool(err < 3e-2), seconds=round(time.time() - t0, 1))
+            log(f"  {name} {kn}: {us:.1f} us, err {err:.2e}")
+        except Exception as e:  # noqa: BLE001
+            trial["error"] = f"{type(e).__name__}: {str(e)[-800:]}"
+            log(f"  {name} {kn}: FAILED {trial['error'][:200]}")
+    good = [t for t in res["trials"] if t.get("ok")]
+    if good:
+        best = min(good, key=lambda t: t["us"])
+        res.update(best_knobs=best["knobs"], tvmfuse_us=best["us"], speedup_vs_torch=res["torch_us"] / best["us"])
+        res["tvmfuse_tflops" if kind == "prefill" else "tvmfuse_TBps"] = (flops / best["us"] / 1e6 if kind == "prefill" else bytes_ / best["us"] / 1e6)
+    res["torch_tflops" if kind == "prefill" else "torch_TBps"] = (flops / res["torch_us"] / 1e6 if kind == "prefill" else bytes_ / res["torch_us"] / 1e6)
+    if generic:
+        try:
+            res["tvm_generic_us"] = generic_path(s, tensors, dev, target)
+        except Exception as e:  # noqa: BLE001
+            res["tvm_generic_error"] = f"{type(e).__name__}: {str(e)[-400:]}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="", help="comma-separated substrings of case names")
+    ap.add_argument("--no-generic", action="store_true")
+    args = ap.parse_args()
+    report = {"cases": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+    try:
+        import torch
+        import tvm
+        dev = tvm.cuda(0)
+        target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+        report.update(torch=torch.__version__, tvm=tvm.__version__, gpu=torch.cuda.get_device_name(0))
+    except Exception:  # noqa: BLE001
+        report["setup_error"] = traceback.format_exc()
+        save()
+        raise SystemExit(1)
+    for name, kind, s in CASES:
+        if args.only and not any(x in name for x in args.only.split(",")):
+            continue
+        log("case", name)
+        res = report["cases"].setdefault(name, {})
+        t0 = time.time()
+        try:
+            run_case(name, kind, s, dev, target, res, generic=not args.no_generic and kind == "decode" or
+                     (not args.no_generic and "fp16" in name and "causal" in name))
+        except Exception:  # noqa: BLE001
+            res["error"] = traceback.format_exc()[-2000:]
+            log("  FAILED", res["error"].splitlines()[-1])
+        res["seconds"] = round(time.time() - t0, 1)
+        log(f"  -> tvmfuse {res.get('tvmfuse_us', 'n/a')} us vs torch {res.get('torch_us', 'n/a')} us "
+            f"({res.get('torch_choice')}), generic {res.get('tvm_generic_us', res.get('tvm_generic_error', 'n/a'))}")
+        save()
+    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    save()
+
+
+if __name__ == "__main__":
+    main()
