@@ -110,7 +110,7 @@ def print_summary(results) -> None:
         f = r.details.get("fusion") if r.ok else None
         if f:
             print(f"fusion {r.name}: kept {f['kept']} of {f['candidates']} candidates "
-                  f"({', '.join(f'{k.split('.')[-1]} x{v}' for k, v in sorted(f['kept_by_pattern'].items()))}); "
+                  f"({', '.join(k.split('.')[-1] + f' x{v}' for k, v in sorted(f['kept_by_pattern'].items()))}); "
                   f"launches {f['launches_before']} -> {f['launches_after']}; predicted {f['predicted_saved_us']:.1f} us saved")
     ok = sum(r.ok for r in results)
     print(f"\n{ok} of {len(results)} jobs succeeded")
