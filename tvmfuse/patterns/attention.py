@@ -15,8 +15,9 @@ def _op(name: str, *args) -> DFPattern:
 
 
 def _heads(p: DFPattern) -> DFPattern:
-    """[B,S,H*D] -> reshape -> permute -> [B,H,S,D] (or already split, or already in head layout)."""
-    return _op("permute_dims", _op("reshape", p, wildcard())) | _op("permute_dims", p) | p
+    """[B,S,H,D] -> permute -> [B,H,S,D], or already in head layout. The head-split reshapes stay outside:
+    they are free views, and inlined with symbolic dims they sent TVM's simplifier into a near-endless loop."""
+    return _op("permute_dims", p) | p
 
 
 def _gqa(p: DFPattern) -> tuple[DFPattern, DFPattern]:
@@ -26,11 +27,11 @@ def _gqa(p: DFPattern) -> tuple[DFPattern, DFPattern]:
 
 
 def make_attention_pattern() -> Annotated:
-    """softmax(scale * Q @ K^T [+ mask]) @ V with the head split/merge reshapes and transposes around it."""
+    """softmax(scale * Q @ K^T [+ mask]) @ V with the multi-head transposes (and GQA repeat) around it."""
     q_in, k_in, v_in, mask = wildcard(), wildcard(), wildcard(), wildcard()
     (k_gqa, k_exp), (v_gqa, _) = _gqa(k_in), _gqa(_heads(v_in))
     q = _heads(q_in)
-    k = _op("permute_dims", k_gqa) | _op("permute_dims", _op("reshape", k_in, wildcard())) | _op("permute_dims", k_in)
+    k = _op("permute_dims", k_gqa) | _op("permute_dims", k_in)
     v = v_gqa | _heads(v_in)
     qs = _op("multiply", q, is_const()) | _op("divide", q, is_const()) | q
     ks = _op("multiply", k, is_const()) | _op("divide", k, is_const()) | k
@@ -40,8 +41,7 @@ def make_attention_pattern() -> Annotated:
     sm = _op("nn.softmax", masked)
     probs = _op("where", _op("isnan", sm), is_const(), sm) | sm
     out = _op("matmul", probs, v)
-    merged = _op("permute_dims", _op("reshape", out, wildcard())) | _op("permute_dims", out)
-    root = _op("reshape", merged, wildcard()) | merged | out
+    root = _op("permute_dims", out) | out
     return root, {"q": q, "k": k, "v": v, "scores": scores, "masked": masked, "softmax": sm, "out": out,
                   "k_exp": k_exp}
 
