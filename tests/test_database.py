@@ -18,8 +18,8 @@ from tvmfuse.importer import import_model
 from tvmfuse.tune import tunable_tasks
 
 
-def two_kernels(rows=8, d=32) -> onnx.ModelProto:
-    """y = x @ W1 + b1 and z = relu(x @ W2): two distinct MatMul kernels, each quick to tune."""
+def two_kernels(rows=8, d=32, one=False) -> onnx.ModelProto:
+    """y = x @ W1 + b1 and z = relu(x @ W2): two distinct MatMul kernels, each quick to tune (`one`: just y)."""
     rng = np.random.default_rng(0)
 
     def init(name, shape):
@@ -30,14 +30,16 @@ def two_kernels(rows=8, d=32) -> onnx.ModelProto:
 
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"]), helper.make_node("Add", ["m1", "b1"], ["y"]),
              helper.make_node("MatMul", ["x", "w2"], ["m2"]), helper.make_node("Relu", ["m2"], ["z"])]
-    graph = helper.make_graph(nodes, "two", [vi("x", [rows, d])], [vi("y", [rows, d]), vi("z", [rows, 2 * d])],
-                              [init("w1", [d, d]), init("b1", [d]), init("w2", [d, 2 * d])])
+    outputs, inits = [vi("y", [rows, d]), vi("z", [rows, 2 * d])], [init("w1", [d, d]), init("b1", [d]), init("w2", [d, 2 * d])]
+    if one:
+        nodes, outputs, inits = nodes[:2], outputs[:1], inits[:2]
+    graph = helper.make_graph(nodes, "two", [vi("x", [rows, d])], outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
 
 
-def kernel_mods(target):
+def kernel_mods(target, one=False):
     """(fused module, [task IRModule per kernel]) of `two_kernels`, exactly as the pipeline tunes them."""
-    imp = import_model(two_kernels())
+    imp = import_model(two_kernels(one=one))
     fused = lower(imp.mod, imp.params)
     return fused, [t.dispatched[0] for t in tunable_tasks(fused.mod, target)]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -85,14 +87,36 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
     cost_model = ms.cost_model.XGBModel(
         extractor=ms.feature_extractor.PerStoreFeature(), config=XGBConfig(max_depth=10, eta=0.2, nthread=cores),
         num_warmup_samples=min(16, trials_per_task), adaptive_training=True)
-    warm_start(cost_model, contexts, database)
-    try:
-        for left, group in _by_remaining(contexts, trials_per_task, spent):
-            _tune_group(group, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu,
-                        ProgressCallback([progress[c.task_name] for c in group], on_progress))
-    except KeyboardInterrupt:
-        raise TuningInterrupted() from None
+    with _sigint_seen() as seen:
+        try:
+            warm_start(cost_model, contexts, database)
+            for left, group in _by_remaining(contexts, trials_per_task, spent):
+                _tune_group(group, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu,
+                            ProgressCallback([progress[c.task_name] for c in group], on_progress))
+        except BaseException:  # Ctrl-C inside a Python callback of the C++ loop arrives as a RuntimeError
+            if seen:
+                raise TuningInterrupted() from None
+            raise
     return progress
+
+
+@contextlib.contextmanager
+def _sigint_seen():
+    """Remember that SIGINT arrived (and raise KeyboardInterrupt as usual), so any error it causes is known."""
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def handler(signum, _frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _tune_group(contexts, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu, callback):

@@ -1,0 +1,160 @@
+"""Tuning that never loses work: kill -9 and Ctrl-C mid-run, resume, concurrent tunes on one database, safe exports."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import onnx
+import pytest
+
+from test_database import kernel_mods, two_kernels
+from tvmfuse.cli import main as tune_main
+from tvmfuse.database import FILE, TuningDatabase
+from tvmfuse.export import export
+from tvmfuse.runtime import load
+from tvmfuse.tune import tune
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TUNE = os.path.join(ROOT, "scripts", "tune.py")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "two.onnx"
+    onnx.save(two_kernels(), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_kernel_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m1") / "two.onnx"  # same job name, one kernel: half the tuning time
+    onnx.save(two_kernels(one=True), path)
+    return str(path)
+
+
+def command(model, tmp_path, out="out", trials=8):
+    return [sys.executable, TUNE, "--target", "llvm", model, "--trials", str(trials), "--out", str(tmp_path / out),
+            "--logs", str(tmp_path / "logs"), "--schedules", "none"]
+
+
+def record_lines(tmp_path) -> list[str]:
+    path = tmp_path / "logs" / "two-llvm" / FILE
+    return [ln for ln in path.read_text().splitlines() if '"record"' in ln] if path.exists() else []
+
+
+def start_and_wait(cmd, tmp_path, at_least, log):
+    """Start a tune in its own process group; return it once `at_least` records are on disk."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while len(record_lines(tmp_path)) < at_least:
+        assert proc.poll() is None, f"tune ended early: {open(log.name).read()[-2000:]}"
+        assert time.time() < deadline, "no records after 300 s"
+        time.sleep(0.2)
+    return proc
+
+
+def test_kill_9_then_rerun_finishes_with_the_remaining_budget_only(model, tmp_path):
+    with open(tmp_path / "run1.log", "w") as log:
+        proc = start_and_wait(command(model, tmp_path), tmp_path, 8, log)
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and its builder/runner workers: "machine gone"
+        assert proc.wait() == -signal.SIGKILL
+    before = record_lines(tmp_path)
+    kept = len(before)
+    assert 8 <= kept < 16
+    rerun = subprocess.run(command(model, tmp_path), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"{kept} stored records for this target and TVM version" in rerun.stdout
+    assert f"resumed: {kept} trials were already recorded and counted toward the budget; {16 - kept} run now" \
+        in rerun.stdout
+    after = record_lines(tmp_path)
+    assert len(after) == 16 and after[:kept] == before  # 2 kernels x 8 trials; nothing from before is lost
+    manifest = json.loads((tmp_path / "out" / "two-llvm" / "manifest.json").read_text())
+    assert [(k["schedule"], k["trials"]) for k in manifest["kernels"]] == [("tuned", 8), ("tuned", 8)]
+    assert load(str(tmp_path / "out" / "two-llvm")) is not None  # sha256 checked at load
+
+
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(model, tmp_path):
+    with open(tmp_path / "run.log", "w") as log:
+        proc = start_and_wait(command(model, tmp_path), tmp_path, 8, log)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
+        rc = proc.wait(timeout=120)
+    text = (tmp_path / "run.log").read_text()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # any worker left behind
+    except ProcessLookupError:
+        pass
+    kept = len(record_lines(tmp_path))
+    assert rc == 130, text[-3000:]
+    assert f"interrupted: {kept} records kept in {tmp_path / 'logs' / 'two-llvm'}; rerun the same command to resume" \
+        in text
+    assert "Traceback" not in text
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []  # nothing half-exported
+
+
+def test_two_concurrent_tunes_on_one_database(one_kernel_model, tmp_path):
+    procs = [subprocess.Popen(command(one_kernel_model, tmp_path, out=f"out{i}", trials=4), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in (1, 2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    lines = (tmp_path / "logs" / "two-llvm" / FILE).read_text().splitlines()
+    objs = [json.loads(line) for line in lines]  # every line parses
+    pids = {o["pid"] for o in objs if "record" in o}
+    assert pids == {p.pid for p in procs}  # records from both runs are there
+    db = TuningDatabase(str(tmp_path / "logs" / "two-llvm"), _llvm())
+    assert dict(db.skipped) == {} and db.loaded == sum("record" in o for o in objs) >= 8
+
+
+def test_budget_counts_stored_trials_and_cost_model_is_retrained(tmp_path, monkeypatch):
+    import tvmfuse.tune as tune_mod  # pylint: disable=import-outside-toplevel
+
+    target = _llvm()
+    fused, _ = kernel_mods(target, one=True)
+    db = TuningDatabase(str(tmp_path), target)
+    first = tune(fused.mod, target, str(tmp_path), 2, database=db)
+    assert [p.trials for p in first.values()] == [2] and len(db) == 2
+    warmed = []
+    real = tune_mod.warm_start
+    monkeypatch.setattr(tune_mod, "warm_start", lambda *a: warmed.append(real(*a)) or warmed[-1])
+    reopened = TuningDatabase(str(tmp_path), target)
+    second = tune(fused.mod, target, str(tmp_path), 3, database=reopened)
+    assert [(p.resumed, p.trials) for p in second.values()] == [(2, 3)]
+    assert warmed == [2]  # the XGBoost model was trained on the 2 stored records before searching
+    assert TuningDatabase(str(tmp_path), target).loaded == 3  # a budget of 3 in all, not 2 + 3
+    assert tune(fused.mod, target, str(tmp_path), 3, database=TuningDatabase(str(tmp_path), target)) \
+        and warmed == [2]  # nothing left to do: no search, no retraining
+
+
+def test_a_jobs_file_name_outside_out_is_refused(tmp_path, model, capsys):
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[[model]]\nname = "../../etc/x"\npath = "{model}"\n')
+    assert tune_main(["--target", "llvm", "--jobs", str(jobs), "--out", str(tmp_path / "out")]) == 2
+    assert "../../etc/x" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_export_keeps_the_previous_one(tmp_path):
+    class Broken:
+        def export_library(self, path):
+            open(path, "w").close()
+            raise RuntimeError("disk full")
+
+    class Fine:
+        def export_library(self, path):
+            with open(path, "w") as f:
+                f.write("lib")
+
+    dest = str(tmp_path / "m-llvm")
+    export(Fine(), {"v": 1}, dest)
+    with pytest.raises(RuntimeError):
+        export(Broken(), {"v": 2}, dest)
+    assert json.loads((tmp_path / "m-llvm" / "manifest.json").read_text())["v"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["m-llvm"]  # no temporary folder left behind
+
+
+def _llvm():
+    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
+
+    return resolve_target("llvm")
