@@ -56,7 +56,7 @@ def start_and_wait(cmd, tmp_path, at_least, log):
     return proc
 
 
-def test_kill_9_then_rerun_finishes_with_the_remaining_budget_only(model, tmp_path):
+def test_kill_9_then_rerun_finishes_with_the_remaining_budget_only(model, tmp_path, capsys):
     with open(tmp_path / "run1.log", "w") as log:
         proc = start_and_wait(command(model, tmp_path), tmp_path, 8, log)
         os.killpg(proc.pid, signal.SIGKILL)  # the run and its builder/runner workers: "machine gone"
@@ -74,6 +74,25 @@ def test_kill_9_then_rerun_finishes_with_the_remaining_budget_only(model, tmp_pa
     manifest = json.loads((tmp_path / "out" / "two-llvm" / "manifest.json").read_text())
     assert [(k["schedule"], k["trials"]) for k in manifest["kernels"]] == [("tuned", 8), ("tuned", 8)]
     assert load(str(tmp_path / "out" / "two-llvm")) is not None  # sha256 checked at load
+
+    # now damage the database: torn last line, garbage, a record for another target and one for another
+    # TVM version (both "faster" than anything real); the next build uses only the valid matching records
+    path = tmp_path / "logs" / "two-llvm" / FILE
+    lines = path.read_text().splitlines()
+    foreign = json.loads(after[0])
+    foreign["record"][1] = [1e-9]
+    other_target = dict(foreign, target={"kind": "llvm", "keys": ["cpu"], "mtriple": "aarch64-linux-gnu", "tag": ""})
+    other_version = dict(foreign, tvm="0.20.0")
+    path.write_text("\n".join(lines[:3] + ["garbage {", json.dumps(other_target), json.dumps(other_version)]
+                              + lines[3:-1] + [lines[-1][:40]]))
+    assert tune_main(command(model, tmp_path, trials=0)[2:]) == 0
+    out, err = capsys.readouterr()
+    assert "15 stored records for this target and TVM version; skipped 2 corrupt, 1 other TVM version, " \
+           "1 other target" in out
+    assert f"{path}:4: skipped corrupt" in err and f"{path}:{len(lines) + 3}: skipped corrupt" in err
+    manifest = json.loads((tmp_path / "out" / "two-llvm" / "manifest.json").read_text())
+    assert sorted(k["trials"] for k in manifest["kernels"]) == [7, 8]
+    assert all(k["schedule"] == "tuned" and k["best_us"] > 0.1 for k in manifest["kernels"])  # not the 0.001 us fakes
 
 
 def test_ctrl_c_stops_cleanly_and_says_how_to_resume(model, tmp_path):

@@ -178,29 +178,26 @@ class TuningDatabase(ms.database.PyDatabase):
         return self.mem.has_workload(mod)
 
     def commit_workload(self, mod: tvm.IRModule):
-        workload = self.mem.commit_workload(mod)
-        wl = str(workload.as_json()[0])
-        if self.path and wl not in self._written:
-            os.makedirs(self.work_dir, exist_ok=True)
-            line = {"hash": wl, "workload": workload.as_json(), "tvm": self.tvm_version}
-            if wl in self.names:
-                line["name"] = self.names[wl]
-            append_lines(self.path, [line])
-            self._written.add(wl)
-        return workload
+        return self.mem.commit_workload(mod)  # written to disk with its first record, never alone
 
     def commit_tuning_record(self, record) -> None:
-        workload = self.commit_workload(record.workload.mod)
+        workload = self.mem.commit_workload(record.workload.mod)
         wl = str(workload.as_json()[0])
         if not record.workload.same_as(workload):  # MemoryDatabase matches workloads by identity
             record = ms.database.TuningRecord(record.trace, workload, record.run_secs, record.target,
                                               record.args_info)
         self.mem.commit_tuning_record(record)
         self.spent[wl] += 1
-        if self.path:
-            append_lines(self.path, [{"hash": wl, "tvm": self.tvm_version, "target": json.loads(self.key),
-                                      "time": round(time.time(), 3), "pid": os.getpid(),
-                                      "record": record.as_json()}])
+        if not self.path:
+            return
+        lines = [{"hash": wl, "tvm": self.tvm_version, "target": json.loads(self.key), "time": round(time.time(), 3),
+                  "pid": os.getpid(), "record": record.as_json()}]
+        if wl not in self._written:  # the workload goes in the same locked write as its first record
+            lines.insert(0, {"hash": wl, "workload": workload.as_json(), "tvm": self.tvm_version,
+                             **({"name": self.names[wl]} if wl in self.names else {})})
+        os.makedirs(self.work_dir, exist_ok=True)
+        append_lines(self.path, lines)
+        self._written.add(wl)
 
     def get_top_k(self, workload, top_k: int):
         return self.mem.get_top_k(workload, top_k)

@@ -209,8 +209,6 @@ def prune(lib: str = DEFAULT_DIR, keep_other_versions: bool = False) -> dict[str
 
 def verify(lib: str = DEFAULT_DIR) -> list[tuple[dict, str, str]]:
     """Replay each record on its stored workload and build it for its target: (record, ok|FAIL|skip, why)."""
-    from tvm.driver import build as tvm_build  # pylint: disable=import-outside-toplevel
-
     out = []
     for path in target_files(lib):
         data = load_file(path)
@@ -229,7 +227,7 @@ def verify(lib: str = DEFAULT_DIR) -> list[tuple[dict, str, str]]:
                 target = tvm.target.Target(rec["target_json"])
                 record = as_record(rec, workload.mod, target)
                 with target:
-                    tvm_build(record.as_measure_candidate().sch.mod, target=target)
+                    tvm.tirx.build(record.as_measure_candidate().sch.mod, target=target)
                 out.append((rec, "ok", "applies and builds"))
             except Exception as err:  # pylint: disable=broad-except  (any failure is this record's verdict)
                 out.append((rec, "FAIL", f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"))
