@@ -87,7 +87,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         raise TvmfuseError(f"{job.name}: no {target.kind.name} device on this machine to measure on; "
                            "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
                            "with default schedules")
-    database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"))
+    database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"), fused.mod)
     if trials > 0:
         say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
         try:
