@@ -23,6 +23,8 @@ from .fuse import bind_params, lower
 from .report import fusion_report, report_files
 from .importer import import_model, load_onnx, random_inputs
 from .jobs import Job
+from .kernels import substitute
+from .spaces import space_for
 from .targets import device_for, has_device, target_json, target_name
 from .schedules import DEFAULT_DIR as SCHEDULES_DIR
 from .schedules import open_database
@@ -75,6 +77,11 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     bound = bind_params(imported.mod, imported.params)
     plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
     fused = lower(bound, plan=plan)
+    templates: list = []
+    if target.kind.name == "cuda":  # hand-written kernels (tvmfuse.kernels) where a template takes the shapes
+        fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates)
+        for kernel, outcome in templates:
+            say(f"[{job.name}] {kernel}: {outcome}")
     kernels = fused.kernels()
     say(f"[{job.name}] {len(kernels)} kernels, {len(fused.kernel_patterns)} fused by pattern: "
         + ", ".join(sorted(set(fused.kernel_patterns.values()))) if fused.kernel_patterns else
@@ -92,7 +99,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
         try:
             progress = tune(fused.mod, target, work_dir, trials, on_progress=_progress_printer(job.name, say),
-                            rpc=rpc, database=database)
+                            rpc=rpc, database=database, space_for=space_for)
         except TuningInterrupted:
             raise TuningInterrupted(f"interrupted: {sum(database.spent.values())} records kept in {work_dir}; "
                                     "rerun the same command to resume") from None

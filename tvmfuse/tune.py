@@ -21,6 +21,7 @@ from tvm.s_tir.meta_schedule.cost_model.xgb_model import XGBConfig
 from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
 from tvm.s_tir.meta_schedule.utils import fork_seed
 
+from .baseline import measure_baselines
 from .builder import fast_build
 from .fuse import symbolic_kernels
 from .remote import rpc_runner
@@ -39,6 +40,7 @@ class TaskProgress:
     best_us: float | None = None
     started: float = field(default_factory=time.time)
     resumed: int = 0  # trials found in the database before this run (they count toward the budget)
+    default_us: float | None = None  # TVM's default (dlight) schedule, measured as the first trial
 
 
 class TuningInterrupted(KeyboardInterrupt):
@@ -87,12 +89,15 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
     cost_model = ms.cost_model.XGBModel(
         extractor=ms.feature_extractor.PerStoreFeature(), config=XGBConfig(max_depth=10, eta=0.2, nthread=cores),
         num_warmup_samples=min(16, trials_per_task), adaptive_training=True)
+    database = database if database is not None else ms.database.JSONDatabase(work_dir=work_dir)
     with _sigint_seen() as seen:
         try:
+            _measure_defaults(contexts, target, database, rpc, cores, is_gpu, progress, spent)
             warm_start(cost_model, contexts, database)
             for left, group in _by_remaining(contexts, trials_per_task, spent):
-                _tune_group(group, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu,
-                            ProgressCallback([progress[c.task_name] for c in group], on_progress))
+                if left > 0:
+                    _tune_group(group, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu,
+                                ProgressCallback([progress[c.task_name] for c in group], on_progress))
         except BaseException:  # Ctrl-C inside a Python callback of the C++ loop arrives as a RuntimeError
             if seen:
                 raise TuningInterrupted() from None
@@ -119,16 +124,36 @@ def _sigint_seen():
         signal.signal(signal.SIGINT, previous)
 
 
+def _measure_defaults(contexts, target, database, rpc, cores, is_gpu, progress, spent) -> None:
+    """Measure each kernel's default schedule first and store it as a record (one trial of the budget):
+    the build applies the best record, so a search that finds nothing faster keeps the default."""
+    found = measure_baselines([c.mod for c in contexts], target, database, _builder(cores),
+                              _runner(rpc, _evaluator(is_gpu)))
+    for i, (us, measured_now) in found.items():
+        task = progress[contexts[i].task_name]
+        task.default_us = us
+        task.best_us = us if task.best_us is None else min(task.best_us, us)
+        if measured_now:
+            task.trials += 1
+            spent[task.name] += 1
+
+
+def _builder(cores: int):
+    return ms.builder.LocalBuilder(max_workers=cores, timeout_sec=60, f_build=fast_build)
+
+
+def _evaluator(is_gpu: bool):
+    return ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=50 if not is_gpu else 20,
+                                     enable_cpu_cache_flush=False)
+
+
 def _tune_group(contexts, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu, callback):
     """One MetaSchedule run over kernels that all have `left` trials to go."""
     ms.tune_tasks(
         tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=work_dir,
         max_trials_global=left * len(contexts), max_trials_per_task=left,
         num_trials_per_iter=min(left, batch or (64 if is_gpu else 16)),
-        builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=60, f_build=fast_build),
-        runner=_runner(rpc, ms.runner.EvaluatorConfig(
-            number=3, repeat=1, min_repeat_ms=50 if not is_gpu else 20, enable_cpu_cache_flush=False)),
-        database=database if database is not None else ms.database.JSONDatabase(work_dir=work_dir),
+        builder=_builder(cores), runner=_runner(rpc, _evaluator(is_gpu)), database=database,
         cost_model=cost_model, measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
         task_scheduler="gradient")
 

@@ -1,0 +1,44 @@
+"""Baseline records: the default schedule is measured once, stored, and kept when tuning cannot beat it."""
+
+from tvm.s_tir import meta_schedule as ms
+
+import onnx_models
+from tvmfuse.baseline import default_schedule, measure_baselines
+from tvmfuse.builder import fast_build
+from tvmfuse.fuse import lower
+from tvmfuse.importer import import_model
+from tvmfuse.targets import resolve_target
+from tvmfuse.tune import kernel_records, tunable_tasks, tune
+
+
+def _tasks(target, model=None):
+    imp = import_model(model or onnx_models.rms_norm_residual(rows=16, hidden=64))
+    fused = lower(imp.mod, imp.params)
+    return fused, [t.dispatched[0] for t in tunable_tasks(fused.mod, target)]
+
+
+def test_default_is_measured_once_and_stored(tmp_path, llvm):
+    _, mods = _tasks(llvm)
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    builder = ms.builder.LocalBuilder(max_workers=1, f_build=fast_build)
+    runner = ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=2, repeat=1))
+    first = measure_baselines(mods, llvm, db, builder, runner)
+    assert list(first) == [0] and first[0][1] is True and first[0][0] > 0
+    again = measure_baselines(mods, llvm, ms.database.JSONDatabase(work_dir=str(tmp_path)), builder, runner)
+    assert again == {0: (first[0][0], False)}
+    assert len(ms.database.JSONDatabase(work_dir=str(tmp_path)).get_all_tuning_records()) == 1
+
+
+def test_tuning_result_is_never_worse_than_the_default(tmp_path, llvm):
+    fused, _ = _tasks(llvm)
+    progress = tune(fused.mod, llvm, str(tmp_path), trials_per_task=4)
+    (task,) = progress.values()
+    assert task.default_us is not None and task.trials == 4  # the default counts as one of the 4 trials
+    _, best_us = kernel_records(fused.mod, ms.database.JSONDatabase(work_dir=str(tmp_path)))[task.name]
+    assert best_us <= task.default_us
+
+
+def test_every_fused_kernel_has_a_default_gpu_schedule():
+    cuda = resolve_target("cuda")
+    _, mods = _tasks(cuda, onnx_models.layer_norm_gelu(rows=64, hidden=256))
+    assert mods and all(default_schedule(m["main"], cuda) is not None for m in mods)

@@ -1,0 +1,93 @@
+"""Baseline records: measure each kernel's default (dlight) schedule and store it, so tuning never ends worse."""
+
+from __future__ import annotations
+
+import json
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+FAILED = 1e9
+
+
+def default_rules(target: tvm.target.Target) -> list:
+    """dlight's rules in the order TVM's own CUDA pipeline tries them; the CPU ones elsewhere."""
+    if "gpu" in target.keys:
+        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    return [dl.cpu.GEMV(), dl.cpu.Reduction()]
+
+
+def default_schedule(func: tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    """The first dlight rule that schedules `func` (its trace replays on the task); CPUs may keep it as is."""
+    with target:
+        for rule in default_rules(target):
+            try:
+                space = rule.apply(func, target, False)
+            except Exception:  # pylint: disable=broad-except  (a rule that cannot handle a fused kernel)
+                continue
+            if isinstance(space, list):
+                space = space[0] if space else None
+            if space is not None:
+                return space
+    if "gpu" in target.keys:
+        return None
+    sch = s_tir.Schedule(func)  # CPUs run unscheduled kernels; one no-op instruction makes the trace
+    sch.get_sblock("root")  # a record that MetaSchedule's databases return (they skip empty traces)
+    return sch
+
+
+def _trace_key(trace) -> str:
+    return json.dumps(trace.as_json(), sort_keys=True, default=str)
+
+
+def measure_baselines(task_mods: list[tvm.IRModule], target, database, builder, runner) -> dict[int, tuple]:
+    """Ensure `database` holds each task's default schedule as a record.
+
+    Returns {task index: (latency µs, measured now?)} for the tasks whose default could be measured.
+
+    A default already stored (an earlier or interrupted run) is not measured again. Since the best
+    record is what the build applies, a search that finds nothing faster leaves the default in place.
+    """
+    latency: dict[int, tuple] = {}
+    todo = []
+    for i, mod in enumerate(task_mods):
+        sch = default_schedule(mod["main"], target)
+        if sch is None:
+            continue
+        key = _trace_key(sch.trace)
+        workload = database.commit_workload(mod)
+        stored = [r for r in database.get_top_k(workload, 1 << 30) if _trace_key(r.trace) == key]
+        if stored:
+            latency[i] = (_mean_us(stored[0].run_secs), False)
+        else:
+            todo.append((i, mod, sch, workload))
+    if not todo:
+        return latency
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, _, sch, _ in todo])
+    inputs, live = [], []
+    for (i, mod, sch, workload), result in zip(todo, built):
+        if result.error_msg is None:
+            inputs.append(ms.runner.RunnerInput(result.artifact_path, _device_type(target),
+                                                ArgInfo.from_prim_func(mod["main"])))
+            live.append((i, mod, sch, workload))
+    for (i, mod, sch, workload), future in zip(live, runner.run(inputs)):
+        result = future.result()
+        secs = [float(s) for s in (result.run_secs or [])]
+        if result.error_msg is None and secs and min(secs) < FAILED:
+            database.commit_tuning_record(ms.database.TuningRecord(
+                sch.trace, workload, [float(s) for s in result.run_secs], target,
+                ArgInfo.from_prim_func(mod["main"])))
+            latency[i] = (_mean_us(result.run_secs), True)
+    return latency
+
+
+def _mean_us(run_secs) -> float:
+    secs = [float(s) for s in run_secs]
+    return sum(secs) / len(secs) * 1e6
+
+
+def _device_type(target: tvm.target.Target) -> str:
+    return "cpu" if target.kind.name in ("llvm", "c") else target.kind.name
