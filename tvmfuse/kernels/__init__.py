@@ -43,8 +43,8 @@ def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict
     calls, rewrite = _call_sites(mod), {}
     for gv, fn in mod.functions.items():
         name = gv.name_hint
-        if not isinstance(fn, tirx.PrimFunc) or name not in patterns:
-            continue
+        if not isinstance(fn, tirx.PrimFunc) or name not in patterns or not templates(patterns[name]):
+            continue  # only kernels of patterns that have templates are considered (and logged)
         pattern = patterns[name]
         try:
             roles = attention_roles(fn) if pattern == "tvmfuse.attention" else None
