@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .errors import TvmfuseError
-from .jobs import Job, job_from_path, load_jobs, parse_shape
+from .jobs import Job, job_from_path, load_jobs, parse_dtype, parse_shape
 
 USAGE_EXAMPLES = """examples:
   python scripts/tune.py --target llvm                       # the embedded default job
@@ -25,6 +25,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", metavar="JOBS.toml", help="a TOML jobs file: [[model]] path, name, shapes, trials")
     p.add_argument("--trials", type=int, metavar="N",
                    help="MetaSchedule trials per kernel (default: 16 on llvm, 64 on cuda; 0: no tuning)")
+    p.add_argument("--dtype", default="fp32", metavar="{fp32,fp16,bf16}",
+                   help="compute dtype: fp16/bf16 convert the fp32 model to mixed precision (fp32 accumulation, "
+                        "fp32 inputs and outputs); a jobs file's dtype overrides it (default: fp32)")
     p.add_argument("--out", default="out", metavar="DIR", help="where exports go (default: out)")
     p.add_argument("--logs", default="tuning_logs", metavar="DIR", help="tuning databases (default: tuning_logs)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
@@ -40,11 +43,12 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
     if args.trials is not None and args.trials < 0:
         raise TvmfuseError("--trials must be >= 0")
     shapes = dict(parse_shape(s) for s in args.shape)
-    jobs = [job_from_path(m, shapes, args.trials) for m in args.models]
+    dtype = parse_dtype(args.dtype)
+    jobs = [job_from_path(m, shapes, args.trials, dtype) for m in args.models]
     if args.jobs:
-        jobs += load_jobs(args.jobs, args.trials)
+        jobs += load_jobs(args.jobs, args.trials, dtype)
     if not jobs:
-        jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials)]
+        jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype)]
     names = [j.name for j in jobs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -15,9 +15,12 @@ except ModuleNotFoundError:  # Python 3.10
 from .errors import JobError
 from .export import check_safe_name
 
+#: accepted spellings (CLI `--dtype`, jobs files `dtype = "..."`) -> the compute dtype (see tvmfuse.precision)
+DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+                 "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
 MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype"}
-TOP_KEYS = {"trials", "model"}
-DTYPES = {"float32", "fp32"}  # mixed precision (fp16/bf16) comes with the model-level work
+TOP_KEYS = {"trials", "model", "dtype"}
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Job:
     path: str | None
     shapes: dict[str, list[int]] = field(default_factory=dict)
     trials: int | None = None
+    dtype: str = "float32"  # compute dtype: float32, float16 or bfloat16 (tvmfuse.precision)
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:
@@ -38,16 +42,16 @@ def parse_shape(text: str) -> tuple[str, list[int]]:
     return name.strip(), [int(d) for d in re.split(r"[,x]", dims)]
 
 
-def job_from_path(path: str, shapes: dict[str, list[int]], trials: int | None) -> Job:
+def job_from_path(path: str, shapes: dict[str, list[int]], trials: int | None, dtype: str = "float32") -> Job:
     stem = os.path.splitext(os.path.basename(path))[0]
-    return Job(name=_sanitize(stem), path=path, shapes=dict(shapes), trials=trials)
+    return Job(name=_sanitize(stem), path=path, shapes=dict(shapes), trials=trials, dtype=dtype)
 
 
 def _sanitize(stem: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem).lstrip(".") or "model"
 
 
-def load_jobs(path: str, trials: int | None = None) -> list[Job]:
+def load_jobs(path: str, trials: int | None = None, dtype: str = "float32") -> list[Job]:
     """Read a jobs file; a typo'd key, a bad value or a duplicate name is one JobError naming the file."""
     try:
         with open(path, "rb") as f:
@@ -61,6 +65,7 @@ def load_jobs(path: str, trials: int | None = None) -> list[Job]:
     if not isinstance(models, list) or not models:
         raise JobError(f"{path}: no [[model]] entries")
     default_trials = _trials(path, "top level", data.get("trials", trials))
+    default_dtype = _dtype(path, "top level", data.get("dtype", dtype))
     base = os.path.dirname(os.path.abspath(path))
     jobs, seen = [], set()
     for i, entry in enumerate(models, 1):
@@ -79,9 +84,7 @@ def load_jobs(path: str, trials: int | None = None) -> list[Job]:
         if name in seen:
             raise JobError(f"{path}: {where}: duplicate name {name!r}")
         seen.add(name)
-        dtype = str(entry.get("dtype", "float32"))
-        if dtype not in DTYPES:
-            raise JobError(f"{path}: {where}: dtype {dtype!r} is not supported yet (use float32)")
+        job_dtype = _dtype(path, where, entry.get("dtype", default_dtype))
         shapes = entry.get("shapes", {})
         if not isinstance(shapes, dict) or not all(
                 isinstance(v, list) and v and all(isinstance(d, int) and d > 0 for d in v) or
@@ -89,7 +92,8 @@ def load_jobs(path: str, trials: int | None = None) -> list[Job]:
             raise JobError(f"{path}: {where}: 'shapes' must map names to lists of positive ints "
                            "(an input) or to one int (a symbolic dim)")
         shapes = {k: v if isinstance(v, list) else [v] for k, v in shapes.items()}
-        jobs.append(Job(name, model_path, shapes, _trials(path, where, entry.get("trials", default_trials))))
+        jobs.append(Job(name, model_path, shapes, _trials(path, where, entry.get("trials", default_trials)),
+                        job_dtype))
     return jobs
 
 
@@ -99,6 +103,21 @@ def _trials(path: str, where: str, value) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise JobError(f"{path}: {where}: 'trials' must be a non-negative integer, not {value!r}")
     return value
+
+
+def parse_dtype(text, where: str = "--dtype") -> str:
+    """'fp16' / 'float16' -> 'float16' (likewise fp32, bf16); anything else is one JobError."""
+    dtype = DTYPE_ALIASES.get(text.strip().lower()) if isinstance(text, str) else None
+    if dtype is None:
+        raise JobError(f"{where} {text!r} is not supported: use fp32, fp16 or bf16")
+    return dtype
+
+
+def _dtype(path: str, where: str, value) -> str:
+    try:
+        return parse_dtype(value, "dtype")
+    except JobError as err:
+        raise JobError(f"{path}: {where}: {err}") from None
 
 
 def _check_keys(path: str, where: str, table: dict, allowed: set[str]) -> None:

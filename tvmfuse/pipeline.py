@@ -22,6 +22,7 @@ from .decide import decide
 from .fuse import bind_params, lower
 from .report import fusion_report, report_files
 from .importer import import_model, load_onnx, random_inputs
+from .precision import precision_info, to_compute_dtype
 from .jobs import Job
 from .kernels import substitute
 from .spaces import space_for
@@ -75,6 +76,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         say(f"[{job.name}] symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them "
             "get default schedules (fix them with --shape NAME=VALUE to tune those)")
     bound = bind_params(imported.mod, imported.params)
+    bound = to_compute_dtype(bound, job.dtype)  # precision: fp16/bf16 kernels, fp32 interface; before decide/fuse
     plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
     fused = lower(bound, plan=plan)
     templates: list = []
@@ -121,7 +123,8 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         feeds = random_inputs(imported.inputs, seed=0, dims=dims)
         device = device_for(target)
         vm = relax.VirtualMachine(executable, device)
-        check = compare(run_vm(vm, device, list(feeds.values())), onnxruntime_outputs(model, feeds))
+        check = compare(run_vm(vm, device, list(feeds.values())), onnxruntime_outputs(model, feeds),
+                        compute_dtype=job.dtype)
         verification = check.as_dict()
         result.latency_after_us = _latency_us(vm, device, feeds)
         if result.tuned:
@@ -142,6 +145,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         "target": _json_obj(target_json(target)),
         "inputs": [t.as_dict() for t in imported.inputs],
         "outputs": [t.as_dict() for t in imported.outputs],
+        "precision": precision_info(bound, job.dtype),
         "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
                      "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1]}
                     for k in kernels],

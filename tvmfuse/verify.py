@@ -40,7 +40,17 @@ def onnxruntime_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) ->
     return session.run(None, feeds)
 
 
-def compare(got: list[np.ndarray], want: list[np.ndarray]) -> Verification:
+def tolerance(output_dtype: str, compute_dtype: str | None = None) -> tuple[float, float]:
+    """(atol, rtol) for an output: by its dtype, loosened to the compute dtype's for a mixed-precision build
+    (fp32 outputs of a module computing in fp16 get fp16's 1e-2, bf16's 5e-2)."""
+    atol, rtol = TOLERANCES.get(output_dtype, (0.0, 0.0))
+    if compute_dtype and output_dtype in TOLERANCES and compute_dtype in TOLERANCES:
+        c_atol, c_rtol = TOLERANCES[compute_dtype]
+        atol, rtol = max(atol, c_atol), max(rtol, c_rtol)
+    return atol, rtol
+
+
+def compare(got: list[np.ndarray], want: list[np.ndarray], compute_dtype: str | None = None) -> Verification:
     if len(got) != len(want):
         raise ValueError(f"the module returned {len(got)} outputs, onnxruntime {len(want)}")
     max_abs = max_rel = 0.0
@@ -49,7 +59,7 @@ def compare(got: list[np.ndarray], want: list[np.ndarray]) -> Verification:
     for g, w in zip(got, want):
         if g.shape != w.shape:
             raise ValueError(f"output shape {g.shape} differs from onnxruntime's {w.shape}")
-        atol, rtol = TOLERANCES.get(str(w.dtype), (0.0, 0.0))
+        atol, rtol = tolerance(str(w.dtype), compute_dtype)
         tol[str(w.dtype)] = {"atol": atol, "rtol": rtol}
         g64, w64 = g.astype(np.float64), w.astype(np.float64)
         both_nan = np.isnan(g64) & np.isnan(w64)  # NaN where onnxruntime has NaN is agreement

@@ -1,0 +1,138 @@
+"""Precision stage: convert an fp32 Relax module so its kernels compute in fp16 or bf16 (mixed precision).
+
+Runs after import and param binding, before decide/fuse. TVM's own pass does the conversion:
+`relax.transform.ToMixedPrecision(out_dtype="float32", fp16_input_names=<the model's float inputs>)`.
+What it does (observed on TVM 0.27, tests/test_dtype.py):
+
+- without `fp16_input_names` the signature stays fp32 and only matmul/conv and what follows them compute in
+  fp16: everything downstream of an fp32 input (LayerNorm, GELU, RMSNorm, the residual stream) stays fp32. So
+  the inputs are named: those params become float16, and `_fp32_interface` below gives `main` float32 params
+  again, each cast to fp16 as the first binding. The outputs stay float32 (the pass casts them back itself).
+  The exported module's interface is therefore float32 in and out, whatever the compute dtype;
+- `relax.matmul` (policy "always") gets fp16 inputs and, with `out_dtype="float32"`, accumulates and returns
+  fp32, followed by a cast to fp16;
+- "follow" ops (elementwise, `layer_norm`, `gelu`, reshapes) compute in fp16 when all inputs are fp16 (TVM's
+  fp16 `layer_norm` lowering accumulates its mean/variance in fp32);
+- ops without a policy (`mean`, `sum`, `softmax`, ...) compute in fp32: their inputs are cast up first;
+- weights feeding fp16 ops become `astype(const, "float16")`; FoldConstant makes them fp16 constants.
+
+The pass knows only float16. For bf16 the fp16 result is re-typed: casts to float16 become casts to bfloat16
+and types are re-inferred; `layer_norm`/`group_norm` (TVM lowers them for fp32/fp16 only) compute in fp32
+between casts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .jobs import parse_dtype
+
+FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
+#: what the module's inputs and outputs are whatever the compute dtype (ToMixedPrecision keeps the signature)
+INTERFACE_DTYPE = FLOAT32
+PASS = "relax.transform.ToMixedPrecision(out_dtype='float32')"
+#: ops whose TVM lowering takes float32/float16 only: in bf16 they compute in fp32 between casts
+FP32_ONLY_IN_BF16 = ("relax.nn.layer_norm", "relax.nn.group_norm")
+
+
+def to_compute_dtype(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
+    """The module with its kernels computing in `dtype` (fp32 interface, fp32 accumulation); fp32: unchanged."""
+    dtype = parse_dtype(dtype, "dtype")
+    if dtype == FLOAT32:
+        return mod
+    main = mod["main"]
+    n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
+    inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32]
+    mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
+    mod = _fp32_interface(mod, inputs)
+    if dtype == BFLOAT16:
+        mod = _fp16_to_bf16(mod)
+    return relax.transform.FoldConstant()(mod)  # astype(weight) -> a constant in the compute dtype
+
+
+def precision_info(mod: tvm.IRModule, dtype: str) -> dict:
+    """What the manifest says about precision: compute dtype, interface dtype, and how many ops compute low."""
+    dtype = parse_dtype(dtype, "dtype")
+    info = {"compute_dtype": dtype, "interface_dtype": INTERFACE_DTYPE}
+    if dtype != FLOAT32:
+        ops = _op_dtypes(mod)
+        info.update({"pass": PASS, "accumulation": FLOAT32,
+                     "ops_in_compute_dtype": sum(1 for _, d in ops if d == dtype),
+                     "ops_in_float32": sum(1 for _, d in ops if d == FLOAT32)})
+    return info
+
+
+def _op_dtypes(mod: tvm.IRModule) -> list[tuple[str, str]]:
+    """(op name, output dtype) of every operator call in `main` except casts."""
+    found = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name != "relax.astype":
+            found.append((expr.op.name, str(getattr(expr.ty, "dtype", ""))))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return found
+
+
+def _fp32_interface(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:
+    """Give `main` float32 params again: each fp16 param becomes a cast of a new fp32 param, bound first."""
+    main = mod["main"]
+    params, casts = [], []
+    for p in main.params:
+        if p.name in names and str(p.ty.dtype) == FLOAT16:
+            outer = relax.Var(p.name, relax.TensorType(p.ty.shape, FLOAT32))
+            params.append(outer)
+            casts.append(relax.VarBinding(p, relax.BlockBuilder().normalize(relax.op.astype(outer, FLOAT16))))
+        else:
+            params.append(p)
+    if not casts:
+        return mod
+    body = main.body
+    first = body.blocks[0] if body.blocks else None
+    if isinstance(first, relax.DataflowBlock):
+        blocks = [relax.DataflowBlock(casts + list(first.bindings))] + list(body.blocks[1:])
+    else:
+        blocks = [relax.DataflowBlock(casts)] + list(body.blocks)
+    out = mod.clone()
+    out["main"] = relax.Function(params, relax.SeqExpr(blocks, body.body), main.ret_ty, main.is_pure, main.attrs)
+    return out
+
+
+def _fp16_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:
+    out = mod.clone()
+    for gv, fn in mod.functions.items():
+        if isinstance(fn, relax.Function):
+            out[gv] = _Retype(out).visit_expr(fn)
+    return out
+
+
+@relax.expr_functor.mutator
+class _Retype(relax.PyExprMutator):
+    """float16 -> bfloat16 in casts, dtype attributes and constants; the mutator re-infers every type."""
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        attrs = call.attrs
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.astype" and str(attrs.dtype) == FLOAT16:
+            return relax.op.astype(call.args[0], BFLOAT16)
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul" and str(attrs.out_dtype) == FLOAT16:
+            return relax.op.matmul(call.args[0], call.args[1], out_dtype=BFLOAT16)
+        if isinstance(call.op, tvm.ir.Op) and call.op.name in FP32_ONLY_IN_BF16 \
+                and any(str(getattr(a.ty, "dtype", "")) == BFLOAT16 for a in call.args):
+            args = [relax.op.astype(a, FLOAT32) if str(getattr(a.ty, "dtype", "")) == BFLOAT16 else a
+                    for a in call.args]
+            return relax.op.astype(relax.Call(call.op, args, attrs), BFLOAT16)
+        if attrs is not None and FLOAT16 in str(attrs):
+            raise NotImplementedError(f"bf16: cannot re-type {call.op} with a float16 attribute ({attrs})")
+        return call
+
+    def visit_constant_(self, const):  # pylint: disable=arguments-renamed
+        value = getattr(const, "value", None)
+        if value is not None and str(value.dtype) == FLOAT16:
+            import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+            data = value.numpy().astype(np.float32).astype(ml_dtypes.bfloat16)
+            return relax.const(tvm.runtime.tensor(data), BFLOAT16)
+        return super().visit_constant_(const)
