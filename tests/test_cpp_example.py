@@ -1,0 +1,81 @@
+"""examples/cpp: build run_model with the system compiler, run it on an llvm export, compare with Python."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+import onnx_models
+from tvmfuse.cli import main
+from tvmfuse.runtime import load
+from tvmfuse.verify import onnxruntime_outputs
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cpp")
+
+
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
+
+
+def _parse(stdout: str) -> list[dict]:
+    outputs = []
+    for m in re.finditer(r"output (\d+) shape \[([\d, ]*)\] dtype float32\nfirst([^\n]*)\nsum (\S+) abs_sum (\S+)",
+                         stdout):
+        outputs.append({"shape": tuple(int(d) for d in m.group(2).split(",")),
+                        "first": np.array([float(v) for v in m.group(3).split()]),
+                        "sum": float(m.group(4)), "abs_sum": float(m.group(5))})
+    return outputs
+
+
+def test_cpp_example_matches_python_vm_and_onnxruntime(tmp_path):
+    tvm_dir, ffi_dir = _package_dir("tvm"), _package_dir("tvm_ffi")
+    header = os.path.join(ffi_dir or "", "include", "tvm", "ffi", "extra", "module.h")
+    runtime = os.path.join(tvm_dir or "", "lib", "libtvm_runtime.so")
+    if not os.path.exists(header) or not os.path.exists(runtime):
+        pytest.skip(f"TVM C++ headers or runtime library not found ({header}, {runtime})")
+    if not shutil.which("make") or not shutil.which(os.environ.get("CXX", "g++")):
+        pytest.skip("no make or C++ compiler on PATH")
+
+    build = tmp_path / "build"
+    shutil.copytree(EXAMPLE, build, ignore=shutil.ignore_patterns("run_model"))
+    done = subprocess.run(["make", f"PYTHON={sys.executable}"], cwd=build, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert subprocess.run([str(build / "run_model")], capture_output=True, timeout=30).returncode == 2  # usage
+
+    model = onnx_models.rms_norm_residual(rows=4, hidden=32)  # two inputs, two outputs (a tuple)
+    onnx.save(model, tmp_path / "rms.onnx")
+    assert main([str(tmp_path / "rms.onnx"), "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "out"),
+                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
+    export = tmp_path / "out" / "rms-llvm"
+
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 32)).astype("<f4"), "r": rng.standard_normal((4, 32)).astype("<f4")}
+    args = [str(build / "run_model"), str(export / "model.so")]
+    for name, array in feeds.items():
+        array.tofile(tmp_path / f"{name}.bin")
+        args += [str(tmp_path / f"{name}.bin"), ",".join(map(str, array.shape))]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = _parse(run.stdout)
+
+    python_vm = load(str(export))(**feeds)
+    reference = onnxruntime_outputs(model, feeds)
+    assert len(got) == len(python_vm) == len(reference) == 2
+    for cpp, vm_out, ort_out in zip(got, python_vm, reference):
+        assert cpp["shape"] == vm_out.shape
+        np.testing.assert_allclose(cpp["first"], vm_out.ravel()[:8], rtol=1e-6, atol=1e-6)  # printed with %.9g
+        np.testing.assert_allclose(cpp["sum"], vm_out.astype(np.float64).sum(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(cpp["abs_sum"], np.abs(vm_out.astype(np.float64)).sum(), rtol=1e-6)
+        np.testing.assert_allclose(cpp["first"], ort_out.ravel()[:8], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(cpp["sum"], ort_out.astype(np.float64).sum(), rtol=1e-4, atol=1e-3)
+
