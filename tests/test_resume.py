@@ -10,7 +10,7 @@ import time
 import onnx
 import pytest
 
-from test_database import kernel_mods, two_kernels
+from test_database import kernel_mods, record_for, two_kernels
 from tvmfuse.cli import main as tune_main
 from tvmfuse.database import FILE, TuningDatabase
 from tvmfuse.export import export
@@ -114,7 +114,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(model, tmp_path):
 
 
 def test_two_concurrent_tunes_on_one_database(one_kernel_model, tmp_path):
-    procs = [subprocess.Popen(command(one_kernel_model, tmp_path, out=f"out{i}", trials=4), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(command(one_kernel_model, tmp_path, out=f"out{i}", trials=2), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in (1, 2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
@@ -123,27 +123,28 @@ def test_two_concurrent_tunes_on_one_database(one_kernel_model, tmp_path):
     pids = {o["pid"] for o in objs if "record" in o}
     assert pids == {p.pid for p in procs}  # records from both runs are there
     db = TuningDatabase(str(tmp_path / "logs" / "two-llvm"), _llvm())
-    assert dict(db.skipped) == {} and db.loaded == sum("record" in o for o in objs) >= 8
+    assert dict(db.skipped) == {} and db.loaded == sum("record" in o for o in objs) >= 4
 
 
 def test_budget_counts_stored_trials_and_cost_model_is_retrained(tmp_path, monkeypatch):
     import tvmfuse.tune as tune_mod  # pylint: disable=import-outside-toplevel
 
     target = _llvm()
-    fused, _ = kernel_mods(target, one=True)
+    fused, (task,) = kernel_mods(target, one=True)
     db = TuningDatabase(str(tmp_path), target)
-    first = tune(fused.mod, target, str(tmp_path), 2, database=db)
-    assert [p.trials for p in first.values()] == [2] and len(db) == 2
+    for secs in (3e-5, 2e-5):  # two trials "measured" before an interruption
+        db.commit_tuning_record(record_for(task, target, secs))
     warmed = []
     real = tune_mod.warm_start
     monkeypatch.setattr(tune_mod, "warm_start", lambda *a: warmed.append(real(*a)) or warmed[-1])
     reopened = TuningDatabase(str(tmp_path), target)
-    second = tune(fused.mod, target, str(tmp_path), 3, database=reopened)
-    assert [(p.resumed, p.trials) for p in second.values()] == [(2, 3)]
-    assert warmed == [2]  # the XGBoost model was trained on the 2 stored records before searching
-    assert TuningDatabase(str(tmp_path), target).loaded == 3  # a budget of 3 in all, not 2 + 3
-    assert tune(fused.mod, target, str(tmp_path), 3, database=TuningDatabase(str(tmp_path), target)) \
-        and warmed == [2]  # nothing left to do: no search, no retraining
+    second = tune(fused.mod, target, str(tmp_path), 4, database=reopened)
+    assert [(p.resumed, p.trials) for p in second.values()] == [(2, 4)]
+    assert len(warmed) == 1 and warmed[0] >= 2  # the XGBoost model was trained on the stored records first
+    assert TuningDatabase(str(tmp_path), target).loaded == 4  # a budget of 4 in all, not 2 + 4
+    assert tune(fused.mod, target, str(tmp_path), 4, database=TuningDatabase(str(tmp_path), target)) \
+        and len(warmed) == 1  # nothing left to do: no search, no retraining
+    assert TuningDatabase(str(tmp_path), target).loaded == 4
 
 
 def test_a_jobs_file_name_outside_out_is_refused(tmp_path, model, capsys):

@@ -168,7 +168,8 @@ def _by_remaining(contexts, budget: int, spent: dict[str, int]):
     """Group the kernels by how many trials each has left, so each gets exactly its remaining budget."""
     groups: dict[int, list] = {}
     for ctx in contexts:
-        groups.setdefault(budget - spent[ctx.task_name], []).append(ctx)
+        if budget > spent[ctx.task_name]:
+            groups.setdefault(budget - spent[ctx.task_name], []).append(ctx)
     return sorted(groups.items(), reverse=True)
 
 
