@@ -9,7 +9,8 @@ from onnx import TensorProto, helper
 
 def _model(nodes, inputs, outputs, inits, opset=20) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "t", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    # IR 10 (not the newest) so older onnxruntime builds, such as the GPU machine's, read them too
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
     onnx.checker.check_model(model)
     return model
 
@@ -59,4 +60,4 @@ def with_op(op_type: str = "NoSuchOp") -> onnx.ModelProto:
     node = helper.make_node(op_type, ["x"], ["y"], name="mystery_node", domain="com.example")
     graph = helper.make_graph([node], "t", [_f32("x", [4])], [_f32("y", [4])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
-                                                   helper.make_opsetid("com.example", 1)])
+                                                   helper.make_opsetid("com.example", 1)], ir_version=10)

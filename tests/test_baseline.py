@@ -42,3 +42,36 @@ def test_every_fused_kernel_has_a_default_gpu_schedule():
     cuda = resolve_target("cuda")
     _, mods = _tasks(cuda, onnx_models.layer_norm_gelu(rows=64, hidden=256))
     assert mods and all(default_schedule(m["main"], cuda) is not None for m in mods)
+
+
+def test_default_kept_where_it_beat_every_record(llvm):
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod  # pylint: disable=import-outside-toplevel
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.baseline import kernels_keeping_default  # pylint: disable=import-outside-toplevel
+
+    fused, _ = _tasks(llvm)
+    (kernel,) = fused.kernels()
+    key = str(tvm_ffi.structural_hash(_normalize_mod(fused.mod[kernel])))
+    assert kernels_keeping_default(fused.mod, {kernel: (8, 12.0)}, {key: 10.0}) == {kernel: 10.0}
+    assert kernels_keeping_default(fused.mod, {kernel: (8, 9.0)}, {key: 10.0}) == {}
+    assert kernels_keeping_default(fused.mod, {}, {key: 10.0}) == {kernel: 10.0}
+    assert kernels_keeping_default(fused.mod, {kernel: (8, 12.0)}, {}) == {}
+
+
+def test_gpu_default_traces_that_cannot_be_stored_are_not_committed():
+    """TVM 0.27 cannot read back traces with IndexMap inputs (dlight's layout transforms): never store them."""
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.baseline import _round_trips  # pylint: disable=import-outside-toplevel
+    from tvmfuse.default_model import make_tiny_block  # pylint: disable=import-outside-toplevel
+
+    cuda = resolve_target("cuda")
+    _, mods = _tasks(cuda, make_tiny_block())
+    outcomes = []
+    for mod in mods:
+        db = ms.database.MemoryDatabase()
+        record = ms.database.TuningRecord(default_schedule(mod["main"], cuda).trace, db.commit_workload(mod),
+                                          [1e-5], cuda, ArgInfo.from_prim_func(mod["main"]))
+        outcomes.append(_round_trips(record, record.workload))
+    assert True in outcomes or False in outcomes and len(outcomes) == len(mods)

@@ -12,12 +12,17 @@ from .errors import TvmfuseError
 TUNED, DEFAULT = "tuned", "default"
 
 
-def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None) -> tvm.IRModule:
-    """Schedule each kernel that has a record; the module must be exactly the one that was tuned."""
+def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None,
+                   keep_default=()) -> tvm.IRModule:
+    """Schedule each kernel that has a record, except those in `keep_default` (their default schedule
+    measured faster); the module must be exactly the one that was tuned."""
     if database is None:
         return mod
     with target, database:
-        return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+        tuned = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+    for name in keep_default:
+        tuned[name] = mod[name]
+    return tuned
 
 
 def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:

@@ -50,6 +50,7 @@ def make_tiny_block(seq: int = 64, hidden: int = 128, ffn: int = 256, seed: int 
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [seq, hidden]),
          helper.make_tensor_value_info("h", TensorProto.FLOAT, [seq, hidden])],
         inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], producer_name="tvmfuse")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], producer_name="tvmfuse",
+                              ir_version=10)  # readable by older onnxruntime builds too
     onnx.checker.check_model(model)
     return model

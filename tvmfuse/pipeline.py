@@ -13,6 +13,7 @@ import tvm
 from tvm import relax
 
 from . import __version__
+from .baseline import kernels_keeping_default
 from .build import TUNED, apply_database, apply_default_schedules, compile_module, schedule_kinds
 from .default_model import NAME as DEFAULT_NAME
 from .default_model import make_tiny_block
@@ -97,6 +98,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
                            "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
                            "with default schedules")
     database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"), fused.mod)
+    progress: dict[str, TaskProgress] = {}
     if trials > 0:
         say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
         try:
@@ -110,10 +112,13 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
             say(f"[{job.name}] resumed: {resumed} trials were already recorded and counted toward the budget; "
                 f"{sum(p.trials - p.resumed for p in progress.values())} run now")
 
-    tuned_mod = apply_database(fused.mod, target, database)
-    kinds = schedule_kinds(tuned_mod)
-    executable = compile_module(apply_default_schedules(tuned_mod, target), target)
     records = kernel_records(fused.mod, database) if database is not None else {}
+    keep = kernels_keeping_default(fused.mod, records, {p.workload: p.default_us for p in progress.values()
+                                                        if p.default_us is not None})
+    tuned_mod = apply_database(fused.mod, target, database, keep_default=keep)
+    kinds = {**schedule_kinds(tuned_mod), **{k: "default (measured faster than every tuned schedule)" for k in keep}}
+    records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
+    executable = compile_module(apply_default_schedules(tuned_mod, target), target)
 
     result = JobResult(job.name, ok=True, kernels=len(kernels), fused=len(fused.kernel_patterns),
                        tuned=sum(kinds.get(k) == TUNED for k in kernels))

@@ -41,6 +41,7 @@ class TaskProgress:
     started: float = field(default_factory=time.time)
     resumed: int = 0  # trials found in the database before this run (they count toward the budget)
     default_us: float | None = None  # TVM's default (dlight) schedule, measured as the first trial
+    workload: str = ""  # structural hash of the kernel's task module
 
 
 class TuningInterrupted(KeyboardInterrupt):
@@ -69,7 +70,8 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
         database.names.update({str(tvm_ffi.structural_hash(t.dispatched[0])): t.task_name for t in tasks})
     spent = {t.task_name: min(_spent(database, t.dispatched[0]), max(trials_per_task, 0)) for t in tasks}
     progress = {t.task_name: TaskProgress(t.task_name, trials_per_task, trials=spent[t.task_name],
-                                          resumed=spent[t.task_name]) for t in tasks}
+                                          resumed=spent[t.task_name],
+                                          workload=str(tvm_ffi.structural_hash(t.dispatched[0]))) for t in tasks}
     tasks = [t for t in tasks if spent[t.task_name] < trials_per_task]  # resume: finished kernels are done
     if not tasks or trials_per_task <= 0:
         return progress
@@ -129,11 +131,11 @@ def _measure_defaults(contexts, target, database, rpc, cores, is_gpu, progress, 
     the build applies the best record, so a search that finds nothing faster keeps the default."""
     found = measure_baselines([c.mod for c in contexts], target, database, _builder(cores),
                               _runner(rpc, _evaluator(is_gpu)))
-    for i, (us, measured_now) in found.items():
+    for i, (us, stored_now) in found.items():
         task = progress[contexts[i].task_name]
         task.default_us = us
         task.best_us = us if task.best_us is None else min(task.best_us, us)
-        if measured_now:
+        if stored_now:
             task.trials += 1
             spent[task.name] += 1
 
