@@ -6,7 +6,7 @@ from tvm import relax
 
 import onnx_models
 from tvmfuse.build import build
-from tvmfuse.fuse import DEFAULT_FUSION, lower, symbolic_kernels
+from tvmfuse.fuse import DEFAULT_FUSION, launches, lower, symbolic_kernels
 from tvmfuse.importer import import_model, random_inputs
 from tvmfuse.targets import device_for
 from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
@@ -68,4 +68,22 @@ def test_symbolic_dims_stay_symbolic_and_still_run(llvm):
     model = onnx_models.layer_norm_gelu(hidden=64, dyn=True)
     imp, fused = _lower(model)
     assert symbolic_kernels(fused.mod) == set(fused.kernels())
+    assert _run_against_ort(model, imp, fused, llvm).ok
+
+
+def test_identical_groups_share_one_prim_func(llvm):
+    """Two same-shaped layers fuse into two calls of ONE PrimFunc (as stock FuseTIR shares its functions)."""
+    rng = np.random.default_rng(0)
+    nodes = [onnx_models.helper.make_node(op, ins, [out]) for op, ins, out in [
+        ("MatMul", ["x", "W1"], "m1"), ("Add", ["m1", "b1"], "a1"), ("Relu", ["a1"], "r1"),
+        ("MatMul", ["r1", "W2"], "m2"), ("Add", ["m2", "b2"], "a2"), ("Relu", ["a2"], "y")]]
+    inits = [onnx_models._const(n, rng.standard_normal(s).astype("float32") * 0.3)
+             for n, s in (("W1", (32, 32)), ("b1", (32,)), ("W2", (32, 32)), ("b2", (32,)))]
+    model = onnx_models._model(nodes, [onnx_models._f32("x", [8, 32])], [onnx_models._f32("y", [8, 32])], inits)
+    imp, fused = _lower(model)
+    assert fused.kernels() == [next(iter(fused.kernel_patterns))]  # one PrimFunc ...
+    assert launches(fused.mod) == 2  # ... called by both layers
+    assert len(fused.candidate_kernels) == 2  # both candidates ("pattern@root") name the shared kernel
+    assert all(c.startswith("tvmfuse.matmul_bias_relu@") for c in fused.candidate_kernels)
+    assert set(fused.candidate_kernels.values()) == set(fused.kernels())
     assert _run_against_ort(model, imp, fused, llvm).ok

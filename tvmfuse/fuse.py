@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 
 from .decide import Plan, decide
 from .patterns import Recorder, fusion_patterns, start, stop
+from .patterns.attention import batched_transpose_source
 
 DEFAULT_FUSION = "default fusion"
 
@@ -21,7 +23,7 @@ class Fused:
     kernel_patterns: dict[str, str]
     rejections: list[tuple[str, str, str]] = field(default_factory=list)
     plan: Plan | None = None
-    kernel_candidates: dict[str, str] = field(default_factory=dict)  # kernel -> "pattern@root"
+    candidate_kernels: dict[str, str] = field(default_factory=dict)  # "pattern@root" -> kernel (shared ones too)
 
     def kernels(self) -> list[str]:
         """PrimFuncs the Relax `main` calls, in call order (what runs on the device)."""
@@ -62,6 +64,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
                 candidate[gv.name_hint] = str(fn.attrs["tvmfuse.candidate"])
     mod = tvm.transform.Sequential([
         inline_shape_params,
+        simplify_transposes,
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -69,11 +72,47 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
         relax.transform.FuseTIR(),
         relax.transform.DeadCodeElimination(),
     ])(mod)
+    mod, alias = dedup_prim_funcs(mod)
     kernels = set(called_prim_funcs(mod))
     rejections = ([(c.match.pattern, c.match.root, c.reason) for c in plan.candidates if c.decision != "kept"]
                   if plan is not None else list(dict.fromkeys(rec.rejections)))
     return Fused(mod, {k: v for k, v in composite.items() if k in kernels}, rejections, plan,
-                 {k: v for k, v in candidate.items() if k in kernels})
+                 {v: alias.get(k, k) for k, v in candidate.items() if alias.get(k, k) in kernels})
+
+
+def dedup_prim_funcs(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, str]]:
+    """Structurally equal PrimFuncs (the same fused group in every layer) become one: each call goes to the
+    first one called, the copies are dropped. Returns the module and {dropped name: kept name}."""
+    prims = {gv.name_hint: gv for gv, fn in mod.functions.items() if isinstance(fn, tirx.PrimFunc)}
+    order = called_prim_funcs(mod) + sorted(set(prims) - set(called_prim_funcs(mod)))
+    kept: dict[int, list] = {}
+    alias: dict[relax.GlobalVar, relax.GlobalVar] = {}
+    for name in order:
+        gv, fn = prims[name], mod[prims[name]]
+        same = kept.setdefault(tvm_ffi.structural_hash(fn), [])
+        first = next((k for k in same if tvm_ffi.structural_equal(mod[k], fn)), None)
+        if first is None:
+            same.append(gv)
+        else:
+            alias[gv] = first
+    if not alias:
+        return mod, {}
+    out = tvm.IRModule({gv: fn for gv, fn in mod.functions.items() if gv not in alias}, attrs=mod.attrs,
+                       global_infos=mod.global_infos)
+    for gv, fn in list(out.functions.items()):
+        if isinstance(fn, relax.Function):
+            out[gv] = _Redirect(alias).visit_expr(fn)
+    return out, {gv.name_hint: k.name_hint for gv, k in alias.items()}
+
+
+@relax.expr_functor.mutator
+class _Redirect(relax.PyExprMutator):
+    def __init__(self, alias):
+        super().__init__()
+        self.alias = alias
+
+    def visit_global_var_(self, gv):  # pylint: disable=arguments-renamed
+        return self.alias.get(gv, gv)
 
 
 @tvm.transform.module_pass(opt_level=0, name="InlineShapeParams")
@@ -88,6 +127,30 @@ def inline_shape_params(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
         if shapes:
             mod[gv] = _Inline(shapes).visit_expr(fn)
     return mod
+
+
+@tvm.transform.module_pass(opt_level=0, name="SimplifyTransposes")
+def simplify_transposes(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
+    """Inside pattern groups, reshape -> [B*H,S,D] -> permute -> reshape back (dynamo's K^T) becomes one 4-D
+    permute: the same values, and no flattened symbolic index for TVM's simplifier to grind through."""
+    for gv, fn in list(mod.functions.items()):
+        if isinstance(fn, relax.Function) and fn.attrs and "Composite" in fn.attrs:
+            calls = {b.var: b.value for blk in fn.body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)}
+            new = _Transposes(calls.get).visit_expr(fn)
+            if not new.same_as(fn):
+                mod[gv] = relax.analysis.remove_all_unused(new)
+    return mod
+
+
+@relax.expr_functor.mutator
+class _Transposes(relax.PyExprMutator):
+    def __init__(self, bound):
+        super().__init__()
+        self.bound = bound
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        x = batched_transpose_source(call, self.bound)
+        return relax.op.permute_dims(self.visit_expr(x), [0, 1, 3, 2]) if x is not None else super().visit_call_(call)
 
 
 @relax.expr_functor.mutator

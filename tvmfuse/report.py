@@ -16,7 +16,7 @@ def fusion_report(plan: Plan, fused, stock, measured_us: dict[str, float] | None
     `measured_us`: kernel -> measured latency (after tuning), shown next to the prediction."""
     from .fuse import launches  # pylint: disable=import-outside-toplevel
 
-    kernel_of = {cand: k for k, cand in fused.kernel_candidates.items()}
+    kernel_of = fused.candidate_kernels
     rows = []
     for c in plan.candidates:
         tag = f"{c.match.pattern}@{c.match.root}"

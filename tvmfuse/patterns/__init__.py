@@ -13,8 +13,8 @@ from tvm.relax.transform import FusionPattern, PatternCheckContext
 
 from .attention import check_attention, check_rotary_embedding, make_attention_pattern, make_rotary_embedding_pattern
 from .common import Annotated, Match, Recorder, check_private_intermediates, current, reject, start, stop
-from .matmul import check_geglu, check_matmul_bias, check_swiglu, make_geglu_pattern, make_matmul_bias_pattern, \
-    make_swiglu_pattern
+from .matmul import check_geglu, check_matmul_act, check_matmul_bias, check_swiglu, make_geglu_pattern, \
+    make_matmul_act_pattern, make_matmul_bias_pattern, make_swiglu_pattern
 from .norms import (check_layer_norm_gelu, check_rms_norm, check_rms_norm_residual, check_skip_layer_norm,
                     check_skip_layer_norm_bias, make_layer_norm_gelu_pattern, make_rms_norm_pattern,
                     make_rms_norm_residual_pattern, make_skip_layer_norm_bias_pattern, make_skip_layer_norm_pattern)
@@ -34,6 +34,8 @@ PATTERN_TABLE: list[tuple[str, Callable[[], Annotated], Check]] = [
     ("tvmfuse.skip_layer_norm", make_skip_layer_norm_pattern, check_skip_layer_norm),
     ("tvmfuse.layer_norm_gelu", make_layer_norm_gelu_pattern, check_layer_norm_gelu),
     *[(f"tvmfuse.matmul_bias_{a}", make_matmul_bias_pattern(a), check_matmul_bias(a))
+      for a in ("gelu", "gelu_tanh", "silu", "relu", "tanh")],
+    *[(f"tvmfuse.matmul_{a}", make_matmul_act_pattern(a), check_matmul_act(a))
       for a in ("gelu", "gelu_tanh", "silu", "relu", "tanh")],
     ("tvmfuse.matmul_bias", make_matmul_bias_pattern(None), check_matmul_bias(None)),
 ]

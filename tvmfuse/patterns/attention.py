@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple, wildcard
 from tvm.relax.transform import PatternCheckContext
 
@@ -26,12 +27,17 @@ def _gqa(p: DFPattern) -> tuple[DFPattern, DFPattern]:
     return _op("reshape", _op("broadcast_to", expand, wildcard()), wildcard()), expand
 
 
+def _key_transpose(p: DFPattern) -> DFPattern:
+    """K^T: one permute, or (dynamo exports) reshape [B,H,S,D]->[B*H,S,D], permute(0,2,1), reshape->[B,H,D,S]."""
+    return _op("permute_dims", p) | _op("reshape", _op("permute_dims", _op("reshape", p, wildcard())), wildcard())
+
+
 def make_attention_pattern() -> Annotated:
     """softmax(scale * Q @ K^T [+ mask]) @ V with the multi-head transposes (and GQA repeat) around it."""
     q_in, k_in, v_in, mask = wildcard(), wildcard(), wildcard(), wildcard()
     (k_gqa, k_exp), (v_gqa, _) = _gqa(k_in), _gqa(_heads(v_in))
     q = _heads(q_in)
-    k = _op("permute_dims", k_gqa) | _op("permute_dims", k_in)
+    k = _key_transpose(k_gqa) | _key_transpose(_op("permute_dims", k_in)) | _key_transpose(k_in)
     v = v_gqa | _heads(v_in)
     qs = _op("multiply", q, is_const()) | _op("divide", q, is_const()) | q
     ks = _op("multiply", k, is_const()) | _op("divide", k, is_const()) | k
@@ -51,6 +57,9 @@ def check_attention(ctx: PatternCheckContext) -> bool:
     ann = dict(ctx.annotated_expr.items())
     scores, out, sm = ann["scores"], ann["out"], ann["softmax"]
     q_t, k_t = scores.args[0], scores.args[1]
+    k = ann["k"]
+    if k.op.name == "relax.reshape" and batched_transpose_source(k, ctx.matched_bindings.get) is None:
+        return reject(ctx, name, "K's reshape/permute/reshape is not a transpose of the last two axes")
     if ndim(out) != 4 or ndim(q_t) != 4 or ndim(k_t) != 4:
         return reject(ctx, name, f"not 4-D multi-head tensors (out rank {ndim(out)})")
     b, h, sq, d = shape_of(q_t)
@@ -101,6 +110,28 @@ def _is_causal(mask, depth: int = 12) -> bool:
                 return True
         stack.extend((a, level + 1) for a in call.args if hasattr(a, "name"))
     return False
+
+
+def batched_transpose_source(call, bound) -> relax.Expr | None:
+    """x when `call` is reshape(permute_dims(reshape(x, [N,S,D]), [0,2,1]), [B,H,D,S]) with x of shape
+    [B,H,S,D] (a transpose of the last two axes, as dynamo exports write K^T), else None. `bound` maps a Var
+    to the call it is bound to (or None)."""
+    if getattr(call, "op", None) is None or call.op.name != "relax.reshape":
+        return None
+    perm = bound(call.args[0])
+    if perm is None or perm.op.name != "relax.permute_dims" or [as_int(a) for a in perm.attrs.axes or []] != [0, 2, 1]:
+        return None
+    inner = bound(perm.args[0])
+    if inner is None or inner.op.name != "relax.reshape":
+        return None
+    x = inner.args[0]
+    xs, ins, outs = shape_of(x), shape_of(inner), shape_of(call)
+    if not xs or not ins or not outs or len(xs) != 4 or len(ins) != 3 or len(outs) != 4:
+        return None
+    b, h, s, d = xs
+    ok = all(same_dim(u, v) for u, v in ((ins[1], s), (ins[2], d), (outs[0], b), (outs[1], h), (outs[2], d),
+                                         (outs[3], s)))
+    return x if ok else None
 
 
 def make_rotary_embedding_pattern() -> Annotated:

@@ -59,11 +59,40 @@ def check_matmul_bias(activation: str | None = None) -> Callable[[PatternCheckCo
         problem = ACTIVATIONS[activation][1] if activation else None
         if problem and problem(ctx):
             return reject(ctx, name, f"not a {activation}: {problem(ctx)}")
-        m = shape_of(mm)
-        return finish(ctx, name, {"n": dim_str(n), "k": dim_str(shape_of(mm.args[0])[-1]),
-                                  "rows": " * ".join(dim_str(d) for d in m[:-1]), "activation": activation or "none"})
+        return finish(ctx, name, {**_linear_info(mm), "activation": activation or "none"})
     check.__name__ = f"check_matmul_bias_{activation or 'none'}"
     return check
+
+
+def make_matmul_act_pattern(activation: str) -> Callable[[], Annotated]:
+    """y = act(x @ W [W transposed]) with no bias add (dynamo exports drop an all-zero bias), the matmul
+    optionally followed by a reshape."""
+    def make() -> Annotated:
+        mm, w = _linear(wildcard())
+        y = ACTIVATIONS[activation][0](is_op("relax.reshape")(mm, wildcard()) | mm)
+        return y, {"mm": mm, "w": w, "y": y}
+    make.__name__ = f"make_matmul_{activation}_pattern"
+    return make
+
+
+def check_matmul_act(activation: str) -> Callable[[PatternCheckContext], bool]:
+    name = f"tvmfuse.matmul_{activation}"
+
+    def check(ctx: PatternCheckContext) -> bool:
+        mm = ctx.annotated_expr["mm"]
+        if ndim(ctx.annotated_expr["w"]) != 2:
+            return reject(ctx, name, f"weight has rank {ndim(ctx.annotated_expr['w'])}: not a linear layer")
+        problem = ACTIVATIONS[activation][1]
+        if problem and problem(ctx):
+            return reject(ctx, name, f"not a {activation}: {problem(ctx)}")
+        return finish(ctx, name, {**_linear_info(mm), "activation": activation, "bias": False})
+    check.__name__ = f"check_matmul_{activation}"
+    return check
+
+
+def _linear_info(mm) -> dict:
+    m = shape_of(mm)
+    return {"n": dim_str(m[-1]), "k": dim_str(shape_of(mm.args[0])[-1]), "rows": " * ".join(dim_str(d) for d in m[:-1])}
 
 
 def _is_bias(bias, n) -> bool:
