@@ -147,7 +147,9 @@ def as_record(rec: dict, mod: tvm.IRModule, target: tvm.target.Target):
     workload = ms.database.Workload(mod)
     args = rec.get("args_info") or [a.as_json() for a in ms.arg_info.ArgInfo.from_prim_func(mod["main"])]
     secs = rec.get("run_secs") or [rec["latency_us"] * 1e-6]
-    return ms.database.TuningRecord.from_json([rec["trace"], secs, json.loads(target_key(target)), args], workload)
+    insts, decisions = rec["trace"]
+    trace = [insts, [[int(i), d] for i, d in decisions]]  # indices may have become strings in hand-kept files
+    return ms.database.TuningRecord.from_json([trace, secs, json.loads(target_key(target)), args], workload)
 
 
 def seed(db: TuningDatabase, lib: str, target: tvm.target.Target, mod: tvm.IRModule | None = None):

@@ -220,6 +220,8 @@ class ProgressCallback(ms.measure_callback.PyMeasureCallback):
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
         task = self.tasks[task_id]
+        if not builder_results:  # the search had no new candidate for this kernel: nothing to report
+            return
         for built, ran in zip(builder_results, runner_results):
             task.trials += 1
             secs = [float(s) for s in (ran.run_secs or [])]
