@@ -8,6 +8,7 @@ from tvmfuse.importer import import_model
 def test_tiny_block_holds_both_patterns():
     imp = import_model(make_tiny_block())
     fused = lower(imp.mod, imp.params)
-    assert sorted(fused.kernel_patterns.values()) == ["tvmfuse.layer_norm_gelu", "tvmfuse.rms_norm_residual"]
+    assert sorted(fused.kernel_patterns.values()) == [
+        "tvmfuse.layer_norm_gelu", "tvmfuse.matmul_bias", "tvmfuse.matmul_bias", "tvmfuse.rms_norm_residual"]
     assert len(fused.kernels()) == 4
     assert [o.name for o in imp.outputs] == ["y", "h"]

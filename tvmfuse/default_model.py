@@ -12,8 +12,8 @@ NAME = "tiny-block"
 def make_tiny_block(seq: int = 64, hidden: int = 128, ffn: int = 256, seed: int = 0) -> onnx.ModelProto:
     """x -> LayerNorm -> GELU -> MatMul+Bias -> MatMul+Bias, h = x + that -> RMSNorm; outputs y and h.
 
-    It holds one LayerNorm+GELU and one RMSNorm+residual group (with `h` used downstream), and two
-    MatMul+Bias kernels for TVM's normal fusion: four kernels to tune, a few minutes on 2 cores.
+    It holds one LayerNorm+GELU, two MatMul+Bias and one RMSNorm+residual group (with `h` used
+    downstream): four kernels to tune, a few minutes on 2 cores.
     """
     rng = np.random.default_rng(seed)
 
