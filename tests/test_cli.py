@@ -103,6 +103,7 @@ def _bad_inputs(tmp):
         "jobs typo": (["--jobs", str(tmp / "typo.toml")], "unknown key 'trails' (did you mean 'trials'?)"),
         "path traversal": (["--jobs", str(tmp / "escape.toml")], "invalid model or job name '../../etc/x'"),
         "bad shape": ([str(good), "--shape", "x=abc"], "expected NAME=DIMS"),
+        "bad batch": ([str(good), "--batch", "0"], "--batch must be >= 1"),
     }
 
 

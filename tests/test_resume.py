@@ -36,8 +36,9 @@ def one_kernel_model(tmp_path_factory):
 
 
 def command(model, tmp_path, out="out", trials=8):
+    # rounds of 4 candidates per kernel, so records land in steps small enough to kill between them
     return [sys.executable, TUNE, "--target", "llvm", model, "--trials", str(trials), "--out", str(tmp_path / out),
-            "--logs", str(tmp_path / "logs"), "--schedules", "none"]
+            "--logs", str(tmp_path / "logs"), "--schedules", "none", "--batch", "4"]
 
 
 def record_lines(tmp_path) -> list[str]:

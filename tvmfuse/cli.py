@@ -28,6 +28,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", metavar="{fp32,fp16,bf16}",
                    help="compute dtype: fp16/bf16 convert the fp32 model to mixed precision (fp32 accumulation, "
                         "fp32 inputs and outputs); a jobs file's dtype overrides it (default: fp32)")
+    p.add_argument("--batch", type=int, metavar="N",
+                   help="candidates built and measured per tuning round (default: 16 on llvm, 64 on cuda)")
     p.add_argument("--out", default="out", metavar="DIR", help="where exports go (default: out)")
     p.add_argument("--logs", default="tuning_logs", metavar="DIR", help="tuning databases (default: tuning_logs)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
@@ -49,6 +51,11 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
         jobs += load_jobs(args.jobs, args.trials, dtype)
     if not jobs:
         jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype)]
+    if args.batch is not None:
+        if args.batch < 1:
+            raise TvmfuseError("--batch must be >= 1")
+        for job in jobs:
+            job.batch = args.batch
     names = [j.name for j in jobs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -32,6 +32,7 @@ class Job:
     shapes: dict[str, list[int]] = field(default_factory=dict)
     trials: int | None = None
     dtype: str = "float32"  # compute dtype: float32, float16 or bfloat16 (tvmfuse.precision)
+    batch: int | None = None  # candidates built and measured per tuning round (None: 16 on CPUs, 64 on GPUs)
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:

@@ -103,7 +103,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
         try:
             progress = tune(fused.mod, target, work_dir, trials, on_progress=_progress_printer(job.name, say),
-                            rpc=rpc, database=database, space_for=space_for)
+                            rpc=rpc, database=database, space_for=space_for, batch=job.batch)
         except TuningInterrupted:
             raise TuningInterrupted(f"interrupted: {sum(database.spent.values())} records kept in {work_dir}; "
                                     "rerun the same command to resume") from None
