@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import tvm
 from onnx import TensorProto as TP
 from onnx import helper

@@ -73,7 +73,6 @@ def tvm_runner(mod, target, dev, args_t, outs_t):
 
 
 def tune(case, pf, target, trials, wd, per_iter):
-    import tvm
     from tvm.s_tir import meta_schedule as ms
     from tvmfuse.spaces import space_for
     from tvmfuse.spaces.build import builder

@@ -8,7 +8,8 @@ from tvmfuse.builder import fast_build
 from tvmfuse.fuse import lower
 from tvmfuse.importer import import_model
 from tvmfuse.targets import resolve_target
-from tvmfuse.tune import kernel_records, tunable_tasks, tune
+from tvmfuse.progress import kernel_records
+from tvmfuse.tune import tunable_tasks, tune
 
 
 def _tasks(target, model=None):

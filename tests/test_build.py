@@ -2,13 +2,12 @@
 
 import shutil
 
-import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
 import onnx_models
-from tvmfuse.build import DEFAULT, apply_default_schedules, build, schedule_kinds
+from tvmfuse.build import DEFAULT, apply_default_schedules, build
 from tvmfuse.fuse import lower
 from tvmfuse.importer import import_model, random_inputs
 from tvmfuse.targets import resolve_target

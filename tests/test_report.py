@@ -9,7 +9,6 @@ import json
 import os
 
 import pytest
-from tvm import relax
 
 from test_patterns import check_against_ort
 from tvmfuse.decide import decide

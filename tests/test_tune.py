@@ -6,7 +6,8 @@ import onnx_models
 from tvmfuse.build import TUNED, build
 from tvmfuse.fuse import lower
 from tvmfuse.importer import import_model
-from tvmfuse.tune import kernel_records, tunable_tasks, tune
+from tvmfuse.progress import kernel_records
+from tvmfuse.tune import tunable_tasks, tune
 
 
 def test_tune_records_progress_and_build_uses_them(tmp_path, llvm):

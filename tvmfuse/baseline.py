@@ -11,7 +11,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-FAILED = 1e9
+from .progress import FAILED
 
 
 def default_rules(target: tvm.target.Target) -> list:

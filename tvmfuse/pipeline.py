@@ -30,7 +30,8 @@ from .spaces import space_for
 from .targets import device_for, has_device, target_json, target_name
 from .schedules import DEFAULT_DIR as SCHEDULES_DIR
 from .schedules import open_database
-from .tune import TaskProgress, TuningInterrupted, kernel_records, tune
+from .progress import TaskProgress, kernel_records
+from .tune import TuningInterrupted, tune
 from .verify import compare, onnxruntime_outputs, run_vm
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}

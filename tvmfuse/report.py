@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .decide import KEPT, Plan, Settings
+from .decide import Plan, Settings
 
 REPORT_JSON, REPORT_TEXT = "fusion_report.json", "fusion_report.txt"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 from tvm.script import tirx as T
 

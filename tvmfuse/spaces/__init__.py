@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tvm
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.s_tir import meta_schedule as ms
 
 from . import gemm, gemv, rowreduce
