@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "tune": "tvmfuse.cli",
     "plan": "tvmfuse.report",
-    "schedules": "tvmfuse.schedules",
+    "schedules": "tvmfuse.schedules_cli",
     "serve": "tvmfuse.remote:serve_main",
     "queue": "tvmfuse.remote:queue_main",
 }
