@@ -237,3 +237,18 @@ def test_dynamo_attention_kernel_reads_k_as_bhsd():
     dims = (shapes["batch"], shapes["heads"], shapes["kv_heads"], shapes["seq_k"], shapes["head_dim"])
     assert dims == (2, 4, 4, 8, 16)
     assert "reshape" not in fused.mod[kernel].script().lower()
+
+
+def test_rms_norm_leaves_a_cast_from_int_outside_the_kernel(llvm):
+    """The optional casts are float-to-fp32 only: x (int32) -> Cast(float) -> RMSNorm fuses from the float value."""
+    nodes = [_n("Cast", ["x"], "xf", to=TensorProto.FLOAT), _n("Mul", ["xf", "xf"], "sq"),
+             _n("ReduceMean", ["sq", "axes"], "ms", keepdims=1), _n("Add", ["ms", "eps"], "ms_eps"),
+             _n("Sqrt", ["ms_eps"], "rms"), _n("Div", ["xf", "rms"], "xn"), _n("Mul", ["xn", "w"], "y")]
+    model = _model(nodes, [_t("x", [4, 32], TensorProto.INT32)], [_t("y", [4, 32])],
+                   [_c("axes", [-1], np.int64), _c("eps", 1e-6), _c("w", RNG.standard_normal(32))])
+    imp, fused = _lower(model)
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.rms_norm"], fused.rejections
+    (kernel,) = fused.kernel_patterns
+    assert "int32" not in fused.mod[kernel].script()  # the cast is not in the kernel
+    check = check_against_ort(model, imp, fused, llvm)
+    assert check.ok, check.as_dict()

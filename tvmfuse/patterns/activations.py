@@ -1,12 +1,13 @@
-"""Activation sub-patterns, as ops and as ONNX exporters decompose them, and their constant checks."""
+"""Activation sub-patterns, as ops and as ONNX exporters decompose them, and their constant checks. A constant
+may be a scalar cast to the compute dtype (`astype(const)`, mixed precision): `common.const`."""
 
 from __future__ import annotations
 
 import math
 
-from tvm.relax.dpl import DFPattern, is_const, is_op
+from tvm.relax.dpl import DFPattern, is_op
 
-from .common import has_constants
+from .common import const, has_constants
 
 
 def _mul(a, b) -> DFPattern:
@@ -19,20 +20,20 @@ def _add(a, b) -> DFPattern:
 
 def gelu_erf(x: DFPattern) -> DFPattern:
     """gelu(x) or 0.5*x*(1+erf(x/sqrt2)) in either association, x/sqrt2 as divide or multiply."""
-    erf = is_op("relax.erf")(is_op("relax.divide")(x, is_const()) | _mul(x, is_const()))
-    one_plus = _add(erf, is_const())
-    return (is_op("relax.nn.gelu")(x) | _mul(_mul(x, one_plus), is_const())
-            | _mul(_mul(x, is_const()), one_plus))
+    erf = is_op("relax.erf")(is_op("relax.divide")(x, const()) | _mul(x, const()))
+    one_plus = _add(erf, const())
+    return (is_op("relax.nn.gelu")(x) | _mul(_mul(x, one_plus), const())
+            | _mul(_mul(x, const()), one_plus))
 
 
 def gelu_tanh(x: DFPattern) -> DFPattern:
     """gelu_tanh(x) or 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))), x^3 as power or two multiplies."""
-    cube = is_op("relax.power")(x, is_const()) | _mul(_mul(x, x), x)
-    inner = _add(x, _mul(cube, is_const()))
-    th = is_op("relax.tanh")(_mul(inner, is_const()))
-    one_plus = _add(th, is_const())
-    return (is_op("relax.nn.gelu_tanh")(x) | _mul(_mul(x, one_plus), is_const())
-            | _mul(_mul(x, is_const()), one_plus))
+    cube = is_op("relax.power")(x, const()) | _mul(_mul(x, x), x)
+    inner = _add(x, _mul(cube, const()))
+    th = is_op("relax.tanh")(_mul(inner, const()))
+    one_plus = _add(th, const())
+    return (is_op("relax.nn.gelu_tanh")(x) | _mul(_mul(x, one_plus), const())
+            | _mul(_mul(x, const()), one_plus))
 
 
 def silu(x: DFPattern) -> DFPattern:
@@ -40,7 +41,7 @@ def silu(x: DFPattern) -> DFPattern:
 
 
 def relu(x: DFPattern) -> DFPattern:
-    return is_op("relax.nn.relu")(x) | is_op("relax.maximum")(x, is_const())
+    return is_op("relax.nn.relu")(x) | is_op("relax.maximum")(x, const())
 
 
 def tanh(x: DFPattern) -> DFPattern:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.dpl import DFPattern
+from tvm.relax.dpl import DFPattern, is_const, is_op
 from tvm.relax.transform import PatternCheckContext
 
 Annotated = tuple[DFPattern, dict[str, DFPattern]]
@@ -135,11 +135,17 @@ def check_private_intermediates(ctx: PatternCheckContext, pattern: str, exposed:
 
 
 def check_dtypes(ctx: PatternCheckContext, pattern: str) -> bool:
-    """Every tensor the match computes must be float32/float16/bfloat16 (bool/int masks inside are fine)."""
-    for var, _ in ctx.matched_bindings.items():
+    """Every tensor the match computes must be float32/float16/bfloat16 (bool/int masks inside are fine), and
+    every cast in it (the optional `astype`s mixed precision puts around fp32 ops) must be float to float."""
+    for var, call in ctx.matched_bindings.items():
         dtype = dtype_of(var)
         if dtype is not None and dtype not in SUPPORTED_DTYPES and dtype != "bool":
             return reject(ctx, pattern, f"{var.name} has dtype {dtype}; the kernel supports {', '.join(SUPPORTED_DTYPES)}")
+        if getattr(getattr(call, "op", None), "name", "") == "relax.astype":
+            src = dtype_of(call.args[0])
+            if src not in SUPPORTED_DTYPES or dtype not in SUPPORTED_DTYPES:
+                return reject(ctx, pattern, f"{var.name} casts {src} to {dtype}: only casts between "
+                              f"{', '.join(SUPPORTED_DTYPES)} belong in the kernel")
     return True
 
 
@@ -148,6 +154,27 @@ def finish(ctx: PatternCheckContext, pattern: str, info: dict | None = None, exp
     if not check_dtypes(ctx, pattern) or not check_private_intermediates(ctx, pattern, exposed):
         return False
     return accept(ctx, pattern, info)
+
+
+# ---- sub-patterns for the casts mixed precision (ToMixedPrecision) puts around fp32 ops ---------------
+
+def cast(p: DFPattern) -> DFPattern:
+    """`p`, optionally followed by an `astype` (where mixed precision casts around an op computing in fp32)."""
+    return is_op("relax.astype")(p) | p
+
+
+def const() -> DFPattern:
+    """A constant, or a scalar constant cast to the compute dtype: ToMixedPrecision writes fp16 ops' scalar
+    operands as `astype(const)`, and FoldConstant (TVM 0.27) folds that cast for tensors but not for 0-d ones."""
+    return is_const() | is_op("relax.astype")(is_const())
+
+
+def upcast(p: DFPattern) -> DFPattern:
+    """`p`, optionally cast from a float dtype to float32: the cast into an op that computes in fp32. Only a
+    float-to-fp32 cast: a cast to the compute dtype that feeds other ops too (the model's input cast to fp16)
+    and a cast from int stay outside the match (the kernel's input)."""
+    src = p.has_dtype("float16") | p.has_dtype("bfloat16") | p.has_dtype("float32")
+    return is_op("relax.astype")(src).has_dtype("float32") | p
 
 
 # ---- small readers used by the checks -------------------------------------------------------------
@@ -224,5 +251,6 @@ def as_int(value) -> int | None:
 
 
 __all__ = ["Annotated", "Match", "Recorder", "accept", "reject", "finish", "check_private_intermediates",
+           "cast", "const", "upcast",
            "dim_str", "shape_of", "dtype_of", "ndim", "same_dim", "scalar", "has_constants", "last_axis", "producer",
            "as_int", "np"]

@@ -8,7 +8,7 @@ from tvm.relax.dpl import DFPattern, is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 
 from . import activations as act
-from .common import dim_str, Annotated, finish, ndim, reject, same_dim, shape_of
+from .common import dim_str, Annotated, cast, finish, ndim, reject, same_dim, shape_of
 
 ACTIVATIONS: dict[str, tuple[Callable[[DFPattern], DFPattern], Callable | None]] = {
     "gelu": (act.gelu_erf, act.gelu_erf_problem),
@@ -25,10 +25,13 @@ def _linear(x: DFPattern) -> tuple[DFPattern, DFPattern]:
 
 
 def _matmul_bias() -> tuple[DFPattern, dict]:
+    """x @ W [-> cast] + bias [-> reshape]. The cast: mixed precision's fp32-accumulating matmul is followed by
+    a cast to the compute dtype before the bias add (`add(astype(matmul(..)), bias)`)."""
     mm, w = _linear(wildcard())
-    biased = is_op("relax.add")(mm, wildcard())
+    mm_out = cast(mm)
+    biased = is_op("relax.add")(mm_out, wildcard())
     pre = is_op("relax.reshape")(biased, wildcard()) | biased
-    return pre, {"mm": mm, "w": w, "biased": biased}
+    return pre, {"mm": mm, "mm_out": mm_out, "w": w, "biased": biased}
 
 
 def make_matmul_bias_pattern(activation: str | None = None) -> Callable[[], Annotated]:
@@ -52,7 +55,7 @@ def check_matmul_bias(activation: str | None = None) -> Callable[[PatternCheckCo
         if ndim(weight) != 2:
             return reject(ctx, name, f"weight has rank {ndim(weight)}: not a linear layer (batched matmul)")
         n = shape_of(mm)[-1]
-        mm_var = ctx.value_to_bound_var.get(mm)
+        mm_var = ctx.value_to_bound_var.get(ctx.annotated_expr["mm_out"])  # the matmul or its cast
         bias = [a for a in biased.args if not a.same_as(mm_var)]
         if not bias or not _is_bias(bias[0], n):
             return reject(ctx, name, f"the add is not a bias of size {dim_str(n)} broadcast over rows")

@@ -6,7 +6,7 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 
 from . import activations as act
-from .common import dim_str, Annotated, finish, last_axis, ndim, reject, same_dim, shape_of
+from .common import dim_str, Annotated, cast, finish, last_axis, ndim, reject, same_dim, shape_of, upcast
 
 
 def _layer_norm(x: DFPattern) -> DFPattern:
@@ -14,10 +14,13 @@ def _layer_norm(x: DFPattern) -> DFPattern:
 
 
 def make_layer_norm_gelu_pattern() -> Annotated:
-    """y = gelu(layer_norm(x)): GELU as the op (erf or tanh) or decomposed by the exporter."""
-    ln = _layer_norm(wildcard())
-    y = act.gelu_erf(ln) | act.gelu_tanh(ln)
-    return y, {"ln": ln, "y": y}
+    """y = gelu(layer_norm(x)): GELU as the op (erf or tanh) or decomposed by the exporter. In bf16 the
+    layer_norm computes in fp32 between casts (`gelu(astype(layer_norm(astype(x, "float32"))))`): both
+    casts optional, the one in an upcast to fp32 only."""
+    ln = _layer_norm(upcast(wildcard()))
+    ln_out = cast(ln)
+    y = act.gelu_erf(ln_out) | act.gelu_tanh(ln_out)
+    return y, {"ln": ln, "ln_out": ln_out, "y": y}
 
 
 def make_skip_layer_norm_pattern() -> Annotated:
@@ -37,16 +40,19 @@ def make_skip_layer_norm_bias_pattern() -> Annotated:
 
 
 def _rms(h: DFPattern) -> tuple[DFPattern, dict]:
-    """h [->fp32] -> square -> mean -> +eps -> sqrt/rsqrt -> divide/multiply [-> cast back] -> * weight."""
-    h32 = is_op("relax.astype")(h) | h
-    square = is_op("relax.power")(h32, is_const()) | is_op("relax.multiply")(h32, h32)
-    mean = is_op("relax.mean")(square)
+    """h [->fp32] -> square [->fp32] -> mean -> +eps -> sqrt/rsqrt -> divide/multiply [-> cast back] -> * weight.
+
+    Every cast is optional. An exporter's upcast of h (`h.to(float32)`) is one cast shared by the square and
+    the divide; mixed precision (ToMixedPrecision) squares in the compute dtype and casts the square up for the
+    fp32 mean (`mean(astype(h*h))`), and casts h up separately for the divide: two casts of the same h."""
+    square_in, norm_in = upcast(h), upcast(h)
+    square = is_op("relax.power")(square_in, is_const()) | is_op("relax.multiply")(square_in, square_in)
+    mean = is_op("relax.mean")(upcast(square))
     var_eps = is_op("relax.add")(mean, is_const())
     sqrt = is_op("relax.sqrt")(var_eps)
-    norm = (is_op("relax.divide")(h32, sqrt) | is_op("relax.multiply")(h32, is_op("relax.rsqrt")(var_eps))
-            | is_op("relax.multiply")(h32, is_op("relax.divide")(is_const(), sqrt)))
-    cast = is_op("relax.astype")(norm) | norm
-    y = is_op("relax.multiply")(cast, wildcard())
+    norm = (is_op("relax.divide")(norm_in, sqrt) | is_op("relax.multiply")(norm_in, is_op("relax.rsqrt")(var_eps))
+            | is_op("relax.multiply")(norm_in, is_op("relax.divide")(is_const(), sqrt)))
+    y = is_op("relax.multiply")(cast(norm), wildcard())
     return y, {"square": square, "mean": mean, "var_eps": var_eps, "norm": norm, "y": y}
 
 
