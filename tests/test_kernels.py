@@ -15,15 +15,17 @@ CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"
 
 
 def ref(q, k, v, mask=None, causal=False):
-    g = q.shape[1] // k.shape[1]
-    kk, vv = np.repeat(k, g, 1).astype("f4"), np.repeat(v, g, 1).astype("f4")
+    """softmax(Q K^T / sqrt(d) + mask) V on [B,H,S,D] arrays, with the exports' isnan -> 0 guard."""
+    kk, vv = np.repeat(k, q.shape[1] // k.shape[1], 1).astype("f4"), np.repeat(v, q.shape[1] // v.shape[1], 1).astype("f4")
     s = q.astype("f4") @ kk.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
     if mask is not None:
         s = s + mask.astype("f4")
     if causal:
         s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ vv
+    with np.errstate(invalid="ignore"):
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p = np.nan_to_num(p / p.sum(-1, keepdims=True), nan=0.0)
+    return p @ vv
 
 
 def run_cpu(fn, args, out_shape, dtype):
@@ -153,3 +155,157 @@ def test_gpu_matches_numpy():
         out = tvm.runtime.tensor(np.zeros(args[0], "float16"), dev)
         lib["main"](*[tvm.runtime.tensor(a, dev) for a in arrs], out)
         assert np.abs(out.numpy().astype("f4") - ref(*arrs, causal=s.get("causal", False))).max() < 5e-3
+    # the tiny exports' form: head_dim 16, Q/V/out BSHD read in place, K 2 heads, V 1, fp32 mask with a
+    # fully masked (-inf) row (-> 0) and a finfo.min row (-> mean of V)
+    s = dict(batch=1, heads=4, kv_heads=2, v_heads=1, seq_q=64, seq_k=64, head_dim=16, dtype="float16",
+             mask="additive", mask_shape=(1, 1, 64, 64), mask_dtype="float32",
+             q_layout="BSHD", k_layout="BHSD", v_layout="BSHD", out_layout="BSHD")
+    q, k, v = rand(rng, (1, 4, 64, 16), "float16"), rand(rng, (1, 2, 64, 16), "float16"), rand(rng, (1, 1, 64, 16), "float16")
+    mask = rng.standard_normal((1, 1, 64, 64)).astype("f4")
+    mask[0, 0, 3, :] = -np.inf
+    mask[0, 0, 9, :] = np.finfo(np.float32).min
+    for knobs in ATTENTION_PREFILL.knob_space(s):
+        lib = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL(s, knobs)}), target=CUDA)
+        out = tvm.runtime.tensor(np.zeros((1, 64, 4, 16), "float16"), dev)
+        lib["main"](*[tvm.runtime.tensor(a, dev) for a in (_bshd(q), k, _bshd(v), mask)], out)
+        got = out.numpy().astype("f4")
+        assert np.abs(got[:, 3]).max() == 0, knobs
+        assert np.abs(got - _bshd(ref(q, k, v, mask))).max() < 5e-3, knobs
+
+
+def _bshd(x):
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+def test_prefill_cpu_layouts_split_heads_and_fully_masked_rows():
+    """Q/V/out stored BSHD (read in place), K BHSD, K with 2 heads and V with 1 (GQA); head_dim 16. A row
+    masked with -inf everywhere gives 0 (the exports' isnan -> where guard); one masked with finfo.min
+    (finite) gives the mean of V, as the graph's softmax does."""
+    s = dict(batch=1, heads=4, kv_heads=2, v_heads=1, seq_q=64, seq_k=64, head_dim=16, dtype="float16",
+             mask="additive", mask_shape=(1, 1, 64, 64), mask_dtype="float32",
+             q_layout="BSHD", k_layout="BHSD", v_layout="BSHD", out_layout="BSHD")
+    rng = np.random.default_rng(5)
+    q, k, v = rand(rng, (1, 4, 64, 16), "float16"), rand(rng, (1, 2, 64, 16), "float16"), rand(rng, (1, 1, 64, 16), "float16")
+    mask = rng.standard_normal((1, 1, 64, 64)).astype("f4")
+    mask[0, 0, 3, :] = -np.inf
+    mask[0, 0, 9, :] = np.finfo(np.float32).min
+    mask[0, 0, 12, 5:] = -np.inf
+    got = run_cpu(ATTENTION_PREFILL(s, {"warps": 4, "block_n": 64}, "llvm"), [_bshd(q), k, _bshd(v), mask],
+                  (1, 64, 4, 16), "float16")
+    want = _bshd(ref(q, k, v, mask))
+    assert np.abs(got[:, 3]).max() == 0
+    assert np.abs(got[:, 9] - v.astype("f4").mean(2)[:, None, 0]).max() < 2e-3
+    assert np.abs(got - want).max() < 2e-3
+    assert ATTENTION_PREFILL.check(dict(s, dtype="float32")) is not None  # fp32 only for the CPU variant
+    assert ATTENTION_PREFILL.check(dict(s, dtype="float32", target="llvm")) is None
+
+
+def _export_like_module(dt: str = "float16", kv_heads: int = 2):
+    """What the exports fuse: Q, K, V in [B,S,H,D] with the head permutes inside, the scale split in two
+    (sqrt(1/sqrt(d)) into Q and into K^T), isnan -> where with a rank-1 zero, a GQA repeat of K and V inside,
+    the output permuted back to [B,S,H,D]."""
+    from tvmfuse.fuse import lower
+    from tvmfuse.patterns import fusion_patterns
+    bb, B, S, H, D = relax.BlockBuilder(), 1, 64, 4, 16
+    q = relax.Var("q", relax.TensorType((B, S, H, D), dt))
+    k = relax.Var("k", relax.TensorType((B, S, kv_heads, D), dt))
+    v = relax.Var("v", relax.TensorType((B, S, kv_heads, D), dt))
+    m = relax.Var("m", relax.TensorType((B, 1, S, S), dt))
+    half = relax.const(float(D) ** -0.25, dt)
+
+    def heads(x):  # [B,S,KV,D] -> [B,H,S,D]: permute, then repeat_kv
+        x = bb.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
+        if kv_heads == H:
+            return x
+        x = bb.emit(relax.op.expand_dims(x, [2]))
+        x = bb.emit(relax.op.broadcast_to(x, relax.ShapeExpr([B, kv_heads, H // kv_heads, S, D])))
+        return bb.emit(relax.op.reshape(x, relax.ShapeExpr([B, H, S, D])))
+
+    with bb.function("main", [q, k, v, m]):
+        with bb.dataflow():
+            qh = bb.emit(relax.op.multiply(bb.emit(relax.op.permute_dims(q, [0, 2, 1, 3])), half))
+            kt = bb.emit(relax.op.multiply(bb.emit(relax.op.permute_dims(heads(k), [0, 1, 3, 2])), half))
+            s = bb.emit(relax.op.add(bb.emit(relax.op.matmul(qh, kt)), m))
+            p = bb.emit(relax.op.nn.softmax(s, axis=-1))
+            p = bb.emit(relax.op.where(relax.op.isnan(p), relax.const(np.zeros(1, dt), dt), p))
+            o = bb.emit_output(relax.op.permute_dims(bb.emit(relax.op.matmul(p, heads(v))), [0, 2, 1, 3]))
+        bb.emit_func_output(o)
+    return lower(bb.get(), patterns=fusion_patterns(["tvmfuse.attention"]))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_substitute_takes_the_export_form(kv_heads):
+    """BSHD in and out, split scale, rank-1 where guard, GQA repeat inside, fp16: the template takes it."""
+    fused = _export_like_module(kv_heads=kv_heads)
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.attention"], fused.rejections
+    log = []
+    new = substitute(fused.mod, fused.kernel_patterns, target="llvm", log=log)
+    assert [o for _, o in log] == ["template attention_prefill"], log
+    rng = np.random.default_rng(4)
+    q, k, v = rand(rng, (1, 64, 4, 16), "float16"), rand(rng, (1, 64, kv_heads, 16), "float16"), \
+        rand(rng, (1, 64, kv_heads, 16), "float16")
+    mask = np.where(np.tril(np.ones((64, 64), bool)), 0, -np.inf).astype("float16")[None, None]
+    mask[..., 7, :] = -np.inf  # a fully masked row: 0 from the graph's guard and from the template
+    got = relax.VirtualMachine(tvm.compile(new, target="llvm"), tvm.cpu())["main"](
+        *[tvm.runtime.tensor(a) for a in (q, k, v, mask)]).numpy().astype("f4")
+    want = _bshd(ref(_bshd(q), _bshd(k), _bshd(v), mask))
+    assert np.abs(got[:, 7]).max() == 0 and np.abs(got - want).max() < 2e-3
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_cuda_variant_compiles_at_export_shapes():
+    """The tiny exports' attention (batch 1, seq 64, 4 heads of 16, K/V heads 2 or 4, fp32 mask) in their
+    layouts compiles with nvcc."""
+    base = dict(batch=1, heads=4, seq_q=64, seq_k=64, head_dim=16, dtype="float16", mask="additive",
+                mask_shape=(1, 1, 64, 64), mask_dtype="float32")
+    for lay in (dict(kv_heads=4, q_layout="BSHD", k_layout="BSHD", v_layout="BSHD", out_layout="BHSD"),  # gpt2 legacy
+                dict(kv_heads=4, v_heads=2, q_layout="BHSD", k_layout="BHSD", v_layout="BSHD", out_layout="BSHD")):
+        s = {**base, **lay}
+        assert lookup("tvmfuse.attention", s) is ATTENTION_PREFILL
+        src = _cuda_compiles(ATTENTION_PREFILL(s, ATTENTION_PREFILL.default_knobs(s)))
+        assert "mma.sync.aligned.m16n8k16" in src and "CUDART_INF_F" in src  # the fully-masked-row test
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    hf_export = pytest.importorskip("hf_export")
+    folder = str(tmp_path_factory.mktemp("hf"))
+    return lambda name, exporter: hf_export.export(name, exporter, folder)
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_exports_take_the_prefill_template(name, exporter, exports, llvm):
+    """Tiny GPT-2/Llama exports at batch 1, seq 64, the pipeline's order (bind_params -> to_compute_dtype ->
+    decide -> lower(plan)): substitute(target='llvm') takes every attention kernel, and the built module
+    matches onnxruntime, also with left padding (rows with no visible key). fp16 first; while the fp16
+    module's casts keep the attention pattern from matching, the fp32 module (the CPU variant takes fp32)."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    import onnxruntime as ort
+    from tvmfuse.build import build
+    from tvmfuse.decide import decide
+    from tvmfuse.fuse import bind_params, lower
+    from tvmfuse.importer import import_model, load_onnx
+    from tvmfuse.precision import to_compute_dtype
+
+    model = load_onnx(exports(name, exporter))
+    imp = import_model(model, {"batch": [1], "seq": [64]})
+    for dtype, tol in (("float16", 1e-2), ("float32", 1e-4)):
+        bound = to_compute_dtype(bind_params(imp.mod, imp.params), dtype)
+        fused = lower(bound, plan=decide(bound))
+        attention = [k for k, p in fused.kernel_patterns.items() if p == "tvmfuse.attention"]
+        if attention:
+            break
+    assert attention, fused.rejections
+    log = []
+    new = substitute(fused.mod, fused.kernel_patterns, target="llvm", log=log)
+    assert sorted(k for k, _ in log) == sorted(attention) and {o for _, o in log} == {"template attention_prefill"}, log
+    vm = relax.VirtualMachine(build(new, llvm)[0], tvm.cpu())
+    sess = ort.InferenceSession(model.SerializeToString())
+    ids = np.random.default_rng(0).integers(0, 128, (1, 64)).astype("int64")
+    for pad in (0, 5):
+        am = (np.arange(64) >= pad).astype("int64")[None]
+        got = vm["main"](tvm.runtime.tensor(ids), tvm.runtime.tensor(am)).numpy()
+        want = sess.run(None, {"input_ids": ids, "attention_mask": am})[0]
+        assert np.all(np.abs(got - want) <= tol + tol * np.abs(want)), (dtype, pad, np.abs(got - want).max())

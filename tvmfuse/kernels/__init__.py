@@ -61,11 +61,16 @@ def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict
             log.append((name, "generic: no call site in main"))
             continue
         shapes = {**roles["shapes"], **{k: v for k, v in (info or {}).get(name, {}).items() if k in ("causal", "scale")}}
-        scale = shapes.get("scale") or _scale(roles["order"], call)
+        scale = shapes.get("scale") or _scale(roles, call)
         if scale is None or not math.isclose(scale, 1 / math.sqrt(shapes["head_dim"]), rel_tol=1e-3):
             log.append((name, f"generic: softmax scale {scale} is not 1/sqrt(head_dim)"))
             continue
+        guard = _where_guard(roles["order"], call)
+        if guard is not None:  # the template gives 0 for a row with no finite logit: so must the graph's guard
+            log.append((name, f"generic: {guard}"))
+            continue
         shapes["scale"] = scale
+        shapes["target"] = "llvm" if str(target) == "llvm" else "cuda"
         tmpl = lookup(pattern, shapes)
         if tmpl is None:
             reasons = "; ".join(f"{t.name}: {t.check(shapes)}" for t in templates(pattern))
@@ -92,17 +97,35 @@ def _call_sites(mod: tvm.IRModule) -> dict:
     return calls
 
 
-def _scale(order: list, call) -> float | None:
-    """The softmax scale from the scalar constants the call passes (multiplied or divided in)."""
+def _constant(arg):
+    value = getattr(arg, "value", None)
+    return value.numpy() if value is not None and hasattr(value, "numpy") else None
+
+
+def _scale(roles: dict, call) -> float | None:
+    """The softmax scale: the product of the scalar constants the call passes, each raised to the number of
+    times the kernel multiplies it in (Q and K may each get one, or share one), divided by those it divides by."""
     scale, args = 1.0, list(call.args[1].fields)
-    for role, arg in zip(order, args):
-        if role.startswith("scale"):
-            value = getattr(arg, "value", None)
-            if value is None:
+    for i, (role, arg) in enumerate(zip(roles["order"], args)):
+        if role == "scale":
+            value = _constant(arg)
+            if value is None or value.size != 1:
                 return None
-            x = float(value.numpy())
-            scale = scale * x if role == "scale*" else scale / x
+            muls, divs = roles["uses"].get(i, (1, 0))
+            scale *= float(value.reshape(())) ** (muls - divs)
     return scale
+
+
+def _where_guard(order: list, call) -> str | None:
+    """None when the isnan -> where guard's value (rank 0 or 1) is the constant 0, else why not."""
+    for role, arg in zip(order, list(call.args[1].fields)):
+        if role == "const":
+            value = _constant(arg)
+            if value is None or value.size != 1:
+                return "where-guard value is not a scalar constant"
+            if float(value.reshape(())) != 0.0:
+                return f"where-guard value {float(value.reshape(()))} is not 0 (the template gives 0 for fully masked rows)"
+    return None
 
 
 @relax.expr_functor.mutator

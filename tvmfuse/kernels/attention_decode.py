@@ -15,6 +15,8 @@ def check(s: dict) -> str | None:
         return "decode template needs one query token"
     if s["mask"] not in ("none",):
         return f"decode template takes no mask (got {s['mask']})"
+    if any(s[x] != "BHSD" for x in ("q_layout", "k_layout", "v_layout", "out_layout")) or s["v_heads"] != s["kv_heads"]:
+        return "decode template takes BHSD tensors only, K and V with the same head count"
     if s["head_dim"] not in (64, 128) or s["heads"] % s["kv_heads"]:
         return "head_dim must be 64/128 and kv heads must divide query heads"
     if s["dtype"] not in ("float16", "bfloat16", "float32"):

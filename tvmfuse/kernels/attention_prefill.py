@@ -1,17 +1,26 @@
-"""Flash-attention prefill template: mma.sync tensor cores, fp32 online softmax, causal/additive mask, GQA."""
+"""Flash-attention prefill template: mma.sync tensor cores, fp32 online softmax, causal/additive mask, GQA.
+
+Q, K, V and out may each be stored BHSD or BSHD (`q_layout`, ...): BSHD is read in place with strided loads,
+as the ONNX exports leave the tensors, so no transpose kernel runs. K and V may have different head counts
+(`kv_heads`, `v_heads`: a GQA repeat inside the fused group for one of them only).
+
+Fully masked rows (additive mask): a query row whose every logit is -inf gets 0, as the exports' isnan -> where
+guard gives (softmax of all -inf is NaN, replaced by 0); a row of finite but huge negative logits (a
+finfo.min mask) still gets the mean of V, as the graph's softmax does. Without a where guard in the graph
+such a -inf row would be NaN there; the template still gives 0."""
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import LOG2E, NEG, Template, dims, f32
+from .common import LOG2E, NEG, Template, at, dims, f32, tshape
 
 
 def check(s: dict) -> str | None:
-    if s["head_dim"] not in (64, 128) or s["heads"] % s["kv_heads"]:
-        return "head_dim must be 64/128 and kv heads must divide query heads"
-    if s["dtype"] not in ("float16", "bfloat16"):
-        return f"prefill template is fp16/bf16 only (got {s['dtype']})"
+    if s["head_dim"] not in (16, 32, 64, 128) or s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:
+        return "head_dim must be 16/32/64/128 and K and V heads must divide query heads"
+    if s["dtype"] not in ("float16", "bfloat16") and not (s["dtype"] == "float32" and s.get("target") == "llvm"):
+        return f"prefill template is fp16/bf16 only, fp32 on llvm (got {s['dtype']})"
     if s["causal"] and s["seq_q"] != s["seq_k"]:
         return "causal needs seq_q == seq_k"
     if s["seq_q"] < 16 or not knob_space(s):
@@ -21,7 +30,8 @@ def check(s: dict) -> str | None:
 
 def knob_space(s: dict) -> list[dict]:
     return [{"warps": w, "block_n": n} for w in (4, 8) for n in (32, 64, 128)
-            if s["seq_q"] % (16 * w) == 0 and s["seq_k"] % n == 0 and n * s["head_dim"] <= 8192]
+            if s["seq_q"] % (16 * w) == 0 and s["seq_k"] % n == 0 and n * s["head_dim"] <= 8192
+            and n * s["head_dim"] // 8 % (32 * w) == 0]  # every thread loads the same number of K/V vectors
 
 
 def default_knobs(s: dict) -> dict:
@@ -38,7 +48,8 @@ def mask_index(s: dict):
 
 def build(s: dict, knobs: dict, target: str = "cuda"):
     B, HQ, HKV, L, D, dt, scale = dims(s)
-    SQ, G, causal, masked = s["seq_q"], HQ // HKV, s["causal"], s["mask"] == "additive"
+    SQ, G, GV, causal, masked = s["seq_q"], HQ // HKV, HQ // s["v_heads"], s["causal"], s["mask"] == "additive"
+    HV, lq, lk, lv, lo = s["v_heads"], s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
     qs = float(scale * LOG2E)
     mshape = tuple(s.get("mask_shape") or (1, 1, SQ, L))
     mdt = s.get("mask_dtype", dt)
@@ -53,9 +64,21 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
     def visible(r, c):
         return c <= r if causal else True
 
+    def alive(dot, m, b, h, r, c):
+        """1 when the logit dot * scale + mask is finite (a key the row attends to), else 0; always 1 without a
+        mask. Tested on the natural-log logit: finfo.min * LOG2E would overflow to -inf."""
+        if not masked:
+            return T.float32(1)
+        return T.Select(T.isinf(dot * T.float32(scale) + f32(m[mi(b, h, r, c)])), T.float32(0), T.float32(1))
+
+    def final(x, flag):
+        """x, or 0 for a fully masked row (no finite logit)."""
+        return T.Select(flag > T.float32(0), x, T.float32(0)) if masked else x
+
     @T.prim_func(s_tir=True)
-    def cpu(q: T.Buffer((B, HQ, SQ, D), dt), k: T.Buffer((B, HKV, L, D), dt), v: T.Buffer((B, HKV, L, D), dt),
-            mask: T.Buffer(mshape, mdt), out: T.Buffer((B, HQ, SQ, D), dt)):
+    def cpu(q: T.Buffer(tshape(lq, B, HQ, SQ, D), dt), k: T.Buffer(tshape(lk, B, HKV, L, D), dt),
+            v: T.Buffer(tshape(lv, B, HV, L, D), dt), mask: T.Buffer(mshape, mdt),
+            out: T.Buffer(tshape(lo, B, HQ, SQ, D), dt)):
         T.func_attr({"tirx.noalias": True})
         for b, h, i in T.grid(B, HQ, SQ):
             with T.sblock("row"):
@@ -64,9 +87,10 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                 T.writes()
                 acc = T.sblock_alloc_buffer((D,), "float32")
                 sc = T.sblock_alloc_buffer((BN,), "float32")
-                st = T.sblock_alloc_buffer((4,), "float32")  # m, l, tile max, alpha
+                st = T.sblock_alloc_buffer((5,), "float32")  # m, l, tile max, alpha, any finite logit
                 st[0] = T.float32(NEG)
                 st[1] = T.float32(0)
+                st[4] = T.float32(0)
                 for d in range(D):
                     acc[d] = T.float32(0)
                 for jt in range((vi // BN + 1) if causal else (L // BN)):
@@ -76,7 +100,8 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                         if visible(vi, jt * BN + j):
                             sc[j] = T.float32(0)
                             for d in range(D):
-                                sc[j] = sc[j] + f32(q[vb, vh, vi, d]) * f32(k[vb, vh // G, jt * BN + j, d])
+                                sc[j] = sc[j] + f32(q[at(lq, vb, vh, vi, d)]) * f32(k[at(lk, vb, vh // G, jt * BN + j, d)])
+                            st[4] = T.max(st[4], alive(sc[j], mask, vb, vh, vi, jt * BN + j))
                             sc[j] = T.max(sc[j] * qs + bias(mask, vb, vh, vi, jt * BN + j), T.float32(NEG))
                         st[2] = T.max(st[2], sc[j])
                     st[3] = T.exp2(st[0] - st[2])
@@ -87,14 +112,15 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                         sc[j] = T.exp2(sc[j] - st[2])
                         st[1] = st[1] + sc[j]
                         for d in range(D):
-                            acc[d] = acc[d] + sc[j] * f32(v[vb, vh // G, jt * BN + j, d])
+                            acc[d] = acc[d] + sc[j] * f32(v[at(lv, vb, vh // GV, jt * BN + j, d)])
                     st[0] = st[2]
                 for d in range(D):
-                    out[vb, vh, vi, d] = T.Cast(dt, acc[d] / st[1])
+                    out[at(lo, vb, vh, vi, d)] = T.Cast(dt, final(acc[d] / st[1], st[4]))
 
     @T.prim_func(s_tir=True)
-    def gpu(q: T.Buffer((B, HQ, SQ, D), dt), k: T.Buffer((B, HKV, L, D), dt), v: T.Buffer((B, HKV, L, D), dt),
-            mask: T.Buffer(mshape, mdt), out: T.Buffer((B, HQ, SQ, D), dt)):
+    def gpu(q: T.Buffer(tshape(lq, B, HQ, SQ, D), dt), k: T.Buffer(tshape(lk, B, HKV, L, D), dt),
+            v: T.Buffer(tshape(lv, B, HV, L, D), dt), mask: T.Buffer(mshape, mdt),
+            out: T.Buffer(tshape(lo, B, HQ, SQ, D), dt)):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         for bx in T.thread_binding(SQ // BM, thread="blockIdx.x"):
             for by in T.thread_binding(B * HQ, thread="blockIdx.y"):
@@ -110,7 +136,7 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                             pa = T.sblock_alloc_buffer((BN // 2,), dt, scope="local")
                             oa = T.sblock_alloc_buffer((D // 2,), "float32", scope="local")
                             fb = T.sblock_alloc_buffer((8,), dt, scope="local")
-                            st = T.sblock_alloc_buffer((8,), "float32", scope="local")  # m0 m1 l0 l1 mx0 mx1 a0 a1
+                            st = T.sblock_alloc_buffer((10,), "float32", scope="local")  # m0 m1 l0 l1 mx0 mx1 a0 a1 f0 f1
                             b: T.let[T.int32] = by // HQ
                             h: T.let[T.int32] = by % HQ
                             qt: T.let[T.int32] = SQ // BM - 1 - bx
@@ -119,21 +145,22 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                             for kk in T.unroll(D // 16):
                                 for r in T.unroll(4):
                                     for e in T.unroll(2):
-                                        qa[kk * 8 + r * 2 + e] = q[b, h, r0 + r % 2 * 8, kk * 16 + r // 2 * 8 + c0 + e]
+                                        qa[kk * 8 + r * 2 + e] = q[at(lq, b, h, r0 + r % 2 * 8, kk * 16 + r // 2 * 8 + c0 + e)]
                             for i in T.unroll(D // 2):
                                 oa[i] = T.float32(0)
                             for i in T.unroll(2):
                                 st[i] = T.float32(NEG)
                                 st[2 + i] = T.float32(0)
+                                st[8 + i] = T.float32(0)
                             for jt in T.serial(((qt + 1) * BM + BN - 1) // BN if causal else L // BN):
                                 T.tvm_storage_sync("shared")
                                 for it in T.serial(BN * D // 8 // NT):
                                     for e in T.vectorized(8):
                                         k_sm[(it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
-                                            k[b, h // G, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e]
+                                            k[at(lk, b, h // G, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
                                     for e in T.vectorized(8):
                                         v_sm[(it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
-                                            v[b, h // G, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e]
+                                            v[at(lv, b, h // GV, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
                                 T.tvm_storage_sync("shared")
                                 for i in T.unroll(BN // 2):
                                     sa[i] = T.float32(0)
@@ -150,6 +177,10 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                                     st[4 + i] = st[i]
                                 for j in T.unroll(BN // 8):
                                     for c in T.unroll(4):
+                                        st[8 + c // 2] = T.max(st[8 + c // 2], T.if_then_else(
+                                            visible(r0 + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                                            alive(sa[j * 4 + c], mask, b, h, r0 + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                                            T.float32(0)))
                                         sa[j * 4 + c] = T.if_then_else(
                                             visible(r0 + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
                                             T.max(sa[j * 4 + c] * qs + bias(mask, b, h, r0 + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
@@ -179,9 +210,11 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                                                 oa.data, (np_ * 2 + n) * 4, False, dtype="float32"))
                             for i in T.unroll(2):
                                 st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
+                                st[8 + i] = T.cuda.warp_max(st[8 + i], width=4)
                             for n in T.unroll(D // 8):
                                 for c in T.unroll(4):
-                                    out[b, h, r0 + c // 2 * 8, n * 8 + c0 + c % 2] = T.Cast(dt, oa[n * 4 + c] / st[2 + c // 2])
+                                    out[at(lo, b, h, r0 + c // 2 * 8, n * 8 + c0 + c % 2)] = T.Cast(
+                                        dt, final(oa[n * 4 + c] / st[2 + c // 2], st[8 + c // 2]))
 
     fn = cpu if target == "llvm" else gpu
     return fn if masked else _drop_mask(fn)

@@ -56,6 +56,11 @@ def normalize(shapes: dict) -> dict:
     for key in ("batch", "heads", "seq_q", "seq_k", "head_dim"):
         s[key] = int(s[key])
     s["kv_heads"] = int(s.get("kv_heads") or s["heads"])
+    s["v_heads"] = int(s.get("v_heads") or s["kv_heads"])
+    for key in ("q_layout", "k_layout", "v_layout", "out_layout"):
+        s[key] = s.get(key) or "BHSD"
+        if s[key] not in ("BHSD", "BSHD"):
+            raise ValueError(f"{key} {s[key]} (BHSD or BSHD)")
     s.setdefault("dtype", "float16")
     s["mask"] = s.get("mask") or "none"
     s["causal"] = bool(s.get("causal", False)) and s["mask"] != "additive"
@@ -67,3 +72,14 @@ def normalize(shapes: dict) -> dict:
 
 def dims(s: dict):
     return s["batch"], s["heads"], s["kv_heads"], s["seq_k"], s["head_dim"], s["dtype"], s["scale"]
+
+
+def tshape(layout: str, b, h, seq, d) -> tuple:
+    """The buffer shape of a [B,H,S,D] tensor stored in `layout` (BHSD, or BSHD as exports leave it)."""
+    return (b, h, seq, d) if layout == "BHSD" else (b, seq, h, d)
+
+
+def at(layout: str, b, h, seq, d) -> tuple:
+    """The buffer index of element [b, h, seq, d] of a tensor stored in `layout`: BSHD is read in place,
+    with strided loads (contiguous along d), instead of a separate transpose kernel."""
+    return (b, h, seq, d) if layout == "BHSD" else (b, seq, h, d)
