@@ -30,3 +30,19 @@ def test_symbolic_kernels_are_not_tuned(llvm):
     assert tunable_tasks(lower(imp.mod, imp.params).mod, llvm) == []
     imp = import_model(onnx_models.layer_norm_gelu(dyn=True), {"batch": [4]})
     assert len(tunable_tasks(lower(imp.mod, imp.params).mod, llvm)) == 1
+
+
+def test_loggers_survive_an_unnamed_handler(tmp_path):
+    """A handler without a name on MetaSchedule's logger (e.g. a test runner's) must not break tuning."""
+    import logging  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.tune import task_loggers  # pylint: disable=import-outside-toplevel
+
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    foreign = logging.NullHandler()
+    logger.addHandler(foreign)
+    try:
+        assert len(task_loggers(str(tmp_path), ["a", "b"])) == 2
+        assert foreign in logger.handlers
+    finally:
+        logger.removeHandler(foreign)

@@ -56,9 +56,8 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
     if not tasks or trials_per_task <= 0:
         return progress
     os.makedirs(work_dir, exist_ok=True)
-    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)  # reset by each tune call
     contexts = []
-    loggers = get_loggers_from_work_dir(work_dir, [t.task_name for t in tasks])
+    loggers = task_loggers(work_dir, [t.task_name for t in tasks])
     for task, logger, rand in zip(tasks, loggers, fork_seed(seed, n=len(tasks))):
         func = task.dispatched[0]["main"]
         space = (space_for(func, target) if space_for else None) or "post-order-apply"
@@ -85,6 +84,25 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
                 raise TuningInterrupted() from None
             raise
     return progress
+
+
+def task_loggers(work_dir: str, names: list[str]) -> list:
+    """MetaSchedule's per-task loggers, console quiet (its own progress lines are ours).
+
+    MetaSchedule rebuilds its logging config from the handlers on its logger and fails on one without
+    a name ('NoneType' object has no attribute 'format'), such as a test runner's capture handler:
+    those are detached while it configures and put back after.
+    """
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    logger.setLevel(logging.WARNING)  # MetaSchedule's dictConfig resets it on every call
+    unnamed = [h for h in logger.handlers if h.get_name() is None]
+    for handler in unnamed:
+        logger.removeHandler(handler)
+    try:
+        return get_loggers_from_work_dir(work_dir, names)
+    finally:
+        for handler in unnamed:
+            logger.addHandler(handler)
 
 
 @contextlib.contextmanager
