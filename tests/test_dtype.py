@@ -211,11 +211,9 @@ def test_intermediate_used_outside_still_blocks_the_pattern_in_mixed_precision(p
     assert reasons and all("used outside the match" in why for why in reasons), fused.rejections
 
 
-@pytest.mark.xfail(strict=True, reason="the decide stage tells bindings apart by var name (Candidate.vars, the "
-                   "(pattern, root name) key) and ToMixedPrecision reuses names (two lv6, ...): false overlaps "
-                   "drop rms_norm_residual in fp16 and bf16, and one matmul_bias in bf16")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tiny_block_keeps_its_fp32_pattern_kernels(dtype):
+    """ToMixedPrecision reuses binding names; they are made unique, or candidates falsely overlap."""
     imported = import_model(make_tiny_block(seq=4, hidden=16, ffn=32))
     bound = bind_params(imported.mod, imported.params)
     assert sorted(lower(to_compute_dtype(bound, dtype)).kernel_patterns.values()) == \

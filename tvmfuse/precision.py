@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .jobs import parse_dtype
 
@@ -49,7 +50,40 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
     mod = _fp32_interface(mod, inputs)
     if dtype == BFLOAT16:
         mod = _fp16_to_bf16(mod)
-    return relax.transform.FoldConstant()(mod)  # astype(weight) -> a constant in the compute dtype
+    mod = relax.transform.FoldConstant()(mod)  # astype(weight) -> a constant in the compute dtype
+    return unique_binding_names(mod)
+
+
+@mutator
+class _UniqueNames(PyExprMutator):
+    """Renames a binding whose name an earlier binding already has (`lv3` -> `lv3_1`)."""
+
+    def __init__(self, mod=None):
+        super().__init__(mod)
+        self.seen: set[str] = set()
+
+    def _fresh(self, var, cls):
+        name, i = var.name, 1
+        if name not in self.seen:
+            self.seen.add(name)
+            return var
+        while f"{name}_{i}" in self.seen:
+            i += 1
+        self.seen.add(f"{name}_{i}")
+        return cls(f"{name}_{i}", var.ty, var.span)
+
+    def visit_var_def_(self, var):
+        return self._fresh(var, relax.Var)
+
+    def visit_dataflow_var_def_(self, var):
+        return self._fresh(var, relax.DataflowVar)
+
+
+def unique_binding_names(mod: tvm.IRModule) -> tvm.IRModule:
+    """ToMixedPrecision reuses binding names; the fusion stages tell candidates apart by name."""
+    out = mod.clone()
+    out["main"] = _UniqueNames(mod).visit_expr(mod["main"])
+    return out
 
 
 def precision_info(mod: tvm.IRModule, dtype: str) -> dict:
