@@ -2,41 +2,26 @@
 
 import numpy as np
 import pytest
-from tvm import relax
 
 import onnx_models
-from tvmfuse.build import build
+from checks import check_against_ort, lower_model
 from tvmfuse.fuse import DEFAULT_FUSION, launches, lower, symbolic_kernels
-from tvmfuse.importer import import_model, random_inputs
-from tvmfuse.targets import device_for
-from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
-
-
-def _lower(model, shapes=None):
-    imp = import_model(model, shapes)
-    return imp, lower(imp.mod, imp.params)
-
-
-def _run_against_ort(model, imp, fused, target):
-    ex, _ = build(fused.mod, target)
-    feeds = random_inputs(imp.inputs, dims={d: 3 for d in imp.symbolic_dims})
-    dev = device_for(target)
-    return compare(run_vm(relax.VirtualMachine(ex, dev), dev, list(feeds.values())), onnxruntime_outputs(model, feeds))
+from tvmfuse.importer import import_model
 
 
 def test_rms_norm_residual_with_both_outputs_is_one_kernel(llvm):
     model = onnx_models.rms_norm_residual()
-    imp, fused = _lower(model)
+    imp, fused = lower_model(model)
     kernels = fused.kernels()
     assert len(kernels) == 1
     assert fused.pattern_of(kernels[0]) == "tvmfuse.rms_norm_residual"
-    check = _run_against_ort(model, imp, fused, llvm)
+    check = check_against_ort(model, imp, fused, llvm)
     assert check.ok and check.max_abs_err < 1e-4
 
 
 def test_stock_fusion_splits_rms_norm_residual():
     """What the pattern buys: TVM's own FuseOps makes several kernels of the same graph."""
-    _, fused = _lower(onnx_models.rms_norm_residual(), None)
+    _, fused = lower_model(onnx_models.rms_norm_residual(), None)
     stock = lower(import_model(onnx_models.rms_norm_residual()).mod, import_model(
         onnx_models.rms_norm_residual()).params, patterns=[])
     assert len(stock.kernels()) >= 3 > len(fused.kernels())
@@ -45,30 +30,30 @@ def test_stock_fusion_splits_rms_norm_residual():
 
 def test_layer_norm_gelu_is_one_kernel(llvm):
     model = onnx_models.layer_norm_gelu()
-    imp, fused = _lower(model)
+    imp, fused = lower_model(model)
     assert [fused.pattern_of(k) for k in fused.kernels()] == ["tvmfuse.layer_norm_gelu"]
-    assert _run_against_ort(model, imp, fused, llvm).ok
+    assert check_against_ort(model, imp, fused, llvm).ok
 
 
 @pytest.mark.parametrize("leak", ["h_sq", "ms", "rms", "h_norm"])
 def test_rms_norm_residual_intermediate_used_outside_blocks_fusion(leak):
-    _, fused = _lower(onnx_models.rms_norm_residual(leak=leak))
+    _, fused = lower_model(onnx_models.rms_norm_residual(leak=leak))
     assert "tvmfuse.rms_norm_residual" not in fused.kernel_patterns.values()
     assert any(p == "tvmfuse.rms_norm_residual" and "used outside the match" in why
                for p, _, why in fused.rejections)
 
 
 def test_layer_norm_output_used_outside_blocks_layer_norm_gelu():
-    _, fused = _lower(onnx_models.layer_norm_gelu(ln_also_output=True))
+    _, fused = lower_model(onnx_models.layer_norm_gelu(ln_also_output=True))
     assert "tvmfuse.layer_norm_gelu" not in fused.kernel_patterns.values()
     assert [p for p, _, _ in fused.rejections] == ["tvmfuse.layer_norm_gelu"]
 
 
 def test_symbolic_dims_stay_symbolic_and_still_run(llvm):
     model = onnx_models.layer_norm_gelu(hidden=64, dyn=True)
-    imp, fused = _lower(model)
+    imp, fused = lower_model(model)
     assert symbolic_kernels(fused.mod) == set(fused.kernels())
-    assert _run_against_ort(model, imp, fused, llvm).ok
+    assert check_against_ort(model, imp, fused, llvm).ok
 
 
 def test_identical_groups_share_one_prim_func(llvm):
@@ -80,10 +65,10 @@ def test_identical_groups_share_one_prim_func(llvm):
     inits = [onnx_models._const(n, rng.standard_normal(s).astype("float32") * 0.3)
              for n, s in (("W1", (32, 32)), ("b1", (32,)), ("W2", (32, 32)), ("b2", (32,)))]
     model = onnx_models._model(nodes, [onnx_models._f32("x", [8, 32])], [onnx_models._f32("y", [8, 32])], inits)
-    imp, fused = _lower(model)
+    imp, fused = lower_model(model)
     assert fused.kernels() == [next(iter(fused.kernel_patterns))]  # one PrimFunc ...
     assert launches(fused.mod) == 2  # ... called by both layers
     assert len(fused.candidate_kernels) == 2  # both candidates ("pattern@root") name the shared kernel
     assert all(c.startswith("tvmfuse.matmul_bias_relu@") for c in fused.candidate_kernels)
     assert set(fused.candidate_kernels.values()) == set(fused.kernels())
-    assert _run_against_ort(model, imp, fused, llvm).ok
+    assert check_against_ort(model, imp, fused, llvm).ok

@@ -9,14 +9,10 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from tvm import relax
 
 import onnx_models
-from tvmfuse.build import build
-from tvmfuse.fuse import lower
-from tvmfuse.importer import import_model, random_inputs
-from tvmfuse.targets import device_for
-from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
+from checks import check_against_ort, lower_model
+from tvmfuse.importer import import_model
 
 RNG = np.random.default_rng(0)
 
@@ -156,22 +152,10 @@ CASES = {  # pattern[/variant] -> (builder, name of an intermediate to leak)
 }
 
 
-def _lower(model):
-    imp = import_model(model)
-    return imp, lower(imp.mod, imp.params)
-
-
-def check_against_ort(model, imp, fused, target):
-    ex, _ = build(fused.mod, target)
-    feeds = random_inputs(imp.inputs, dims={d: 3 for d in imp.symbolic_dims})
-    dev = device_for(target)
-    return compare(run_vm(relax.VirtualMachine(ex, dev), dev, list(feeds.values())), onnxruntime_outputs(model, feeds))
-
-
 @pytest.mark.parametrize("pattern", sorted(CASES))
 def test_pattern_fuses_to_one_kernel_and_matches_onnxruntime(pattern, llvm):
     model = CASES[pattern][0]()
-    imp, fused = _lower(model)
+    imp, fused = lower_model(model)
     assert list(fused.kernel_patterns.values()) == [pattern.split("/")[0]], (fused.kernels(), fused.rejections)
     check = check_against_ort(model, imp, fused, llvm)
     assert check.ok, check.as_dict()
@@ -180,7 +164,7 @@ def test_pattern_fuses_to_one_kernel_and_matches_onnxruntime(pattern, llvm):
 @pytest.mark.parametrize("pattern", sorted(CASES))
 def test_intermediate_used_outside_blocks_the_pattern(pattern):
     make, leak = CASES[pattern]
-    _, fused = _lower(make(leak=leak))
+    _, fused = lower_model(make(leak=leak))
     pattern = pattern.split("/")[0]
     assert pattern not in fused.kernel_patterns.values()
     reasons = [why for p, _, why in fused.rejections if p == pattern]
@@ -188,19 +172,19 @@ def test_intermediate_used_outside_blocks_the_pattern(pattern):
 
 
 def test_skip_layer_norm_without_bias_keeps_the_sum():
-    _, fused = _lower(skip_layer_norm(bias=False))
+    _, fused = lower_model(skip_layer_norm(bias=False))
     assert list(fused.kernel_patterns.values()) == ["tvmfuse.skip_layer_norm"]
     assert len(fused.kernels()) == 1  # both outputs (y and the sum) come from the one kernel
 
 
 def test_unsupported_dtype_is_rejected_with_reason():
-    _, fused = _lower(matmul_bias("relu", dtype=np.float64))
+    _, fused = lower_model(matmul_bias("relu", dtype=np.float64))
     assert not fused.kernel_patterns
     assert any(p == "tvmfuse.matmul_bias_relu" and "float64" in why for p, _, why in fused.rejections)
 
 
 def test_rotate_not_by_half_is_rejected_with_reason():
-    _, fused = _lower(rotary(d=16, split=4))
+    _, fused = lower_model(rotary(d=16, split=4))
     assert "tvmfuse.rotary_embedding" not in fused.kernel_patterns.values()
     assert any("half" in why for p, _, why in fused.rejections if p == "tvmfuse.rotary_embedding")
 
@@ -220,7 +204,7 @@ def test_attention_candidate_records_shapes_for_templates():
 
 def test_key_reshape_that_is_not_a_transpose_is_rejected_with_reason():
     """[B,H,S,D] -> [B,H*S,D] -> transpose -> [B,H,D,S] has the shape of K^T but mixes heads."""
-    _, fused = _lower(attention_dynamo(b=2, h=4, s=8, d=16, key_split=[2, 32, 16]))
+    _, fused = lower_model(attention_dynamo(b=2, h=4, s=8, d=16, key_split=[2, 32, 16]))
     assert "tvmfuse.attention" not in fused.kernel_patterns.values()
     assert any("not a transpose" in why for p, _, why in fused.rejections if p == "tvmfuse.attention")
 
@@ -229,7 +213,7 @@ def test_dynamo_attention_kernel_reads_k_as_bhsd():
     """The fused K^T is one 4-D permute of the [B,H,S,D] input, so the kernel templates find its role."""
     from tvmfuse.kernels.roles import attention_roles
 
-    _, fused = _lower(attention_dynamo())
+    _, fused = lower_model(attention_dynamo())
     (kernel,) = fused.kernel_patterns
     roles = attention_roles(fused.mod[kernel])
     assert roles is not None and {"q", "k", "v", "mask", "out"} <= set(roles["order"]), roles
@@ -246,7 +230,7 @@ def test_rms_norm_leaves_a_cast_from_int_outside_the_kernel(llvm):
              _n("Sqrt", ["ms_eps"], "rms"), _n("Div", ["xf", "rms"], "xn"), _n("Mul", ["xn", "w"], "y")]
     model = _model(nodes, [_t("x", [4, 32], TensorProto.INT32)], [_t("y", [4, 32])],
                    [_c("axes", [-1], np.int64), _c("eps", 1e-6), _c("w", RNG.standard_normal(32))])
-    imp, fused = _lower(model)
+    imp, fused = lower_model(model)
     assert list(fused.kernel_patterns.values()) == ["tvmfuse.rms_norm"], fused.rejections
     (kernel,) = fused.kernel_patterns
     assert "int32" not in fused.mod[kernel].script()  # the cast is not in the kernel

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from test_patterns import check_against_ort
+from checks import check_against_ort
 from tvmfuse.decide import decide
 from tvmfuse.fuse import bind_params, lower
 from tvmfuse.importer import import_model, load_onnx
