@@ -33,13 +33,17 @@ class TaskProgress:
 class ProgressCallback(ms.measure_callback.PyMeasureCallback):
     """Counts trials and the best latency per task after every measured batch, and reports them."""
 
-    def __init__(self, tasks: list[TaskProgress], on_progress: Callable[[TaskProgress], None] | None):
+    def __init__(self, tasks: list[TaskProgress], on_progress: Callable[[TaskProgress], None] | None,
+                 stop: list | None = None):
         self.tasks = tasks
         self.on_progress = on_progress
+        self.stop = stop if stop is not None else []  # non-empty: Ctrl-C asked to stop after this round
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
         task = self.tasks[task_id]
         if not builder_results:  # the search had no new candidate for this kernel: nothing to report
+            if self.stop:
+                raise KeyboardInterrupt
             return
         for built, ran in zip(builder_results, runner_results):
             task.trials += 1
@@ -51,6 +55,8 @@ class ProgressCallback(ms.measure_callback.PyMeasureCallback):
             task.best_us = us if task.best_us is None else min(task.best_us, us)
         if self.on_progress:
             self.on_progress(task)
+        if self.stop:  # raised here, between rounds, where TVM passes it back to the caller as an error
+            raise KeyboardInterrupt
 
 
 def kernel_records(mod: tvm.IRModule, database: ms.Database) -> dict[str, tuple[int, float | None]]:

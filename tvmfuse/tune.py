@@ -76,9 +76,11 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
             _measure_defaults(contexts, target, database, rpc, cores, is_gpu, progress, spent)
             warm_start(cost_model, contexts, database)
             for left, group in _by_remaining(contexts, trials_per_task, spent):
+                if seen:
+                    raise KeyboardInterrupt
                 if left > 0:
                     _tune_group(group, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu,
-                                ProgressCallback([progress[c.task_name] for c in group], on_progress))
+                                ProgressCallback([progress[c.task_name] for c in group], on_progress, stop=seen))
         except BaseException:  # Ctrl-C inside a Python callback of the C++ loop arrives as a RuntimeError
             if seen:
                 raise TuningInterrupted() from None
@@ -107,7 +109,9 @@ def task_loggers(work_dir: str, names: list[str]) -> list:
 
 @contextlib.contextmanager
 def _sigint_seen():
-    """Remember that SIGINT arrived (and raise KeyboardInterrupt as usual), so any error it causes is known."""
+    """Turn the first Ctrl-C into a request to stop after the current round (the progress callback and the
+    steps between rounds raise it): an exception thrown into TVM's C++ loop at an arbitrary point can abort
+    the process. A second Ctrl-C stops at once."""
     seen: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield seen
@@ -115,7 +119,10 @@ def _sigint_seen():
 
     def handler(signum, _frame):
         seen.append(signum)
-        raise KeyboardInterrupt
+        if len(seen) > 1:
+            raise KeyboardInterrupt
+        print("\ninterrupt: stopping after the current round of measurements (Ctrl-C again to stop now)",
+              file=sys.stderr, flush=True)
 
     previous = signal.signal(signal.SIGINT, handler)
     try:
