@@ -7,6 +7,7 @@ from tvm import relax, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
+from .baseline import default_rules
 from .errors import TvmfuseError
 
 TUNED, DEFAULT = "tuned", "default"
@@ -33,8 +34,8 @@ def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm
     dlight's Fallback must succeed, else the kernel could not run and we say which one.
     """
     gpu = "gpu" in target.keys
-    rule_sets = ([[dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()],
-                  [dl.gpu.Fallback()]] if gpu else [[dl.cpu.GEMV(), dl.cpu.Reduction()]])
+    # the same rules the baseline measured (tvmfuse.baseline), so a kept default is the one built here
+    rule_sets = [default_rules(target), [dl.gpu.Fallback()]] if gpu else [default_rules(target)]
     out = mod.clone()  # ApplyDefaultSchedule mutates its input (notes pitfall 12)
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled", False)):

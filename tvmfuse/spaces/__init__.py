@@ -45,10 +45,7 @@ def space_for(func: tirx.PrimFunc, target: tvm.target.Target) -> ms.space_genera
 
 
 def default_schedule(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """dlight's default schedules on a clone of `mod` (dlight mutates its input)."""
-    from tvm.s_tir import dlight as dl
+    """dlight's default schedules on a copy of `mod`: the build stage's own (tvmfuse.build)."""
+    from ..build import apply_default_schedules  # pylint: disable=import-outside-toplevel
 
-    with target:
-        return dl.ApplyDefaultSchedule(  # pylint: disable=not-callable
-            dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
-        )(mod.clone())
+    return apply_default_schedules(mod, target)
