@@ -72,3 +72,19 @@ def test_fused_module_runs_on_gpu_and_matches_onnxruntime():
     check = compare(run_vm(relax.VirtualMachine(executable, dev), dev, list(feeds.values())),
                     onnxruntime_outputs(model, feeds))
     assert check.ok, check
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_cuda_graph_option_captures_kernel_launches(cuda_graph):
+    from tvmfuse.build import compile_module
+    from tvmfuse.default_model import make_tiny_block
+
+    cuda = resolve_target("cuda")
+    imp = import_model(make_tiny_block())  # 4 kernels: after the first, they read only planned memory
+    fused = lower(imp.mod, imp.params)
+    text = compile_module(apply_default_schedules(fused.mod, cuda), cuda, cuda_graph=cuda_graph).as_text()
+    assert ("vm.builtin.cuda_graph.run_or_capture" in text) is cuda_graph
+    assert ("main_cuda_graph_capture" in text) is cuda_graph
+    llvm_text = compile_module(apply_default_schedules(fused.mod, resolve_target("llvm")), resolve_target("llvm"),
+                               cuda_graph=True).as_text()
+    assert "cuda_graph" not in llvm_text  # CPU targets ignore the option

@@ -61,11 +61,25 @@ def schedule_kinds(mod: tvm.IRModule) -> dict[str, str]:
             for gv, fn in mod.functions.items() if isinstance(fn, tirx.PrimFunc)}
 
 
-def compile_module(mod: tvm.IRModule, target: tvm.target.Target):
-    """Lower the already-fused, scheduled module to a VM executable (no re-fusion: records stay valid)."""
-    backend = relax.backend.cuda.pipeline if target.kind.name == "cuda" else relax.backend.cpu_generic.pipeline
+def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: bool = False):
+    """Lower the already-fused, scheduled module to a VM executable (no re-fusion: records stay valid).
+
+    `cuda_graph` (CUDA targets only): TVM's `RewriteCUDAGraph` (in the CUDA finalize passes, switched on by the
+    pass config `relax.backend.use_cuda_graph`) lifts each run of kernel launches on statically planned memory
+    into a function the VM captures as a CUDA graph on the first call and replays afterwards
+    (`vm.builtin.cuda_graph.run_or_capture`). Launches that read `main`'s inputs stay outside the graphs.
+    """
+    cuda = target.kind.name == "cuda"
+    backend = relax.backend.cuda.pipeline if cuda else relax.backend.cpu_generic.pipeline
     passes = backend.dataflow_lower_passes(target) + backend.finalize_passes(target)
-    return tvm.compile(mod, target=target, relax_pipeline=tvm.transform.Sequential(passes))
+    pipeline = tvm.transform.Sequential(passes)
+    if not (cuda_graph and cuda):
+        return tvm.compile(mod, target=target, relax_pipeline=pipeline)
+    outer = tvm.transform.PassContext.current()  # keep the caller's settings, add the one option
+    with tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
+                                   disabled_pass=list(outer.disabled_pass),
+                                   config={**dict(outer.config), "relax.backend.use_cuda_graph": True}):
+        return tvm.compile(mod, target=target, relax_pipeline=pipeline)
 
 
 def build(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None = None):
