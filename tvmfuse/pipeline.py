@@ -26,6 +26,7 @@ from .importer import import_model, load_onnx, random_inputs
 from .precision import precision_info, to_compute_dtype
 from .jobs import Job
 from .kernels import substitute
+from .kernels.tuning import tune_templates
 from .spaces import space_for
 from .targets import device_for, has_device, target_json, target_name
 from .schedules import DEFAULT_DIR as SCHEDULES_DIR
@@ -81,11 +82,6 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     bound = to_compute_dtype(bound, job.dtype)  # precision: fp16/bf16 kernels, fp32 interface; before decide/fuse
     plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
     fused = lower(bound, plan=plan)
-    templates: list = []
-    if target.kind.name == "cuda":  # hand-written kernels (tvmfuse.kernels) where a template takes the shapes
-        fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates)
-        for kernel, outcome in templates:
-            say(f"[{job.name}] {kernel}: {outcome}")
     kernels = fused.kernels()
     say(f"[{job.name}] {len(kernels)} kernels, {len(fused.kernel_patterns)} fused by pattern: "
         + ", ".join(sorted(set(fused.kernel_patterns.values()))) if fused.kernel_patterns else
@@ -99,6 +95,13 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
                            "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
                            "with default schedules")
     database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"), fused.mod)
+    if target.kind.name == "cuda":  # hand-written kernels (tvmfuse.kernels) where a template takes the shapes,
+        templates: list = []  # their knobs measured into the same database first, the best measured applied
+        tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc,
+                       on_progress=_progress_printer(job.name, say))
+        fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
+        for kernel, outcome in templates:
+            say(f"[{job.name}] {kernel}: {outcome}")
     progress: dict[str, TaskProgress] = {}
     if trials > 0:
         say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")

@@ -33,14 +33,14 @@ register("tvmfuse.attention", ATTENTION_DECODE)
 register("tvmfuse.attention", ATTENTION_PREFILL)
 
 
-def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
-               knobs: dict[str, dict] | None = None, target: str = "cuda", log: list | None = None) -> tvm.IRModule:
-    """Replace each PrimFunc named in `patterns` ({primfunc: pattern}, e.g. `Fused.kernel_patterns`) by the
-    registered template when its argument roles, shapes and softmax scale are understood and a template
-    accepts them; everything else is left untouched. `info` ({primfunc: candidate info}) may give `scale`,
-    `causal`; `knobs` ({primfunc: knobs}) the tuned knobs. `log` collects (primfunc, outcome) pairs."""
+def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
+                   target: str = "cuda", log: list | None = None) -> list[tuple]:
+    """(global var, kernel name, template, shapes, argument order) for each PrimFunc named in `patterns`
+    ({primfunc: pattern}) whose argument roles, shapes and softmax scale are understood and that a registered
+    template accepts. `info` ({primfunc: candidate info}) may give `scale`, `causal`; `log` collects
+    (primfunc, outcome) pairs, also for the kernels no template takes."""
     log = log if log is not None else []
-    calls, rewrite = _call_sites(mod), {}
+    calls, sites = _call_sites(mod), []
     for gv, fn in mod.functions.items():
         name = gv.name_hint
         if not isinstance(fn, tirx.PrimFunc) or name not in patterns or not templates(patterns[name]):
@@ -76,10 +76,27 @@ def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict
             reasons = "; ".join(f"{t.name}: {t.check(shapes)}" for t in templates(pattern))
             log.append((name, f"generic: no template accepts ({reasons})"))
             continue
-        new = tmpl(shapes, (knobs or {}).get(name), target).with_attr("global_symbol", name)
-        rewrite[gv] = (name, new,
-                       [roles["order"].index(r) for r in _signature(normalize(shapes)) if r != "out"])
-        log.append((name, f"template {tmpl.name}"))
+        sites.append((gv, name, tmpl, shapes, [roles["order"].index(r) for r in _signature(normalize(shapes)) if r != "out"]))
+    return sites
+
+
+def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
+               knobs: dict[str, dict] | None = None, target: str = "cuda", log: list | None = None,
+               database=None) -> tvm.IRModule:
+    """Replace each kernel a template takes (`template_sites`) by the template; everything else is left
+    untouched. Knobs: `knobs` ({primfunc: knobs}) if given, else the best measured in `database`
+    (`tuning.best_knobs`: records of the tuning database or the schedules library), else the defaults."""
+    from .tuning import best_knobs  # pylint: disable=import-outside-toplevel  (tuning imports this module)
+
+    log = log if log is not None else []
+    rewrite = {}
+    for gv, name, tmpl, shapes, perm in template_sites(mod, patterns, info, target, log):
+        chosen, why = (knobs or {}).get(name), ""
+        if chosen is None and database is not None:
+            chosen, us = best_knobs(database, tmpl, shapes, target)
+            why = f", measured knobs {chosen} ({us:.1f} us)" if chosen is not None else ", default knobs (none measured)"
+        rewrite[gv] = (name, tmpl(shapes, chosen, target).with_attr("global_symbol", name), perm)
+        log.append((name, f"template {tmpl.name}{why}"))
     if not rewrite:
         return mod
     out = tvm.IRModule({gv: fn for gv, fn in mod.functions.items() if gv not in rewrite}, attrs=mod.attrs,
@@ -155,4 +172,4 @@ def _signature(s: dict) -> list[str]:
     return ["q", "k", "v"] + (["mask"] if s["mask"] == "additive" else []) + ["out"]
 
 
-__all__ = ["Template", "register", "lookup", "templates", "substitute", "ATTENTION_DECODE", "ATTENTION_PREFILL"]
+__all__ = ["Template", "register", "lookup", "templates", "template_sites", "substitute", "ATTENTION_DECODE", "ATTENTION_PREFILL"]

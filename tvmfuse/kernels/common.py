@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -47,7 +48,19 @@ class Template:
         if reason:
             raise ValueError(f"{self.name}: {reason}")
         knobs = {**self.default_knobs_fn(s), **(knobs or {})}
-        return self.build_fn(s, knobs, target).with_attr("tvmfuse.kernel", f"{self.name}{sorted(knobs.items())}")
+        fn = self.build_fn(s, knobs, target).with_attr("tvmfuse.kernel", f"{self.name}{sorted(knobs.items())}")
+        # the tuning records' key: which kernel family and shapes (tvmfuse.template), which knobs (tvmfuse.knobs)
+        return fn.with_attr("tvmfuse.template", self.key(s, target)).with_attr("tvmfuse.knobs", knob_key(knobs))
+
+    def key(self, shapes: dict, target: str = "cuda") -> str:
+        """The template and its shapes, as stored on every variant: records of one kernel share it."""
+        s = {k: v for k, v in normalize(shapes).items() if k != "target"}
+        return json.dumps({"template": self.name, "target": "llvm" if str(target) == "llvm" else "cuda",
+                           "shapes": s}, sort_keys=True, default=str)
+
+
+def knob_key(knobs: dict) -> str:
+    return json.dumps(knobs, sort_keys=True)
 
 
 def normalize(shapes: dict) -> dict:
