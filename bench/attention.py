@@ -12,6 +12,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 CASES = [  # name, template, shapes, knob filter
     ("prefill_b1_h32_s2048_d128_causal_fp16", "prefill", dict(batch=1, heads=32, kv_heads=32, seq_q=2048, seq_k=2048, head_dim=128, dtype="float16", causal=True)),
@@ -20,8 +22,7 @@ CASES = [  # name, template, shapes, knob filter
     ("decode_b1_h32kv8_L4096_d128_fp16", "decode", dict(batch=1, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="float16")),
     ("decode_b16_h32kv8_L4096_d128_fp16", "decode", dict(batch=16, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="float16")),
 ]
-DECODE_KNOBS = {1: [(s, 4, u) for s in (16, 32, 64) for u in (2, 4)] + [(32, 8, 2)],
-                16: [(s, 4, u) for s in (1, 4, 8) for u in (2, 4)] + [(4, 8, 2)]}
+DECODE_SPLITS = {1: (16, 32, 64), 16: (4, 8, 16)}  # the decode knob sets measured: every warps/unroll at these splits
 
 
 def log(*a):
@@ -66,11 +67,20 @@ def torch_side(s, tensors, res):
     return call().float()
 
 
-def tvm_run(fn, tensors, out, dev, target):
-    """Compile the PrimFunc, run it on torch tensors (shared through DLPack), time it with TVM's evaluator."""
+def build_all(fns, target):
+    """Build every variant at once with the tuning builder (tvmfuse.tune: MetaSchedule's LocalBuilder, one
+    worker per core, the same fast_build): [(artifact path or None, error or None)]."""
     import tvm
-    lib = tvm.compile(tvm.IRModule({"main": fn}), target=target)
-    lib = lib.jit() if hasattr(lib, "jit") else lib
+    from tvm.s_tir import meta_schedule as ms
+    from tvmfuse.tune import _builder
+    built = _builder(os.cpu_count() or 1).build([ms.builder.BuilderInput(tvm.IRModule({"main": f}), target) for f in fns])
+    return [(r.artifact_path, r.error_msg) for r in built]
+
+
+def tvm_run(artifact, tensors, out, dev):
+    """Load a built variant, run it on torch tensors (shared through DLPack), time it with TVM's evaluator."""
+    import tvm
+    lib = tvm.runtime.load_module(artifact)
     args = [tvm.runtime.from_dlpack(t) for t in tensors] + [tvm.runtime.from_dlpack(out)]
     lib["main"](*args)
     dev.sync()
@@ -119,19 +129,23 @@ def run_case(name, kind, s, dev, target, res, generic):
     tensors = [t.contiguous() for t in (q, k, v) + ((m,) if m is not None else ())]
     flops = 4 * B * H * SQ * L * D / (2 if s.get("causal") else 1)
     bytes_ = 2 * (q.numel() + k.numel() + v.numel() + q.numel())
-    if kind == "prefill":
-        knob_list = tmpl.knob_space(s)
-    else:
-        knob_list = [dict(split=a, warps=b, unroll=c) for a, b, c in DECODE_KNOBS.get(B, [])]
-        knob_list = [kn for kn in knob_list if kn in tmpl.knob_space(s)] or [tmpl.default_knobs(s)]
+    knob_list = tmpl.knob_space(s)
+    if kind == "decode":
+        knob_list = [kn for kn in knob_list if kn["split"] in DECODE_SPLITS.get(B, ())] or [tmpl.default_knobs(s)]
+    t0 = time.time()
+    built = build_all([tmpl(s, kn) for kn in knob_list], target)
+    res["build_seconds"] = round(time.time() - t0, 1)
+    log(f"  built {len(knob_list)} variants in {res['build_seconds']} s")
     res["trials"] = []
-    for kn in knob_list:
+    for kn, (artifact, error) in zip(knob_list, built):
         trial = {"knobs": kn}
         res["trials"].append(trial)
         try:
+            if error:
+                raise RuntimeError(f"build failed: {error}")
             t0 = time.time()
             out = torch.full((B, H, SQ, D), float("nan"), device="cuda", dtype=tdt)
-            us = tvm_run(tmpl(s, kn), tensors, out, dev, target)
+            us = tvm_run(artifact, tensors, out, dev)
             got = out.float()
             err = (got - ref).abs().max().item()
             trial.update(us=us, max_abs_err=err, ok=bool(err < 3e-2), seconds=round(time.time() - t0, 1))

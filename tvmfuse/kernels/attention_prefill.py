@@ -28,16 +28,29 @@ def check(s: dict) -> str | None:
     return None
 
 
+STATIC_SMEM, MAX_SMEM = 48 * 1024, 160 * 1024  # bytes: static shared memory limit; what a knob set may use
+
+
+def smem_bytes(s: dict, knobs: dict) -> int:
+    """Shared memory of the K/V tiles: stages x (K, V) x block_n rows of head_dim (+8 pad) elements."""
+    return knobs.get("stages", 1) * 2 * knobs["block_n"] * (s["head_dim"] + 8) * 2
+
+
 def knob_space(s: dict) -> list[dict]:
-    return [{"warps": w, "block_n": n} for w in (4, 8) for n in (32, 64, 128)
-            if s["seq_q"] % (16 * w) == 0 and s["seq_k"] % n == 0 and n * s["head_dim"] <= 8192
-            and n * s["head_dim"] // 8 % (32 * w) == 0]  # every thread loads the same number of K/V vectors
+    """warps (4/8, 16 query rows each per m-tile), block_n (keys per tile), m_tiles (16-row tiles per warp:
+    2 reuses each K/V fragment twice), stages (1: synchronous K/V loads; 2: cp.async double buffering,
+    tile j+1 loads while tile j computes)."""
+    return [{"warps": w, "block_n": n, "m_tiles": mt, "stages": st}
+            for st in (1, 2) for mt in (1, 2) for w in (4, 8) for n in (32, 64, 128)
+            if s["seq_q"] % (16 * w * mt) == 0 and s["seq_k"] % n == 0 and n * s["head_dim"] <= 8192
+            and n * s["head_dim"] // 8 % (32 * w) == 0  # every thread loads the same number of K/V vectors
+            and smem_bytes(s, {"block_n": n, "stages": st}) <= MAX_SMEM]
 
 
 def default_knobs(s: dict) -> dict:
     space = knob_space(s)
-    pref = [k for k in space if k == {"warps": 4, "block_n": 64}]
-    return (pref or space or [{"warps": 4, "block_n": 64}])[0]
+    pref = [k for k in space if k == {"warps": 4, "block_n": 64, "m_tiles": 1, "stages": 1}]
+    return (pref or space or [{"warps": 4, "block_n": 64, "m_tiles": 1, "stages": 1}])[0]
 
 
 def mask_index(s: dict):
@@ -54,8 +67,9 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
     mshape = tuple(s.get("mask_shape") or (1, 1, SQ, L))
     mdt = s.get("mask_dtype", dt)
     mi = mask_index(s)
-    W, BN = knobs["warps"], knobs["block_n"]
-    BM, NT, PAD = 16 * W, 32 * W, 8
+    W, BN, MT, S = knobs["warps"], knobs["block_n"], knobs.get("m_tiles", 1), knobs.get("stages", 1)
+    BM, NT, PAD = 16 * W * MT, 32 * W, 8
+    SMEM = "shared" if smem_bytes(s, knobs) <= STATIC_SMEM else "shared.dyn"
     ab = "bf16" if dt == "bfloat16" else "fp16"
 
     def bias(m, b, h, r, c):
@@ -129,92 +143,118 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                         with T.sblock("attn"):
                             T.reads()
                             T.writes()
-                            k_sm = T.sblock_alloc_buffer((BN, D + PAD), dt, scope="shared")
-                            v_sm = T.sblock_alloc_buffer((BN, D + PAD), dt, scope="shared")
-                            qa = T.sblock_alloc_buffer((D // 16 * 8,), dt, scope="local")
-                            sa = T.sblock_alloc_buffer((BN // 2,), "float32", scope="local")
-                            pa = T.sblock_alloc_buffer((BN // 2,), dt, scope="local")
-                            oa = T.sblock_alloc_buffer((D // 2,), "float32", scope="local")
+                            kv_sm = T.sblock_alloc_buffer((S, 2, BN, D + PAD), dt, scope=SMEM)  # [stage, K|V]
+                            qa = T.sblock_alloc_buffer((MT * D // 2,), dt, scope="local")
+                            sa = T.sblock_alloc_buffer((MT * BN // 2,), "float32", scope="local")
+                            pa = T.sblock_alloc_buffer((MT * BN // 2,), dt, scope="local")
+                            oa = T.sblock_alloc_buffer((MT * D // 2,), "float32", scope="local")
                             fb = T.sblock_alloc_buffer((8,), dt, scope="local")
-                            st = T.sblock_alloc_buffer((10,), "float32", scope="local")  # m0 m1 l0 l1 mx0 mx1 a0 a1 f0 f1
+                            st = T.sblock_alloc_buffer((MT * 10,), "float32", scope="local")  # per m-tile: m0 m1 l0 l1 mx0 mx1 a0 a1 f0 f1
                             b: T.let[T.int32] = by // HQ
                             h: T.let[T.int32] = by % HQ
                             qt: T.let[T.int32] = SQ // BM - 1 - bx
-                            r0: T.let[T.int32] = qt * BM + ty * 16 + tx // 4
+                            r0: T.let[T.int32] = qt * BM + ty * 16 + tx // 4  # m-tile t: rows r0 + t * 16 * W (+ 8)
                             c0: T.let[T.int32] = tx % 4 * 2
-                            for kk in T.unroll(D // 16):
-                                for r in T.unroll(4):
-                                    for e in T.unroll(2):
-                                        qa[kk * 8 + r * 2 + e] = q[at(lq, b, h, r0 + r % 2 * 8, kk * 16 + r // 2 * 8 + c0 + e)]
-                            for i in T.unroll(D // 2):
+                            for t in T.unroll(MT):
+                                for kk in T.unroll(D // 16):
+                                    for r in T.unroll(4):
+                                        for e in T.unroll(2):
+                                            qa[t * (D // 2) + kk * 8 + r * 2 + e] = q[at(lq, b, h, r0 + t * 16 * W + r % 2 * 8, kk * 16 + r // 2 * 8 + c0 + e)]
+                            for i in T.unroll(MT * D // 2):
                                 oa[i] = T.float32(0)
-                            for i in T.unroll(2):
-                                st[i] = T.float32(NEG)
-                                st[2 + i] = T.float32(0)
-                                st[8 + i] = T.float32(0)
+                            for t in T.unroll(MT):
+                                for i in T.unroll(2):
+                                    st[t * 10 + i] = T.float32(NEG)
+                                    st[t * 10 + 2 + i] = T.float32(0)
+                                    st[t * 10 + 8 + i] = T.float32(0)
+                            if S == 2:  # prologue: tile 0 in flight
+                                for it in T.unroll(BN * D // 8 // NT):
+                                    T.ptx["cp.async.cg.shared.global"](
+                                        T.address_of(kv_sm[0, 0, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
+                                        T.address_of(k[at(lk, b, h // G, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
+                                    T.ptx["cp.async.cg.shared.global"](
+                                        T.address_of(kv_sm[0, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
+                                        T.address_of(v[at(lv, b, h // GV, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
+                                T.ptx["cp.async.commit_group"]()
                             for jt in T.serial(((qt + 1) * BM + BN - 1) // BN if causal else L // BN):
+                                if S == 2:  # tile jt + 1 loads (cp.async) while tile jt computes
+                                    if jt + 1 < (((qt + 1) * BM + BN - 1) // BN if causal else L // BN):
+                                        for it in T.unroll(BN * D // 8 // NT):
+                                            T.ptx["cp.async.cg.shared.global"](
+                                                T.address_of(kv_sm[(jt + 1) % 2, 0, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
+                                                T.address_of(k[at(lk, b, h // G, (jt + 1) * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
+                                            T.ptx["cp.async.cg.shared.global"](
+                                                T.address_of(kv_sm[(jt + 1) % 2, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
+                                                T.address_of(v[at(lv, b, h // GV, (jt + 1) * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
+                                    T.ptx["cp.async.commit_group"]()
+                                    T.ptx["cp.async.wait_group"](1)
+                                else:
+                                    for it in T.serial(BN * D // 8 // NT):
+                                        for e in T.vectorized(8):
+                                            kv_sm[0, 0, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
+                                                k[at(lk, b, h // G, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
+                                        for e in T.vectorized(8):
+                                            kv_sm[0, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
+                                                v[at(lv, b, h // GV, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
                                 T.tvm_storage_sync("shared")
-                                for it in T.serial(BN * D // 8 // NT):
-                                    for e in T.vectorized(8):
-                                        k_sm[(it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
-                                            k[at(lk, b, h // G, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
-                                    for e in T.vectorized(8):
-                                        v_sm[(it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
-                                            v[at(lv, b, h // GV, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
-                                T.tvm_storage_sync("shared")
-                                for i in T.unroll(BN // 2):
+                                for i in T.unroll(MT * BN // 2):
                                     sa[i] = T.float32(0)
                                 for kk in T.unroll(D // 16):
                                     for jp in T.unroll(BN // 16):
                                         T.evaluate(T.ptx_legacy.ldmatrix(
-                                            False, 4, ".b16", fb.data, 0, k_sm.access_ptr("r"),
-                                            (jp * 16 + tx // 16 * 8 + tx % 8) * (D + PAD) + kk * 16 + tx // 8 % 2 * 8, dtype=dt))
-                                        for n in T.unroll(2):
-                                            T.evaluate(T.ptx_legacy.mma(
-                                                "m16n8k16", "row", "col", ab, ab, "fp32", qa.data, kk * 8, fb.data, n * 4,
-                                                sa.data, (jp * 2 + n) * 4, False, dtype="float32"))
-                                for i in T.unroll(2):
-                                    st[4 + i] = st[i]
-                                for j in T.unroll(BN // 8):
-                                    for c in T.unroll(4):
-                                        st[8 + c // 2] = T.max(st[8 + c // 2], T.if_then_else(
-                                            visible(r0 + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                                            alive(sa[j * 4 + c], mask, b, h, r0 + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                                            T.float32(0)))
-                                        sa[j * 4 + c] = T.if_then_else(
-                                            visible(r0 + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                                            T.max(sa[j * 4 + c] * qs + bias(mask, b, h, r0 + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                                                  T.float32(NEG)), T.float32(NEG))
-                                        st[4 + c // 2] = T.max(st[4 + c // 2], sa[j * 4 + c])
-                                for i in T.unroll(2):
-                                    st[4 + i] = T.cuda.warp_max(st[4 + i], width=4)
-                                    st[6 + i] = T.exp2(st[i] - st[4 + i])
-                                    st[2 + i] = st[2 + i] * st[6 + i]
-                                    st[i] = st[4 + i]
-                                for j in T.unroll(BN // 8):
-                                    for c in T.unroll(4):
-                                        sa[j * 4 + c] = T.exp2(sa[j * 4 + c] - st[c // 2])
-                                        st[2 + c // 2] = st[2 + c // 2] + sa[j * 4 + c]
-                                        pa[j * 4 + c] = T.Cast(dt, sa[j * 4 + c])
-                                for n in T.unroll(D // 8):
-                                    for c in T.unroll(4):
-                                        oa[n * 4 + c] = oa[n * 4 + c] * st[6 + c // 2]
+                                            False, 4, ".b16", fb.data, 0, kv_sm.access_ptr("r"),
+                                            ((jt % S * 2) * BN + jp * 16 + tx // 16 * 8 + tx % 8) * (D + PAD) + kk * 16 + tx // 8 % 2 * 8, dtype=dt))
+                                        for t in T.unroll(MT):  # the K fragment serves every m-tile of the warp
+                                            for n in T.unroll(2):
+                                                T.evaluate(T.ptx_legacy.mma(
+                                                    "m16n8k16", "row", "col", ab, ab, "fp32", qa.data, t * (D // 2) + kk * 8, fb.data, n * 4,
+                                                    sa.data, t * (BN // 2) + (jp * 2 + n) * 4, False, dtype="float32"))
+                                for t in T.unroll(MT):
+                                    for i in T.unroll(2):
+                                        st[t * 10 + 4 + i] = st[t * 10 + i]
+                                    for j in T.unroll(BN // 8):
+                                        for c in T.unroll(4):
+                                            st[t * 10 + 8 + c // 2] = T.max(st[t * 10 + 8 + c // 2], T.if_then_else(
+                                                visible(r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                                                alive(sa[t * (BN // 2) + j * 4 + c], mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                                                T.float32(0)))
+                                            sa[t * (BN // 2) + j * 4 + c] = T.if_then_else(
+                                                visible(r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                                                T.max(sa[t * (BN // 2) + j * 4 + c] * qs + bias(mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                                                      T.float32(NEG)), T.float32(NEG))
+                                            st[t * 10 + 4 + c // 2] = T.max(st[t * 10 + 4 + c // 2], sa[t * (BN // 2) + j * 4 + c])
+                                    for i in T.unroll(2):
+                                        st[t * 10 + 4 + i] = T.cuda.warp_max(st[t * 10 + 4 + i], width=4)
+                                        st[t * 10 + 6 + i] = T.exp2(st[t * 10 + i] - st[t * 10 + 4 + i])
+                                        st[t * 10 + 2 + i] = st[t * 10 + 2 + i] * st[t * 10 + 6 + i]
+                                        st[t * 10 + i] = st[t * 10 + 4 + i]
+                                    for j in T.unroll(BN // 8):
+                                        for c in T.unroll(4):
+                                            sa[t * (BN // 2) + j * 4 + c] = T.exp2(sa[t * (BN // 2) + j * 4 + c] - st[t * 10 + c // 2])
+                                            st[t * 10 + 2 + c // 2] = st[t * 10 + 2 + c // 2] + sa[t * (BN // 2) + j * 4 + c]
+                                            pa[t * (BN // 2) + j * 4 + c] = T.Cast(dt, sa[t * (BN // 2) + j * 4 + c])
+                                    for n in T.unroll(D // 8):
+                                        for c in T.unroll(4):
+                                            oa[t * (D // 2) + n * 4 + c] = oa[t * (D // 2) + n * 4 + c] * st[t * 10 + 6 + c // 2]
                                 for kk in T.unroll(BN // 16):
                                     for np_ in T.unroll(D // 16):
                                         T.evaluate(T.ptx_legacy.ldmatrix(
-                                            True, 4, ".b16", fb.data, 0, v_sm.access_ptr("r"),
-                                            (kk * 16 + tx // 8 % 2 * 8 + tx % 8) * (D + PAD) + np_ * 16 + tx // 16 * 8, dtype=dt))
-                                        for n in T.unroll(2):
-                                            T.evaluate(T.ptx_legacy.mma(
-                                                "m16n8k16", "row", "col", ab, ab, "fp32", pa.data, kk * 8, fb.data, n * 4,
-                                                oa.data, (np_ * 2 + n) * 4, False, dtype="float32"))
-                            for i in T.unroll(2):
-                                st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
-                                st[8 + i] = T.cuda.warp_max(st[8 + i], width=4)
-                            for n in T.unroll(D // 8):
-                                for c in T.unroll(4):
-                                    out[at(lo, b, h, r0 + c // 2 * 8, n * 8 + c0 + c % 2)] = T.Cast(
-                                        dt, final(oa[n * 4 + c] / st[2 + c // 2], st[8 + c // 2]))
+                                            True, 4, ".b16", fb.data, 0, kv_sm.access_ptr("r"),
+                                            ((jt % S * 2 + 1) * BN + kk * 16 + tx // 8 % 2 * 8 + tx % 8) * (D + PAD) + np_ * 16 + tx // 16 * 8, dtype=dt))
+                                        for t in T.unroll(MT):  # the V fragment serves every m-tile of the warp
+                                            for n in T.unroll(2):
+                                                T.evaluate(T.ptx_legacy.mma(
+                                                    "m16n8k16", "row", "col", ab, ab, "fp32", pa.data, t * (BN // 2) + kk * 8, fb.data, n * 4,
+                                                    oa.data, t * (D // 2) + (np_ * 2 + n) * 4, False, dtype="float32"))
+                                T.tvm_storage_sync("shared")  # every warp is done with this stage before it is refilled
+                            for t in T.unroll(MT):
+                                for i in T.unroll(2):
+                                    st[t * 10 + 2 + i] = T.cuda.warp_sum(st[t * 10 + 2 + i], width=4)
+                                    st[t * 10 + 8 + i] = T.cuda.warp_max(st[t * 10 + 8 + i], width=4)
+                                for n in T.unroll(D // 8):
+                                    for c in T.unroll(4):
+                                        out[at(lo, b, h, r0 + t * 16 * W + c // 2 * 8, n * 8 + c0 + c % 2)] = T.Cast(
+                                            dt, final(oa[t * (D // 2) + n * 4 + c] / st[t * 10 + 2 + c // 2], st[t * 10 + 8 + c // 2]))
 
     fn = cpu if target == "llvm" else gpu
     return fn if masked else _drop_mask(fn)

@@ -65,14 +65,15 @@ def best_knobs(database, tmpl: Template, shapes: dict, target) -> tuple[dict | N
 
 def tune_templates(mod: tvm.IRModule, patterns: dict[str, str], target: tvm.target.Target, database,
                    trials: int, rpc: tuple[str, str] | None = None, info: dict | None = None,
-                   on_progress: Callable[[TaskProgress], None] | None = None) -> dict[str, TaskProgress]:
+                   on_progress: Callable[[TaskProgress], None] | None = None, builder=None,
+                   runner=None) -> dict[str, TaskProgress]:
     """Measure up to `trials` knob sets of every kernel a template takes (`template_sites`) and commit each
     as a record to `database`; knob sets already recorded count toward the budget and are not measured again
-    (`trials` 0 measures nothing). `substitute(..., database=database)` then applies the best."""
+    (`trials` 0 measures nothing). `substitute(..., database=database)` then applies the best. The builder
+    and runner are tune.py's (local or RPC) unless given."""
     from ..tune import _builder, _evaluator, _runner  # pylint: disable=import-outside-toplevel  (the same ones)
 
     progress: dict[str, TaskProgress] = {}
-    builder = runner = None
     for _gv, name, tmpl, shapes, _perm in template_sites(mod, patterns, info, target_kind(target)):
         space, done = candidate_knobs(tmpl, shapes), measured(database, tmpl, shapes, target)
         budget = min(max(trials, 0), len(space))
@@ -82,6 +83,7 @@ def tune_templates(mod: tvm.IRModule, patterns: dict[str, str], target: tvm.targ
         todo = [k for k in space if knob_key(k) not in done][:budget - spent]
         if todo and builder is None:
             builder = _builder(os.cpu_count() or 1)
+        if todo and runner is None:
             runner = _runner(rpc, _evaluator("gpu" in target.keys))
         for start in range(0, len(todo), ROUND):
             _measure_round(todo[start:start + ROUND], tmpl, shapes, name, target, database, builder, runner, task)
