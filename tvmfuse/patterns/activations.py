@@ -7,7 +7,7 @@ import math
 
 from tvm.relax.dpl import DFPattern, is_op
 
-from .common import const, has_constants
+from .common import cast, const, has_constants, upcast
 
 
 def _mul(a, b) -> DFPattern:
@@ -27,8 +27,9 @@ def gelu_erf(x: DFPattern) -> DFPattern:
 
 
 def gelu_tanh(x: DFPattern) -> DFPattern:
-    """gelu_tanh(x) or 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))), x^3 as power or two multiplies."""
-    cube = is_op("relax.power")(x, const()) | _mul(_mul(x, x), x)
+    """gelu_tanh(x) or 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))), x^3 as power or two multiplies. In bf16
+    the power computes in fp32 between casts (tvmfuse.precision)."""
+    cube = cast(is_op("relax.power")(upcast(x), const())) | _mul(_mul(x, x), x)
     inner = _add(x, _mul(cube, const()))
     th = is_op("relax.tanh")(_mul(inner, const()))
     one_plus = _add(th, const())

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from tvm import relax
-from tvm.relax.dpl import DFPattern, is_const, is_op, is_tuple, wildcard
+from tvm.relax.dpl import DFPattern, is_op, is_tuple, wildcard
 from tvm.relax.transform import PatternCheckContext
 
-from .common import dim_str, Annotated, as_int, finish, ndim, producer, reject, same_dim, scalar, shape_of
+from .common import dim_str, dtype_of, Annotated, as_int, cast, const, finish, upcast, ndim, producer, reject, root_var, same_dim, scalar, shape_of
 
 _COMPARE = {"relax.less", "relax.less_equal", "relax.greater", "relax.greater_equal"}
 
@@ -33,21 +33,25 @@ def _key_transpose(p: DFPattern) -> DFPattern:
 
 
 def make_attention_pattern() -> Annotated:
-    """softmax(scale * Q @ K^T [+ mask]) @ V with the multi-head transposes (and GQA repeat) around it."""
+    """softmax(scale * Q @ K^T [+ mask]) @ V with the multi-head transposes (and GQA repeat) around it. In mixed
+    precision each matmul accumulates in fp32 and is cast to the compute dtype, the scores are cast back up for
+    the mask and softmax (fp32), and the probabilities down again for P @ V: the optional `cast`s."""
     q_in, k_in, v_in, mask = wildcard(), wildcard(), wildcard(), wildcard()
     (k_gqa, k_exp), (v_gqa, _) = _gqa(k_in), _gqa(_heads(v_in))
     q = _heads(q_in)
     k = _key_transpose(k_gqa) | _key_transpose(_op("permute_dims", k_in)) | _key_transpose(k_in)
     v = v_gqa | _heads(v_in)
-    qs = _op("multiply", q, is_const()) | _op("divide", q, is_const()) | q
-    ks = _op("multiply", k, is_const()) | _op("divide", k, is_const()) | k
+    qs = _op("multiply", q, const()) | _op("divide", q, const()) | q
+    ks = _op("multiply", k, const()) | _op("divide", k, const()) | k
     scores = _op("matmul", qs, ks)
-    scaled = _op("multiply", scores, is_const()) | _op("divide", scores, is_const()) | scores
+    scores_out = cast(cast(scores))
+    scaled = _op("multiply", scores_out, const()) | _op("divide", scores_out, const()) | scores_out
     masked = _op("add", scaled, mask) | scaled
-    sm = _op("nn.softmax", masked)
-    probs = _op("where", _op("isnan", sm), is_const(), sm) | sm
-    out = _op("matmul", probs, v)
-    root = _op("permute_dims", out) | out
+    sm = _op("nn.softmax", upcast(masked))
+    probs = _op("where", _op("isnan", sm), const(), sm) | sm
+    out = _op("matmul", cast(probs), v)
+    out_cast = cast(out)
+    root = _op("permute_dims", out_cast) | out_cast
     return root, {"q": q, "k": k, "v": v, "scores": scores, "masked": masked, "softmax": sm, "out": out,
                   "k_exp": k_exp}
 
@@ -70,6 +74,11 @@ def check_attention(ctx: PatternCheckContext) -> bool:
         return reject(ctx, name, f"softmax over axis {sm.attrs.axis}, not the key axis")
     if not same_dim(shape_of(out.args[1])[2], sk):
         return reject(ctx, name, "V length differs from K length")
+    low, root = dtype_of(out.args[1]), root_var(ctx)
+    users = ctx.var_usages.get(root, None) if root is not None else None
+    if dtype_of(root) != low and users and all(dtype_of(u) == low for u in users):
+        # the fp32-accumulating P @ V is only cast down: the match that ends at that cast is the kernel
+        return reject(ctx, name, f"P @ V accumulates in {dtype_of(out)} and is cast to {low}: the kernel ends at the cast")
     mask, causal = "none", False
     masked = ann.get("masked")
     if masked is not None and getattr(masked.op, "name", "") == "relax.add":

@@ -212,23 +212,28 @@ def scalar(expr) -> float | None:
     return float(value.reshape(-1)[0]) if value.size == 1 else None
 
 
-def constants(ctx: PatternCheckContext) -> list[float]:
-    """All scalar constants read by the matched bindings."""
+#: relative rounding error of a constant stored in a dtype (half its epsilon): a bf16 0.044715 is 0.0446777
+ROUNDING = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def constants(ctx: PatternCheckContext) -> list[tuple[float, str]]:
+    """All scalar constants read by the matched bindings, each with its dtype."""
     out = []
     for call in ctx.matched_bindings.values():
         for arg in _leaf_args(call):
             value = scalar(arg)
             if value is not None:
-                out.append(value)
+                out.append((value, str(arg.value.dtype)))
     return out
 
 
 def has_constants(ctx: PatternCheckContext, wanted: list[tuple[float, ...]], tol: float = 1e-3) -> str | None:
-    """None when, for every group of alternatives, one value appears; else what is missing."""
+    """None when, for every group of alternatives, one value appears (within `tol`, or the rounding error of
+    the constant's dtype if larger); else what is missing."""
     got = constants(ctx)
     for alts in wanted:
-        if not any(abs(g - a) <= tol * max(1.0, abs(a)) for g in got for a in alts):
-            return f"constant {alts[0]:.6g} not found (constants: {', '.join(f'{g:.6g}' for g in got)})"
+        if not any(abs(g - a) <= max(tol, ROUNDING.get(dt, 0.0)) * max(1.0, abs(a)) for g, dt in got for a in alts):
+            return f"constant {alts[0]:.6g} not found (constants: {', '.join(f'{g:.6g}' for g, _ in got)})"
     return None
 
 

@@ -72,7 +72,8 @@ def make_matmul_act_pattern(activation: str) -> Callable[[], Annotated]:
     optionally followed by a reshape."""
     def make() -> Annotated:
         mm, w = _linear(wildcard())
-        y = ACTIVATIONS[activation][0](is_op("relax.reshape")(mm, wildcard()) | mm)
+        mm_out = cast(mm)  # mixed precision: the fp32-accumulating matmul's cast to the compute dtype
+        y = ACTIVATIONS[activation][0](is_op("relax.reshape")(mm_out, wildcard()) | mm_out)
         return y, {"mm": mm, "w": w, "y": y}
     make.__name__ = f"make_matmul_{activation}_pattern"
     return make
@@ -104,11 +105,12 @@ def _is_bias(bias, n) -> bool:
 
 
 def make_swiglu_pattern() -> Annotated:
-    """y = silu(x @ Wg) * (x @ Wu): both projections and the gate in one kernel."""
+    """y = silu(x @ Wg) * (x @ Wu): both projections and the gate in one kernel (each projection optionally cast
+    to the compute dtype, as mixed precision writes it)."""
     x = wildcard()
     gate, wg = _linear(x)
     up, wu = _linear(x)
-    y = is_op("relax.multiply")(act.silu(gate), up)
+    y = is_op("relax.multiply")(act.silu(cast(gate)), cast(up))
     return y, {"gate": gate, "up": up, "wg": wg, "wu": wu, "y": y}
 
 
@@ -117,7 +119,8 @@ def make_geglu_pattern() -> Annotated:
     x = wildcard()
     gate, wg = _linear(x)
     up, wu = _linear(x)
-    y = is_op("relax.multiply")(act.gelu_erf(gate) | act.gelu_tanh(gate), up)
+    gate_out = cast(gate)
+    y = is_op("relax.multiply")(act.gelu_erf(gate_out) | act.gelu_tanh(gate_out), cast(up))
     return y, {"gate": gate, "up": up, "wg": wg, "wu": wu, "y": y}
 
 

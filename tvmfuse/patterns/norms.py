@@ -24,18 +24,20 @@ def make_layer_norm_gelu_pattern() -> Annotated:
 
 
 def make_skip_layer_norm_pattern() -> Annotated:
-    """y = layer_norm(a + b); the sum stays available to later ops (the residual stream)."""
+    """y = layer_norm(a + b); the sum stays available to later ops (the residual stream). In bf16 the layer_norm
+    computes in fp32: `layer_norm(astype(a + b))`."""
     s = is_op("relax.add")(wildcard(), wildcard())
-    y = _layer_norm(s)
+    y = _layer_norm(upcast(s))
     return y, {"sum": s, "ln": y}
 
 
 def make_skip_layer_norm_bias_pattern() -> Annotated:
-    """y = layer_norm((x + bias) [reshaped] + residual); the sum stays available."""
+    """y = layer_norm((x + bias) [reshaped] [-> fp32] + residual); the sum stays available. The upcast: mixed
+    precision adds the bias in the compute dtype and the residual in fp32."""
     biased = is_op("relax.add")(wildcard(), wildcard())
     pre = is_op("relax.reshape")(biased, wildcard()) | biased
-    s = is_op("relax.add")(pre, wildcard())
-    y = _layer_norm(s)
+    s = is_op("relax.add")(upcast(pre), wildcard())
+    y = _layer_norm(upcast(s))
     return y, {"biased": biased, "sum": s, "ln": y}
 
 
