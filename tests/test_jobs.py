@@ -31,6 +31,8 @@ def test_jobs_file(tmp_path):
     ('[[model]]\npath = "a.onnx"\ntrials = -1\n', "'trials' must be a non-negative integer"),
     ('[[model]]\npath = "a.onnx"\n[[model]]\npath = "a.onnx"\n', "duplicate name 'a'"),
     ('[[model]]\npath = "a.onnx"\ndtype = "int4"\n', "dtype 'int4' is not supported"),
+    ('[[model]]\npath = "a.onnx"\ndtype = "bf16"\nio_dtype = "fp16"\n', "io_dtype float16 does not fit compute dtype bfloat16"),
+    ('io_dtype = "fp16"\n[[model]]\npath = "a.onnx"\n', "model #1: io_dtype float16 does not fit compute dtype float32"),
     ('[[model]]\npath = "a.onnx"\nshapes = { x = [0] }\n', "'shapes' must map names"),
     ('[[model]\n', "not valid TOML"),
     ('[[model]]\nname = "../../etc/x"\npath = "a.onnx"\n', "not a path"),
@@ -41,3 +43,16 @@ def test_bad_jobs_files(tmp_path, text, message):
     with pytest.raises(JobError) as err:
         load_jobs(str(path))
     assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_jobs_file_io_dtype(tmp_path):
+    """io_dtype: top level or per model, fp32 or the model's compute dtype; the command line's is the default."""
+    path = tmp_path / "jobs.toml"
+    path.write_text('dtype = "fp16"\nio_dtype = "fp16"\n[[model]]\npath = "a.onnx"\n'
+                    '[[model]]\npath = "b.onnx"\nio_dtype = "fp32"\n[[model]]\npath = "c.onnx"\ndtype = "bf16"\n'
+                    'io_dtype = "bf16"\n')
+    assert [(j.dtype, j.io_dtype) for j in load_jobs(str(path))] == \
+        [("float16", "float16"), ("float16", "float32"), ("bfloat16", "bfloat16")]
+    path.write_text('[[model]]\npath = "a.onnx"\n')
+    assert load_jobs(str(path), dtype="float16", io_dtype="float16")[0].io_dtype == "float16"
+    assert load_jobs(str(path))[0].io_dtype == "float32"

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .errors import TvmfuseError
-from .jobs import Job, job_from_path, load_jobs, parse_dtype, parse_shape
+from .jobs import Job, check_io_dtype, job_from_path, load_jobs, parse_dtype, parse_shape
 
 USAGE_EXAMPLES = """examples:
   python scripts/tune.py --target llvm                       # the embedded default job
@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", metavar="{fp32,fp16,bf16}",
                    help="compute dtype: fp16/bf16 convert the fp32 model to mixed precision (fp32 accumulation, "
                         "fp32 inputs and outputs); a jobs file's dtype overrides it (default: fp32)")
+    p.add_argument("--io-dtype", default="fp32", metavar="{fp32,fp16,bf16}",
+                   help="dtype of the module's float inputs and outputs: fp32, or the --dtype itself (no cast "
+                        "kernels around the model); a jobs file's io_dtype overrides it (default: fp32)")
     p.add_argument("--batch", type=int, metavar="N",
                    help="candidates built and measured per tuning round (default: 16 on llvm, 64 on cuda)")
     p.add_argument("--out", default="out", metavar="DIR", help="where exports go (default: out)")
@@ -46,11 +49,14 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
         raise TvmfuseError("--trials must be >= 0")
     shapes = dict(parse_shape(s) for s in args.shape)
     dtype = parse_dtype(args.dtype)
+    io_dtype = check_io_dtype(args.io_dtype, dtype)
     jobs = [job_from_path(m, shapes, args.trials, dtype) for m in args.models]
+    for job in jobs:
+        job.io_dtype = io_dtype
     if args.jobs:
-        jobs += load_jobs(args.jobs, args.trials, dtype)
+        jobs += load_jobs(args.jobs, args.trials, dtype, io_dtype)
     if not jobs:
-        jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype)]
+        jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype, io_dtype=io_dtype)]
     if args.batch is not None:
         if args.batch < 1:
             raise TvmfuseError("--batch must be >= 1")

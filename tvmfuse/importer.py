@@ -172,8 +172,11 @@ def _first_line(err: Exception) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def random_inputs(inputs: list[TensorInfo], seed: int = 0, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """Random inputs for verification; symbolic dims take `dims` or 4. Masks are ones, indices small."""
+def random_inputs(inputs: list[TensorInfo], seed: int = 0, dims: dict[str, int] | None = None,
+                  io_dtype: str | None = None) -> dict[str, np.ndarray]:
+    """Random inputs for verification; symbolic dims take `dims` or 4. Masks are ones, indices small. With
+    `io_dtype` (a module taking fp16/bf16), float32 values are ones that dtype holds exactly, so onnxruntime
+    (fed float32) and the module (fed `verify.module_inputs`) see the same numbers."""
     rng = np.random.default_rng(seed)
     data = {}
     for t in inputs:
@@ -184,5 +187,9 @@ def random_inputs(inputs: list[TensorInfo], seed: int = 0, dims: dict[str, int] 
             arr = np.ones(shape, bool)
         else:
             arr = rng.standard_normal(shape).astype(t.dtype)
+            if io_dtype not in (None, "float32") and t.dtype == "float32":
+                from .verify import cast_array  # pylint: disable=import-outside-toplevel
+
+                arr = cast_array(cast_array(arr, io_dtype), "float32")
         data[t.name] = arr
     return data

@@ -19,8 +19,8 @@ from .export import check_safe_name
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
-MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype"}
-TOP_KEYS = {"trials", "model", "dtype"}
+MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype"}
+TOP_KEYS = {"trials", "model", "dtype", "io_dtype"}
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Job:
     shapes: dict[str, list[int]] = field(default_factory=dict)
     trials: int | None = None
     dtype: str = "float32"  # compute dtype: float32, float16 or bfloat16 (tvmfuse.precision)
+    io_dtype: str = "float32"  # dtype of the module's float inputs/outputs: float32 or the compute dtype
     batch: int | None = None  # candidates built and measured per tuning round (None: 16 on CPUs, 64 on GPUs)
 
 
@@ -52,7 +53,8 @@ def _sanitize(stem: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem).lstrip(".") or "model"
 
 
-def load_jobs(path: str, trials: int | None = None, dtype: str = "float32") -> list[Job]:
+def load_jobs(path: str, trials: int | None = None, dtype: str = "float32",
+              io_dtype: str = "float32") -> list[Job]:
     """Read a jobs file; a typo'd key, a bad value or a duplicate name is one JobError naming the file."""
     try:
         with open(path, "rb") as f:
@@ -67,6 +69,7 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32") -> l
         raise JobError(f"{path}: no [[model]] entries")
     default_trials = _trials(path, "top level", data.get("trials", trials))
     default_dtype = _dtype(path, "top level", data.get("dtype", dtype))
+    default_io = _dtype(path, "top level", data.get("io_dtype", io_dtype), "io_dtype")
     base = os.path.dirname(os.path.abspath(path))
     jobs, seen = [], set()
     for i, entry in enumerate(models, 1):
@@ -94,7 +97,7 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32") -> l
                            "(an input) or to one int (a symbolic dim)")
         shapes = {k: v if isinstance(v, list) else [v] for k, v in shapes.items()}
         jobs.append(Job(name, model_path, shapes, _trials(path, where, entry.get("trials", default_trials)),
-                        job_dtype))
+                        job_dtype, _io_dtype(path, where, entry.get("io_dtype", default_io), job_dtype)))
     return jobs
 
 
@@ -114,9 +117,24 @@ def parse_dtype(text, where: str = "--dtype") -> str:
     return dtype
 
 
-def _dtype(path: str, where: str, value) -> str:
+def _dtype(path: str, where: str, value, key: str = "dtype") -> str:
     try:
-        return parse_dtype(value, "dtype")
+        return parse_dtype(value, key)
+    except JobError as err:
+        raise JobError(f"{path}: {where}: {err}") from None
+
+
+def check_io_dtype(io_dtype: str, dtype: str, where: str = "--io-dtype") -> str:
+    """The interface dtype, which must be fp32 or the compute dtype (a module takes and returns one or the other)."""
+    io_dtype = parse_dtype(io_dtype, where)
+    if io_dtype not in ("float32", dtype):
+        raise JobError(f"{where} {io_dtype} does not fit compute dtype {dtype}: use fp32 or the compute dtype")
+    return io_dtype
+
+
+def _io_dtype(path: str, where: str, value, dtype: str) -> str:
+    try:
+        return check_io_dtype(value, dtype, "io_dtype")
     except JobError as err:
         raise JobError(f"{path}: {where}: {err}") from None
 

@@ -33,7 +33,7 @@ from .schedules import DEFAULT_DIR as SCHEDULES_DIR
 from .schedules import open_database
 from .progress import TaskProgress, kernel_records
 from .tune import TuningInterrupted, tune
-from .verify import compare, onnxruntime_outputs, run_vm
+from .verify import compare, module_inputs, onnxruntime_outputs, run_vm
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
 
@@ -79,7 +79,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         say(f"[{job.name}] symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them "
             "get default schedules (fix them with --shape NAME=VALUE to tune those)")
     bound = bind_params(imported.mod, imported.params)
-    bound = to_compute_dtype(bound, job.dtype)  # precision: fp16/bf16 kernels, fp32 interface; before decide/fuse
+    bound = to_compute_dtype(bound, job.dtype, job.io_dtype)  # precision: fp16/bf16 kernels; before decide/fuse
     plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
     fused = lower(bound, plan=plan)
     kernels = fused.kernels()
@@ -129,16 +129,16 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     verification = {"status": "skipped", "reason": f"no {target.kind.name} device here"}
     if runnable:
         dims = {d: 4 for d in imported.symbolic_dims}
-        feeds = random_inputs(imported.inputs, seed=0, dims=dims)
+        feeds = random_inputs(imported.inputs, seed=0, dims=dims, io_dtype=job.io_dtype)
         device = device_for(target)
         vm = relax.VirtualMachine(executable, device)
-        check = compare(run_vm(vm, device, list(feeds.values())), onnxruntime_outputs(model, feeds),
+        check = compare(run_vm(vm, device, list(feeds.values()), job.io_dtype), onnxruntime_outputs(model, feeds),
                         compute_dtype=job.dtype)
         verification = check.as_dict()
-        result.latency_after_us = _latency_us(vm, device, feeds)
+        result.latency_after_us = _latency_us(vm, device, feeds, job.io_dtype)
         if result.tuned:
             untuned = compile_module(apply_default_schedules(fused.mod, target), target)
-            result.latency_before_us = _latency_us(relax.VirtualMachine(untuned, device), device, feeds)
+            result.latency_before_us = _latency_us(relax.VirtualMachine(untuned, device), device, feeds, job.io_dtype)
         else:
             result.latency_before_us = result.latency_after_us
         if not check.ok:
@@ -154,7 +154,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         "target": _json_obj(target_json(target)),
         "inputs": [t.as_dict() for t in imported.inputs],
         "outputs": [t.as_dict() for t in imported.outputs],
-        "precision": precision_info(bound, job.dtype),
+        "precision": precision_info(bound, job.dtype, job.io_dtype),
         "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
                      "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1]}
                     for k in kernels],
@@ -178,8 +178,8 @@ def _json_obj(text: str):
     return json.loads(text)
 
 
-def _latency_us(vm: relax.VirtualMachine, device, feeds: dict[str, np.ndarray]) -> float:
-    args = [tvm.runtime.tensor(a, device) for a in feeds.values()]
+def _latency_us(vm: relax.VirtualMachine, device, feeds: dict[str, np.ndarray], io_dtype: str) -> float:
+    args = [tvm.runtime.tensor(a, device) for a in module_inputs(feeds.values(), io_dtype)]
     timer = vm.time_evaluator("main", device, number=5, repeat=3, min_repeat_ms=50)
     return float(np.median(timer(*args).results) * 1e6)
 

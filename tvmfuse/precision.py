@@ -14,11 +14,18 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
 - "follow" ops (elementwise, `layer_norm`, `gelu`, reshapes) compute in fp16 when all inputs are fp16 (TVM's
   fp16 `layer_norm` lowering accumulates its mean/variance in fp32);
 - ops without a policy (`mean`, `sum`, `softmax`, ...) compute in fp32: their inputs are cast up first;
-- weights feeding fp16 ops become `astype(const, "float16")`; FoldConstant makes them fp16 constants.
+- weights feeding fp16 ops become `astype(const, "float16")`; FoldConstant makes them fp16 constants, except
+  0-d ones (scalar operands: attention scales, GELU constants), which it leaves as casts: `_fold_scalar_casts`
+  folds those, so the patterns see the same constants as in fp32.
+
+`io_dtype` (None or float32: as above; the compute dtype: the module takes and returns its float tensors in
+the compute dtype): the fp32 interface is built as usual, then wrapped in casts to/from `io_dtype`, and each
+exact round trip (`astype(astype(x: fp16, fp32), fp16)`) cancels, so no interface cast kernel remains where
+the first/last op already computes in the compute dtype.
 
 The pass knows only float16. For bf16 the fp16 result is re-typed: casts to float16 become casts to bfloat16
-and types are re-inferred; `layer_norm`/`group_norm` (TVM lowers them for fp32/fp16 only) compute in fp32
-between casts.
+and types are re-inferred; `layer_norm`/`group_norm`/`power` (TVM lowers them for fp32/fp16 only) compute in
+fp32 between casts.
 """
 
 from __future__ import annotations
@@ -28,19 +35,24 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .jobs import parse_dtype
+from .jobs import check_io_dtype, parse_dtype
 
+Const = tvm.ir.GenericConst
 FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
-#: what the module's inputs and outputs are whatever the compute dtype (ToMixedPrecision keeps the signature)
+#: what the module's inputs and outputs are by default whatever the compute dtype (ToMixedPrecision keeps the
+#: signature); `io_dtype` may make them the compute dtype
 INTERFACE_DTYPE = FLOAT32
 PASS = "relax.transform.ToMixedPrecision(out_dtype='float32')"
-#: ops whose TVM lowering takes float32/float16 only: in bf16 they compute in fp32 between casts
-FP32_ONLY_IN_BF16 = ("relax.nn.layer_norm", "relax.nn.group_norm")
+#: ops whose TVM lowering takes float32/float16 only: in bf16 they compute in fp32 between casts (`power`:
+#: tirx `pow` rejects bfloat16, "power only applies to float": GPT-2's tanh-GELU cube)
+FP32_ONLY_IN_BF16 = ("relax.nn.layer_norm", "relax.nn.group_norm", "relax.power")
 
 
-def to_compute_dtype(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
-    """The module with its kernels computing in `dtype` (fp32 interface, fp32 accumulation); fp32: unchanged."""
+def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None) -> tvm.IRModule:
+    """The module with its kernels computing in `dtype` (fp32 accumulation) and its float inputs and outputs in
+    `io_dtype` (None: float32, or `dtype` itself); fp32: unchanged."""
     dtype = parse_dtype(dtype, "dtype")
+    io_dtype = interface_dtype(dtype, io_dtype)
     if dtype == FLOAT32:
         return mod
     main = mod["main"]
@@ -51,7 +63,16 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
     if dtype == BFLOAT16:
         mod = _fp16_to_bf16(mod)
     mod = relax.transform.FoldConstant()(mod)  # astype(weight) -> a constant in the compute dtype
+    mod = _fold_scalar_casts(mod)
+    if io_dtype != FLOAT32:
+        mod = _low_interface(mod, io_dtype)
+    mod = relax.transform.DeadCodeElimination(["main"])(relax.transform.CanonicalizeBindings()(mod))
     return unique_binding_names(mod)
+
+
+def interface_dtype(dtype: str, io_dtype: str | None) -> str:
+    """The module's float input/output dtype: float32 (None) or the compute dtype; anything else is a JobError."""
+    return FLOAT32 if io_dtype is None else check_io_dtype(io_dtype, parse_dtype(dtype, "dtype"), "io_dtype")
 
 
 @mutator
@@ -86,10 +107,10 @@ def unique_binding_names(mod: tvm.IRModule) -> tvm.IRModule:
     return out
 
 
-def precision_info(mod: tvm.IRModule, dtype: str) -> dict:
+def precision_info(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None) -> dict:
     """What the manifest says about precision: compute dtype, interface dtype, and how many ops compute low."""
     dtype = parse_dtype(dtype, "dtype")
-    info = {"compute_dtype": dtype, "interface_dtype": INTERFACE_DTYPE}
+    info = {"compute_dtype": dtype, "interface_dtype": interface_dtype(dtype, io_dtype)}
     if dtype != FLOAT32:
         ops = _op_dtypes(mod)
         info.update({"pass": PASS, "accumulation": FLOAT32,
@@ -132,6 +153,101 @@ def _fp32_interface(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:
     out = mod.clone()
     out["main"] = relax.Function(params, relax.SeqExpr(blocks, body.body), main.ret_ty, main.is_pure, main.attrs)
     return out
+
+
+def _fold_scalar_casts(mod: tvm.IRModule) -> tvm.IRModule:
+    """`astype(scalar const)` -> a constant of the cast's dtype (FoldConstant leaves 0-d casts); CanonicalizeBindings
+    then puts the constant into its uses, where the patterns look for constants."""
+    out = mod.clone()
+    for gv, fn in mod.functions.items():
+        if isinstance(fn, relax.Function):
+            out[gv] = _FoldScalarCasts(out).visit_expr(fn)
+    return out
+
+
+def _is_cast(expr) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.astype"
+
+
+def _dtype(expr) -> str:
+    return str(getattr(expr.ty, "dtype", ""))
+
+
+@mutator
+class _FoldScalarCasts(PyExprMutator):
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        arg = call.args[0] if _is_cast(call) else None
+        arg = self.lookup_binding(arg) if isinstance(arg, relax.Var) else arg  # a cast of a folded cast
+        value = getattr(arg, "value", None) if isinstance(arg, Const) else None
+        if value is None or value.numpy().ndim != 0:
+            return call
+        dtype = str(call.attrs.dtype)
+        if dtype == BFLOAT16:
+            import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+            return relax.const(tvm.runtime.tensor(value.numpy().astype(np.float32).astype(ml_dtypes.bfloat16)), dtype)
+        return relax.const(value.numpy().astype(dtype), dtype)
+
+
+def _low_interface(mod: tvm.IRModule, io_dtype: str) -> tvm.IRModule:
+    """`main` with its float32 inputs and outputs in `io_dtype`: each fp32 input becomes a cast of a new input,
+    each fp32 output a cast to `io_dtype`, and the exact round trips these make with the existing casts cancel."""
+    main = mod["main"]
+    n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
+    params, pre, post = [], [], []
+    for i, p in enumerate(main.params):
+        if i < n_in and _dtype(p) == FLOAT32:
+            low = relax.Var(p.name, relax.TensorType(p.ty.shape, io_dtype))
+            pre.append(relax.VarBinding(p, relax.BlockBuilder().normalize(relax.op.astype(low, FLOAT32))))
+            p = low
+        params.append(p)
+
+    def bind(name, value, ty):
+        var = relax.Var(name, ty)
+        post.append(relax.VarBinding(var, relax.BlockBuilder().normalize(value)))
+        return var
+
+    def cast_out(expr):
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([cast_out(f) for f in expr.fields])
+        if isinstance(expr, relax.Var) and isinstance(expr.ty, relax.TupleType):
+            return relax.Tuple([cast_out(bind(f"{expr.name}_{i}", relax.TupleGetItem(expr, i), t))
+                                for i, t in enumerate(expr.ty.fields)])
+        if isinstance(expr, relax.Var) and _dtype(expr) == FLOAT32:
+            return bind(expr.name, relax.op.astype(expr, io_dtype), relax.TensorType(expr.ty.shape, io_dtype))
+        return expr
+
+    ret = relax.BlockBuilder().normalize(cast_out(main.body.body))
+    blocks = list(main.body.blocks) or [relax.DataflowBlock([])]
+    first, last = blocks[0], blocks[-1]
+    blocks[0] = relax.DataflowBlock(pre + list(first.bindings)) if isinstance(first, relax.DataflowBlock) else first
+    if not isinstance(first, relax.DataflowBlock) and pre:
+        blocks.insert(0, relax.DataflowBlock(pre))
+    last = blocks[-1]
+    blocks[-1] = relax.DataflowBlock(list(last.bindings) + post) if isinstance(last, relax.DataflowBlock) else last
+    if not isinstance(last, relax.DataflowBlock) and post:
+        blocks.append(relax.BindingBlock(post))
+    out = mod.clone()
+    out["main"] = relax.Function(params, relax.SeqExpr(blocks, ret), ret.ty, main.is_pure, main.attrs)
+    out = relax.transform.CanonicalizeBindings()(out)  # gv[i] of a known tuple -> the field, for the cancelling
+    out["main"] = _CancelRoundTrips(out).visit_expr(out["main"])
+    return out
+
+
+@mutator
+class _CancelRoundTrips(PyExprMutator):
+    """astype(astype(x: d, float32), d) -> x for d float16/bfloat16 (exact: every d value is a float32 value)."""
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        if not _is_cast(call) or str(call.attrs.dtype) not in (FLOAT16, BFLOAT16):
+            return call
+        inner = call.args[0]
+        inner = self.lookup_binding(inner) if isinstance(inner, relax.Var) else inner
+        if _is_cast(inner) and _dtype(inner) == FLOAT32 and _dtype(inner.args[0]) == str(call.attrs.dtype):
+            return inner.args[0]
+        return call
 
 
 def _fp16_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:

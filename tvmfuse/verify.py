@@ -29,8 +29,25 @@ class Verification:
                 "max_rel_err": self.max_rel_err, "tolerance": self.tolerance, "reference": "onnxruntime"}
 
 
-def run_vm(vm: relax.VirtualMachine, device, arrays: list[np.ndarray]) -> list[np.ndarray]:
-    return to_numpy(vm["main"](*[tvm.runtime.tensor(a, device) for a in arrays]))
+def cast_array(array: np.ndarray, dtype: str) -> np.ndarray:
+    """`array` in `dtype` ("bfloat16": ml_dtypes' bfloat16, which TVM tensors take)."""
+    if dtype == "bfloat16":
+        import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+        return array.astype(ml_dtypes.bfloat16)
+    return array.astype(dtype)
+
+
+def module_inputs(arrays, io_dtype: str | None = None) -> list[np.ndarray]:
+    """The inputs as the module takes them: float32 arrays in its interface dtype `io_dtype` (None: float32)."""
+    if io_dtype in (None, "float32"):
+        return list(arrays)
+    return [cast_array(a, io_dtype) if a.dtype == np.float32 else a for a in arrays]
+
+
+def run_vm(vm: relax.VirtualMachine, device, arrays: list[np.ndarray], io_dtype: str | None = None) -> list[np.ndarray]:
+    """Run `main`; float32 `arrays` are cast to the module's interface dtype `io_dtype` first."""
+    return to_numpy(vm["main"](*[tvm.runtime.tensor(a, device) for a in module_inputs(arrays, io_dtype)]))
 
 
 def onnxruntime_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -61,7 +78,7 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], compute_dtype: str | 
             raise ValueError(f"output shape {g.shape} differs from onnxruntime's {w.shape}")
         atol, rtol = tolerance(str(w.dtype), compute_dtype)
         tol[str(w.dtype)] = {"atol": atol, "rtol": rtol}
-        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)  # g may be fp16/bf16 (an fp16 interface)
         both_nan = np.isnan(g64) & np.isnan(w64)  # NaN where onnxruntime has NaN is agreement
         err = np.where(both_nan, 0.0, np.abs(g64 - w64))
         err = np.where(np.isnan(err), np.inf, err)
