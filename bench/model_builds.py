@@ -1,0 +1,118 @@
+"""Everything CPU-side for one (model, case) of bench/models.py: ONNX export, the product build, and the TVM builds
+to compare with. Runs in a worker process (no GPU needed with --trials 0) or in-process; returns a JSON-able dict."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import time
+
+
+@contextlib.contextmanager
+def spying(module, seen: dict):
+    """Watch `module`'s to_compute_dtype (keep the first result: the module after import, binding and precision),
+    compile_module (keep the first input: the scheduled module of the export) and tune (time it)."""
+    names = ("to_compute_dtype", "compile_module", "tune")
+    orig = {n: getattr(module, n) for n in names}
+
+    def wrap(name, fn):
+        def spy(*a, **k):
+            t = time.time()
+            try:
+                out = fn(*a, **k)
+            finally:
+                seen[f"{name}_s"] = seen.get(f"{name}_s", 0.0) + time.time() - t
+            seen.setdefault(name, a[0] if name == "compile_module" else out)
+            return out
+        return spy
+    for n in names:
+        setattr(module, n, wrap(n, orig[n]))
+    try:
+        yield seen
+    finally:
+        for n in names:
+            setattr(module, n, orig[n])
+
+
+def _main_dtypes(mod) -> list[str]:
+    return [str(p.ty.dtype) for p in mod["main"].params]
+
+
+def _export(executable, path: str) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    executable.export_library(path)
+    return path
+
+
+def prepare(name: str, case: str, opts: dict) -> dict:
+    """Export the case to ONNX, run the product (`pipeline.run_job`), and write the libraries to measure:
+    tvmfuse (run_job's export), tvmfuse + CUDA graph (`opts["graph"]`), TVM default (`opts["default"]`)."""
+    import torch
+
+    from bench import hf_models as hm
+    from tvmfuse import pipeline
+    from tvmfuse.build import apply_default_schedules, compile_module
+    from tvmfuse.fuse import called_prim_funcs, launches, lower
+    from tvmfuse.jobs import Job
+    from tvmfuse.targets import resolve_target
+
+    torch.set_grad_enabled(False)
+    t0 = time.time()
+    info: dict = {"model": name, "case": case}
+    model = hm.build(name, opts["smoke"])
+    s = hm.shapes(name, case, model, opts["smoke"])
+    feeds = hm.inputs(name, model, s)
+    folder = os.path.join(opts["work"], f"{name}-{case}")
+    path = os.path.join(folder, f"{name}_{case}.onnx")
+    hm.export(hm.wrap(model, case), feeds, path)
+    info["param_checksum"] = float(sum(p.double().sum() for p in model.parameters()))
+    del model
+    info["export_s"] = round(time.time() - t0, 1)
+
+    target = resolve_target(opts["target"])
+    extra = {"io_dtype": opts["dtype"]} if "io_dtype" in {f.name for f in dataclasses.fields(Job)} else {}
+    job = Job(f"{name}-{case}", path, {}, opts["trials"], opts["dtype"], **extra)
+    lines: list[str] = []
+    t = time.time()
+    with spying(pipeline, {}) as seen:
+        result = pipeline.run_job(job, target, os.path.join(folder, "export"), os.path.join(opts["work"], "logs"),
+                                  say=lines.append)
+    if "compile_module" not in seen:
+        raise RuntimeError(f"run_job built nothing: {result.error}\n" + "\n".join(lines[-20:]))
+    mod = seen["compile_module"]
+    manifest = result.details if result.ok else {}
+    tv = {"build_s": round(time.time() - t, 1), "tune_s": round(seen.get("tune_s", 0.0), 1),
+          "trials": opts["trials"], "job_io_dtype": extra.get("io_dtype", "Job has no io_dtype: fp32 interface"),
+          "run_job_ok": result.ok, "run_job_error": result.error, "verification_vs_onnxruntime": result.verification,
+          "kernels": len(called_prim_funcs(mod)), "launches": launches(mod), "fused": result.fused,
+          "tuned": result.tuned, "main_dtypes": _main_dtypes(mod),
+          "patterns": dict(collections.Counter(k["pattern"] for k in manifest.get("kernels", []))),
+          "templates": [ln.split("] ", 1)[-1] for ln in lines if ": template " in ln or ": generic" in ln]}
+    if result.ok:
+        tv["export"] = result.output
+    else:  # measure what it built anyway; the row says why run_job failed
+        tv["library"] = _export(compile_module(mod, target), os.path.join(folder, "tvmfuse.so"))
+    info["tvmfuse"] = tv
+    if opts["graph"]:
+        t = time.time()
+        ex = compile_module(mod, target, cuda_graph=True)
+        info["tvmfuse_cuda_graph"] = {
+            "library": _export(ex, os.path.join(folder, "cuda_graph.so")), "main_dtypes": tv["main_dtypes"],
+            "graph_captures": ex.as_text().count("call  vm.builtin.cuda_graph.run_or_capture"),
+            "build_s": round(time.time() - t, 1)}
+    if opts["default"]:  # stock TVM on run_job's own import and precision conversion: no patterns, dlight
+        if "to_compute_dtype" not in seen:
+            raise RuntimeError("run_job no longer calls pipeline.to_compute_dtype: bench/model_builds.py needs updating")
+        t = time.time()
+        stock = lower(seen["to_compute_dtype"], patterns=[])
+        scheduled = apply_default_schedules(stock.mod, target)
+        info["tvm_default"] = {
+            "library": _export(compile_module(scheduled, target), os.path.join(folder, "tvm_default.so")),
+            "main_dtypes": _main_dtypes(scheduled), "kernels": len(stock.kernels()), "launches": launches(stock.mod),
+            "build_s": round(time.time() - t, 1), "same_import_as": "tvmfuse (run_job's precision output)"}
+    os.remove(path)  # ONNX files of these models are 0.4-0.8 GB each
+    info["prepare_s"] = round(time.time() - t0, 1)
+    return info
+

@@ -1,0 +1,294 @@
+"""Issue 9 bench: GPT-2 (124M), BERT-base and a Llama layer end to end from ONNX, fp16 — tvmfuse (the product path,
+`pipeline.run_job`, + a CUDA-graph build) vs TVM default (no pattern fusion, dlight) vs torch eager / torch.compile,
+at decode (batch 1-16, KV 512) and prefill (512, 2048) shapes. Writes DIR/models.json after every row, a PNG at the end.
+
+    python3 bench/models.py --models gpt2,bert,llama --cases decode_b1,decode_b16,prefill_512 --trials 0 \\
+        --budget-s 540 --out DIR                        # on the H200
+    python3 bench/models.py --smoke --out /tmp/smoke    # here: CPU, tiny configs, llvm, fp32, decode_b1
+"""
+
+from __future__ import annotations
+
+import argparse, copy, datetime, gc, json, multiprocessing, os, platform, sys, time, traceback  # noqa: E401
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import hf_models as hm, model_builds  # noqa: E402
+
+CONTENDERS = ["tvmfuse", "tvmfuse_cuda_graph", "torch_eager", "torch_compile", "torch_compile_reduce_overhead",
+              "tvm_default"]
+T0 = time.time()
+RES: dict = {}
+
+
+def _no_gpu():
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # builders never touch the GPU the measurements use
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def save(out: str) -> None:
+    with open(os.path.join(out, "models.json"), "w") as f:
+        json.dump(RES, f, indent=1, default=str)
+
+
+def versions() -> dict:
+    import onnx, onnxruntime, torch, transformers, tvm  # noqa: E401
+    import tvmfuse
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "tvm": tvm.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
+            "tvmfuse": tvmfuse.__version__, "numpy": np.__version__}
+
+
+def time_torch(fn, cuda: bool) -> float:
+    """Median us per call: bench.run's CUDA-event timer on the GPU (iterations sized to ~50 ms), wall clock on CPU."""
+    if cuda:
+        from bench.run import t_events
+        one = t_events(fn, iters=1, reps=3)
+        return t_events(fn, iters=int(min(50, max(3, 5e4 / max(one, 1.0)))), reps=5)
+    fn()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e6)
+    return float(np.median(ts))
+
+
+def time_vm(vm, dev, args) -> float:
+    vm["main"](*args)  # warm (a CUDA-graph build captures here)
+    dev.sync()
+    timer = vm.time_evaluator("main", dev, number=1, repeat=5, min_repeat_ms=100)
+    return float(np.median(timer(*args).results) * 1e6)
+
+
+def load_vm(path: str, dev):
+    import tvm
+    from tvm import relax
+    return relax.VirtualMachine(tvm.runtime.load_module(path), dev)
+
+
+def measure_vm(vm, dtypes: list[str], ctx: dict) -> dict:
+    """Run a Relax VM on the case's inputs (as device tensors in the dtypes `main` takes); time it; check it."""
+    import tvm
+    from tvmfuse.runtime import to_numpy
+    dev = ctx["dev"]
+    args = [tvm.runtime.tensor(a.astype(d), dev) for a, d in zip(ctx["feeds"].values(), dtypes)]
+    outs = to_numpy(vm["main"](*args))
+    io = {"float_inputs": sorted({d for d in dtypes if "float" in d}), "outputs": sorted({str(o.dtype) for o in outs})}
+    return _measured(outs, time_vm(vm, dev, args), io, ctx)
+
+
+def run_tvm(ctx: dict, key: str) -> dict:
+    """A contender built by bench/model_builds.py: load its library (or the product's export) and measure it."""
+    import tvmfuse
+    built = ctx["info"][key]
+    t = time.time()
+    vm = tvmfuse.load(built["export"], ctx["dev"]).vm if "export" in built else load_vm(built["library"], ctx["dev"])
+    load_s = round(time.time() - t, 1)  # includes compiling the CUDA source (TVM_CUDA_COMPILE_MODE)
+    info = {k: v for k, v in built.items() if k not in ("library", "main_dtypes")}
+    return dict(info, contender=key, load_s=load_s, **measure_vm(vm, built["main_dtypes"], ctx))
+
+
+def run_torch(ctx: dict, mode: str | None) -> dict:
+    import torch
+    fn, info = ctx["torch_low"], {}
+    if mode is not None:
+        torch._dynamo.reset()  # pylint: disable=protected-access
+        fn = torch.compile(fn, mode=mode)
+        t = time.time()
+        fn(*ctx["torch_in"])
+        fn(*ctx["torch_in"])
+        info["compile_s"] = round(time.time() - t, 1)
+    outs = fn(*ctx["torch_in"])
+    outs = [o.detach().float().cpu().numpy() for o in (outs if isinstance(outs, tuple) else (outs,))]
+    us = time_torch(lambda: fn(*ctx["torch_in"]), ctx["cuda"])
+    name = "torch_eager" if mode is None else "torch_compile" + ("_reduce_overhead" if mode == "reduce-overhead" else "")
+    return dict(info, contender=name, mode=mode or "eager",
+                **_measured(outs, us, {"dtype": str(ctx["torch_dtype"]).replace("torch.", "")}, ctx))
+
+
+def _measured(outs, us, io, ctx) -> dict:
+    from tvmfuse.verify import compare
+    check = compare([np.asarray(o, np.float32) for o in outs], ctx["ref"], compute_dtype=ctx["dtype"])
+    return {"us": us, "max_abs_err": check.max_abs_err, "max_rel_err": check.max_rel_err, "within_tol": check.ok,
+            "io": io}
+
+
+def measure_case(args, info: dict, model, target, dev, ceilings) -> None:
+    """Every wanted contender of one (model, case) on the same inputs, against torch fp32 with the same weights."""
+    import torch
+    name, case = info["model"], info["case"]
+    s = hm.shapes(name, case, model, args.smoke)
+    cuda = target.kind.name == "cuda"
+    tdev, tdt = ("cuda" if cuda else "cpu"), (torch.float16 if args.dtype == "float16" else torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    base = {"model": name, "case": case, **s, "params": params, "export_s": info["export_s"],
+            "prepare_s": info["prepare_s"], "same_weights_as_onnx": abs(checksum - info["param_checksum"]) < 1e-6}
+    if case.startswith("decode") and not hm.has_cache(name):
+        base["note"] = "BERT has no KV cache: sequence 1 without past (the closest the export allows)"
+    if ceilings:
+        layers, kvh, hd = hm.cache_dims(model)
+        kv_bytes = 2 * 2 * layers * s["batch"] * kvh * s["kv_len"] * hd
+        base["ideal_us"] = max((params * 2 + kv_bytes) / ceilings[0], 2 * params * s["batch"] * s["seq"] / ceilings[1]) * 1e6
+    feeds = hm.inputs(name, model, s)
+    with torch.no_grad():
+        ref_model = copy.deepcopy(model).to(tdev)
+        out = hm.wrap(ref_model, case)(*[torch.from_numpy(v).to(tdev) for v in feeds.values()])
+        ref = [o.float().cpu().numpy() for o in (out if isinstance(out, tuple) else (out,))]
+        del ref_model, out
+        low = hm.wrap(copy.deepcopy(model).to(tdev, tdt), case)
+    ctx = {"info": info, "feeds": feeds, "ref": ref, "dtype": args.dtype, "dev": dev, "cuda": cuda, "torch_low": low,
+           "torch_dtype": tdt,
+           "torch_in": [torch.from_numpy(v).to(tdev, tdt if v.dtype.kind == "f" else None) for v in feeds.values()]}
+    graphs = case.startswith("decode")  # the CUDA-graph contenders: decode cases on CUDA only
+    jobs = {"tvmfuse": lambda: run_tvm(ctx, "tvmfuse"),
+            "tvmfuse_cuda_graph": lambda: run_tvm(ctx, "tvmfuse_cuda_graph"),
+            "torch_eager": lambda: run_torch(ctx, None),
+            "torch_compile": lambda: run_torch(ctx, "default"),
+            "torch_compile_reduce_overhead": lambda: run_torch(ctx, "reduce-overhead"),
+            "tvm_default": lambda: run_tvm(ctx, "tvm_default")}
+    for key in [c for c in CONTENDERS if c in args.contenders.split(",")]:
+        if key in ("tvmfuse_cuda_graph", "torch_compile_reduce_overhead") and not (graphs and cuda):
+            if graphs:
+                _row(args, dict(base, contender=key, skipped="CUDA graphs: CUDA only"))
+            continue
+        if time.time() - T0 > args.budget_s:
+            _row(args, dict(base, contender=key, skipped=f"budget ({args.budget_s} s) spent"))
+            continue
+        try:
+            _row(args, dict(base, **jobs[key]()))
+        except Exception:  # pylint: disable=broad-except  (one contender's failure must not lose the others)
+            _row(args, dict(base, contender=key, error=traceback.format_exc()[-3000:]))
+        gc.collect()
+    ctx.clear()  # the fp16 torch copy and the inputs go before the next case
+    del low
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    for root, _, files in os.walk(os.path.join(args.work, f"{name}-{case}")):
+        for f in files:
+            if f.endswith(".so"):  # hundreds of MB each (the weights are inside)
+                os.remove(os.path.join(root, f))
+
+
+def _row(args, row: dict) -> None:
+    RES["rows"].append(row)
+    save(args.out)
+    what = (f"{row['us']:.1f} us, err {row['max_abs_err']:.2e}" if "us" in row else
+            row.get("skipped") or "FAILED " + row.get("error", "").strip().splitlines()[-1][:300])
+    log(row["model"], row["case"], row["contender"], what)
+
+
+def chart(out: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not importable: no PNG"
+    groups = list(dict.fromkeys((r["model"], r["case"]) for r in RES["rows"]))
+    fig, axs = plt.subplots(1, len(groups), figsize=(2.8 * len(groups), 3.4), squeeze=False)
+    for ax, (m, c) in zip(axs[0], groups):
+        rows = {r["contender"]: r["us"] for r in RES["rows"] if (r["model"], r["case"]) == (m, c) and "us" in r}
+        keys = [k for k in CONTENDERS if k in rows]
+        ax.bar(range(len(keys)), [rows[k] for k in keys], color=[f"C{CONTENDERS.index(k)}" for k in keys])
+        ax.set_xticks(range(len(keys)), [k.replace("torch_compile", "compile").replace("_reduce_overhead", "+ro")
+                                         .replace("tvmfuse_cuda_graph", "tvmfuse+cg") for k in keys],
+                      rotation=60, fontsize=7)
+        ax.set_title(f"{m} {c}", fontsize=8)
+        ax.set_ylabel("us (median)", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "models.png"), dpi=70)
+    return "models.png"
+
+
+def main(argv=None) -> dict:
+    global T0  # pylint: disable=global-statement
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt2,bert,llama")
+    p.add_argument("--cases", default=None, help="decode_b<N>, prefill_512, prefill_2048 (smoke: decode_b1)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--trials", type=int, default=0, help="0: schedules/ library + default schedules + templates")
+    p.add_argument("--budget-s", type=float, default=540, help="start no new contender after this many seconds")
+    p.add_argument("--out", default="bench-models")
+    p.add_argument("--work", default="/tmp/bench-models", help="ONNX files, exports and tuning logs")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny configs, llvm target, fp32")
+    p.add_argument("--jobs", type=int, default=4, help="worker processes that export and build ahead of the "
+                   "measurements (GPU hidden from them; --trials 0 only); 0: build in this process")
+    args = p.parse_args(argv)
+    args.cases = args.cases or ("decode_b1" if args.smoke else "decode_b1,decode_b16,prefill_512,prefill_2048")
+    args.dtype = "float32" if args.smoke else "float16"
+    T0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+    import torch
+    from tvmfuse.targets import device_for, resolve_target
+    torch.set_grad_enabled(False)
+    target = resolve_target("llvm" if args.smoke else "cuda")
+    dev = device_for(target)
+    RES.clear()
+    RES.update(date=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv if argv is None else argv,
+               versions=versions(), smoke=args.smoke, dtype=args.dtype, target=str(target.attrs.get("arch", "llvm")),
+               models={m: hm.NOTES[m] for m in args.models.split(",")}, rows=[],
+               notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
+                     "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol by "
+                     "tvmfuse.verify.compare (fp16: atol 1e-2 + rtol 1e-2); ideal_us: all fp16 weights (+KV) once at "
+                     "the measured copy bandwidth, or 2*params*tokens FLOPs at the measured matmul peak")
+    ceilings = None
+    if target.kind.name == "cuda":
+        from bench.run import ceilings as measure_ceilings
+        ceilings = measure_ceilings()
+        RES.update(gpu=torch.cuda.get_device_name(), copy_bw_TBps=ceilings[0] / 1e12,
+                   matmul_peak_TFLOPs=ceilings[1] / 1e12)
+    save(args.out)
+    pairs = [(m, c) for m in args.models.split(",") for c in args.cases.split(",")]
+    wanted = args.contenders.split(",")
+    opts = {"smoke": args.smoke, "dtype": args.dtype, "trials": args.trials, "work": args.work,
+            "target": "llvm" if args.smoke else "cuda", "default": "tvm_default" in wanted,
+            "graph": not args.smoke and "tvmfuse_cuda_graph" in wanted}
+    workers = args.jobs if args.trials == 0 else 0  # tuning measures on the GPU: then build in this process
+    pool, futures = None, {}
+    if workers:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_no_gpu)
+        futures = {(m, c): pool.submit(model_builds.prepare, m, c,
+                                       dict(opts, graph=opts["graph"] and c.startswith("decode"))) for m, c in pairs}
+    model, current = None, None
+    for name, case in pairs:
+        if time.time() - T0 > args.budget_s:
+            _row(args, {"model": name, "case": case, "contender": "-", "skipped": f"budget ({args.budget_s} s) spent"})
+            continue
+        log("===", name, case)
+        try:
+            if current != name:
+                model, current = None, name
+                gc.collect()
+                model = hm.build(name, args.smoke)
+            case_opts = dict(opts, graph=opts["graph"] and case.startswith("decode"))
+            info = futures[(name, case)].result() if workers else model_builds.prepare(name, case, case_opts)
+            log(name, case, "built", {k: info[k] for k in ("export_s", "prepare_s")})
+            measure_case(args, info, model, target, dev, ceilings)
+        except Exception:  # pylint: disable=broad-except
+            _row(args, {"model": name, "case": case, "contender": "-", "error": traceback.format_exc()[-3000:]})
+    if pool is not None:  # stop builds nobody will measure (workers are this script's own processes)
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            proc.terminate()
+    RES["chart"] = chart(args.out)
+    RES["seconds"] = round(time.time() - T0, 1)
+    save(args.out)
+    for r in RES["rows"]:
+        print(f"{r['model']:6} {r['case']:13} {r['contender']:30}",
+              f"{r['us']:10.1f} us  err {r['max_abs_err']:.2e}" if "us" in r else (r.get("skipped") or "FAILED"))
+    return RES
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""bench/models.py --smoke in-process: a tiny GPT-2 at decode (KV cache) through the product, stock TVM and torch."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import models  # noqa: E402
+
+
+def test_smoke_gpt2_decode_rows(tmp_path):
+    out = tmp_path / "out"
+    res = models.main(["--smoke", "--models", "gpt2", "--cases", "decode_b2", "--jobs", "0",
+                       "--contenders", "tvmfuse,tvmfuse_cuda_graph,torch_eager,tvm_default",
+                       "--out", str(out), "--work", str(tmp_path / "work")])
+    saved = json.loads((out / "models.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(res["rows"], default=str))
+    assert {"torch", "transformers", "tvm"} <= set(saved["versions"])
+    rows = {r["contender"]: r for r in saved["rows"]}
+    assert set(rows) == {"tvmfuse", "tvmfuse_cuda_graph", "torch_eager", "tvm_default"}, saved["rows"]
+    assert rows["tvmfuse_cuda_graph"]["skipped"] == "CUDA graphs: CUDA only"
+    for key in ("tvmfuse", "torch_eager", "tvm_default"):
+        row = rows[key]
+        assert "error" not in row, row.get("error")
+        assert (row["batch"], row["seq"], row["kv_len"]) == (2, 1, 16)
+        assert math.isfinite(row["us"]) and row["us"] > 0
+        assert row["max_abs_err"] < 1e-4 and row["within_tol"], row  # fp32 everywhere in the smoke
+        assert row["same_weights_as_onnx"]
+    fused, stock = rows["tvmfuse"], rows["tvm_default"]
+    assert fused["run_job_ok"] and fused["verification_vs_onnxruntime"].startswith("ok")
+    assert fused["patterns"].get("tvmfuse.attention") == 1  # one attention kernel, shared by both layers
+    assert fused["launches"] < stock["launches"]  # pattern fusion: fewer kernel launches than stock TVM
+    assert not list((tmp_path / "work").rglob("*.so")) and not list((tmp_path / "work").rglob("*.onnx"))
