@@ -334,13 +334,15 @@ def test_hf_exports_take_the_prefill_template(name, exporter, exports, llvm):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_cuda_prefill_pipelined_variants_compile():
-    """The knobs beyond the first form: cp.async double-buffered K/V (stages 2; 68 KiB, so dynamic shared
-    memory) and two 16-row m-tiles per warp sharing each K/V fragment (m_tiles 2) compile with nvcc."""
+    """The knobs beyond the first form: cp.async double-buffered K/V (stages 2; with the Q tile 102 KiB, so
+    dynamic shared memory), two 16-row m-tiles per warp sharing each K/V fragment (m_tiles 2) and Q read
+    from shared memory by ldmatrix (q_smem) compile with nvcc."""
     pre = dict(batch=1, heads=32, kv_heads=8, seq_q=256, seq_k=256, head_dim=128, dtype="float16", causal=True)
     space = ATTENTION_PREFILL.knob_space(pre)
-    knobs = {"warps": 4, "block_n": 64, "m_tiles": 2, "stages": 2}
+    knobs = {"warps": 4, "block_n": 64, "m_tiles": 2, "stages": 2, "q_smem": 1}  # FlashAttention-2's tiling
     assert knobs in space and {"warps": 4, "block_n": 32, "m_tiles": 1, "stages": 2} in space
     assert {k["stages"] for k in space} == {1, 2} and {k["m_tiles"] for k in space} == {1, 2}
+    assert {k.get("q_smem") for k in space} == {None, 0, 1}
     src = _cuda_compiles(ATTENTION_PREFILL(pre, knobs))
     assert "cp_async_cg" in src and "wait_group_1" in src and "extern __shared__" in src
     assert src.count("mma.sync.aligned.m16n8k16") >= 1

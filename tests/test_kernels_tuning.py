@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
+import pytest
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.arg_info import ArgInfo
@@ -99,3 +101,26 @@ def test_schedules_library_record_chooses_the_knobs_without_measuring(tmp_path, 
     new = substitute(fused.mod, fused.kernel_patterns, target="llvm", database=db, log=log)
     assert _kernel_knobs(new, name) == other and "100.0 us" in log[0][1], log
     assert not work_dir.exists()  # seeds live in memory: nothing measured, nothing written
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_cuda_build_applies_a_template_record():
+    """For cuda, the pipeline's order (substitute with the database's best knobs -> apply_database -> build):
+    the template record replays on the substituted kernel (kind 'tuned', its latency in kernel_records), the
+    kernel keeps the chosen knobs, and the module compiles with nvcc."""
+    from tvmfuse.build import apply_database, apply_default_schedules, compile_module, schedule_kinds
+    from tvmfuse.targets import resolve_target
+
+    cuda = resolve_target("cuda")
+    fused = _attention_module(False)
+    (_, name, tmpl, shapes, _), = template_sites(fused.mod, fused.kernel_patterns, target="cuda")
+    space = candidate_knobs(tmpl, shapes)
+    db = TuningDatabase(None, cuda)
+    for i, knobs in enumerate(space):  # the last knob set measured fastest
+        db.commit_tuning_record(_record(variant_workload(tmpl, shapes, knobs, name, cuda), cuda, 1e-4 / (i + 1)))
+    mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", database=db)
+    assert _kernel_knobs(mod, name) == space[-1]
+    assert kernel_records(mod, db)[name] == (1, pytest.approx(100.0 / len(space)))
+    tuned = apply_database(mod, cuda, db)
+    assert schedule_kinds(tuned)[name] == "tuned" and _kernel_knobs(tuned, name) == space[-1]
+    assert compile_module(apply_default_schedules(tuned, cuda), cuda) is not None

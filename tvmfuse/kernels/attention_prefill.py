@@ -32,24 +32,30 @@ STATIC_SMEM, MAX_SMEM = 48 * 1024, 160 * 1024  # bytes: static shared memory lim
 
 
 def smem_bytes(s: dict, knobs: dict) -> int:
-    """Shared memory of the K/V tiles: stages x (K, V) x block_n rows of head_dim (+8 pad) elements."""
-    return knobs.get("stages", 1) * 2 * knobs["block_n"] * (s["head_dim"] + 8) * 2
+    """Shared memory: stages x (K, V) x block_n rows of head_dim (+8 pad) fp16 elements, plus the Q tile
+    (16 x warps x m_tiles rows) with q_smem."""
+    rows = knobs.get("stages", 1) * 2 * knobs["block_n"]
+    rows += 16 * knobs.get("warps", 4) * knobs.get("m_tiles", 1) if knobs.get("q_smem") else 0
+    return rows * (s["head_dim"] + 8) * 2
 
 
 def knob_space(s: dict) -> list[dict]:
     """warps (4/8, 16 query rows each per m-tile), block_n (keys per tile), m_tiles (16-row tiles per warp:
     2 reuses each K/V fragment twice), stages (1: synchronous K/V loads; 2: cp.async double buffering,
-    tile j+1 loads while tile j computes)."""
-    return [{"warps": w, "block_n": n, "m_tiles": mt, "stages": st}
-            for st in (1, 2) for mt in (1, 2) for w in (4, 8) for n in (32, 64, 128)
-            if s["seq_q"] % (16 * w * mt) == 0 and s["seq_k"] % n == 0 and n * s["head_dim"] <= 8192
-            and n * s["head_dim"] // 8 % (32 * w) == 0  # every thread loads the same number of K/V vectors
-            and smem_bytes(s, {"block_n": n, "stages": st}) <= MAX_SMEM]
+    tile j+1 loads while tile j computes), q_smem (with 2 m-tiles: Q fragments from shared memory by
+    ldmatrix instead of registers, fewer registers)."""
+    space = [{"warps": w, "block_n": n, "m_tiles": mt, "stages": st} | ({"q_smem": qs} if mt > 1 else {})
+             for st in (1, 2) for mt in (1, 2) for qs in ((0, 1) if mt > 1 else (0,)) for w in (4, 8)
+             for n in (32, 64, 128)]
+    return [k for k in space if s["seq_q"] % (16 * k["warps"] * k["m_tiles"]) == 0 and s["seq_k"] % k["block_n"] == 0
+            and k["block_n"] * s["head_dim"] <= 8192
+            and k["block_n"] * s["head_dim"] // 8 % (32 * k["warps"]) == 0  # every thread loads as many K/V vectors
+            and smem_bytes(s, k) <= MAX_SMEM]
 
 
 def default_knobs(s: dict) -> dict:
     space = knob_space(s)
-    pref = [k for k in space if k == {"warps": 4, "block_n": 64, "m_tiles": 1, "stages": 1}]
+    pref = [k for k in space if k == {"warps": 4, "block_n": 64, "m_tiles": 1, "stages": 1}]  # the first form
     return (pref or space or [{"warps": 4, "block_n": 64, "m_tiles": 1, "stages": 1}])[0]
 
 
@@ -68,6 +74,7 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
     mdt = s.get("mask_dtype", dt)
     mi = mask_index(s)
     W, BN, MT, S = knobs["warps"], knobs["block_n"], knobs.get("m_tiles", 1), knobs.get("stages", 1)
+    QS = bool(knobs.get("q_smem", 0))
     BM, NT, PAD = 16 * W * MT, 32 * W, 8
     SMEM = "shared" if smem_bytes(s, knobs) <= STATIC_SMEM else "shared.dyn"
     ab = "bf16" if dt == "bfloat16" else "fp16"
@@ -84,6 +91,10 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
         if not masked:
             return T.float32(1)
         return T.Select(T.isinf(dot * T.float32(scale) + f32(m[mi(b, h, r, c)])), T.float32(0), T.float32(1))
+
+    def qoff(t, kk):
+        """Where m-tile t's Q fragment for k-step kk sits in qa: all in registers, or the one just loaded."""
+        return t * 8 if QS else t * (D // 2) + kk * 8
 
     def final(x, flag):
         """x, or 0 for a fully masked row (no finite logit)."""
@@ -144,7 +155,8 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                             T.reads()
                             T.writes()
                             kv_sm = T.sblock_alloc_buffer((S, 2, BN, D + PAD), dt, scope=SMEM)  # [stage, K|V]
-                            qa = T.sblock_alloc_buffer((MT * D // 2,), dt, scope="local")
+                            q_sm = T.sblock_alloc_buffer((BM if QS else 1, D + PAD), dt, scope=SMEM)
+                            qa = T.sblock_alloc_buffer((MT * 8 if QS else MT * D // 2,), dt, scope="local")
                             sa = T.sblock_alloc_buffer((MT * BN // 2,), "float32", scope="local")
                             pa = T.sblock_alloc_buffer((MT * BN // 2,), dt, scope="local")
                             oa = T.sblock_alloc_buffer((MT * D // 2,), "float32", scope="local")
@@ -155,11 +167,17 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                             qt: T.let[T.int32] = SQ // BM - 1 - bx
                             r0: T.let[T.int32] = qt * BM + ty * 16 + tx // 4  # m-tile t: rows r0 + t * 16 * W (+ 8)
                             c0: T.let[T.int32] = tx % 4 * 2
-                            for t in T.unroll(MT):
-                                for kk in T.unroll(D // 16):
-                                    for r in T.unroll(4):
-                                        for e in T.unroll(2):
-                                            qa[t * (D // 2) + kk * 8 + r * 2 + e] = q[at(lq, b, h, r0 + t * 16 * W + r % 2 * 8, kk * 16 + r // 2 * 8 + c0 + e)]
+                            if QS:  # the Q tile into shared memory (the first tile's barrier publishes it)
+                                for it in T.serial(BM * D // 8 // NT):
+                                    for e in T.vectorized(8):
+                                        q_sm[(it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
+                                            q[at(lq, b, h, qt * BM + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
+                            else:  # Q's mma fragments stay in registers
+                                for t in T.unroll(MT):
+                                    for kk in T.unroll(D // 16):
+                                        for r in T.unroll(4):
+                                            for e in T.unroll(2):
+                                                qa[t * (D // 2) + kk * 8 + r * 2 + e] = q[at(lq, b, h, r0 + t * 16 * W + r % 2 * 8, kk * 16 + r // 2 * 8 + c0 + e)]
                             for i in T.unroll(MT * D // 2):
                                 oa[i] = T.float32(0)
                             for t in T.unroll(MT):
@@ -200,6 +218,11 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                                 for i in T.unroll(MT * BN // 2):
                                     sa[i] = T.float32(0)
                                 for kk in T.unroll(D // 16):
+                                    if QS:
+                                        for t in T.unroll(MT):
+                                            T.evaluate(T.ptx_legacy.ldmatrix(
+                                                False, 4, ".b16", qa.data, t * 8, q_sm.access_ptr("r"),
+                                                (t * 16 * W + ty * 16 + tx % 16) * (D + PAD) + kk * 16 + tx // 16 * 8, dtype=dt))
                                     for jp in T.unroll(BN // 16):
                                         T.evaluate(T.ptx_legacy.ldmatrix(
                                             False, 4, ".b16", fb.data, 0, kv_sm.access_ptr("r"),
@@ -207,7 +230,7 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                                         for t in T.unroll(MT):  # the K fragment serves every m-tile of the warp
                                             for n in T.unroll(2):
                                                 T.evaluate(T.ptx_legacy.mma(
-                                                    "m16n8k16", "row", "col", ab, ab, "fp32", qa.data, t * (D // 2) + kk * 8, fb.data, n * 4,
+                                                    "m16n8k16", "row", "col", ab, ab, "fp32", qa.data, qoff(t, kk), fb.data, n * 4,
                                                     sa.data, t * (BN // 2) + (jp * 2 + n) * 4, False, dtype="float32"))
                                 for t in T.unroll(MT):
                                     for i in T.unroll(2):
