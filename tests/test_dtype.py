@@ -277,3 +277,34 @@ def test_io_dtype_end_to_end(tmp_path, dtype, tol):
     check = low_io["verification"]
     assert check["status"] == "passed" and check["tolerance"]["float32"] == {"atol": tol, "rtol": tol}
     assert check["max_abs_err"] > 1e-5  # it really computed in the low dtype
+
+
+# ---- tiny HF exports: the same fusion groups in fp16/bf16 as in fp32 ------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_exports(tmp_path_factory):
+    hf_export = pytest.importorskip("hf_export")
+    folder = str(tmp_path_factory.mktemp("hf"))
+    return lambda name, exporter: hf_export.export(name, exporter, folder)
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_hf_exports_keep_their_fp32_fusions_in_fp16_and_bf16(name, exporter, hf_exports):
+    """After ToMixedPrecision (casts around the fp32 matmul results, softmax and norms; bf16 power and layer_norm
+    in fp32 between casts), every fp32 fusion group is found again: attention, SwiGLU, MatMul+act, skip-LN..."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    from collections import Counter
+
+    from tvmfuse.decide import decide
+    from tvmfuse.importer import load_onnx
+
+    imported = import_model(load_onnx(hf_exports(name, exporter)), {"batch": [1], "seq": [16]})
+    bound = bind_params(imported.mod, imported.params)
+    groups = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        mod = to_compute_dtype(bound, dtype)
+        groups[dtype] = Counter(lower(mod, plan=decide(mod)).kernel_patterns.values())
+    assert groups["float32"]["tvmfuse.attention"] == 1
+    assert groups["float16"] == groups["bfloat16"] == groups["float32"], groups
