@@ -106,7 +106,8 @@ def _bad_inputs(tmp):
         "bad batch": ([str(good), "--batch", "0"], "--batch must be >= 1"),
         "io dtype not the compute dtype": ([str(good), "--dtype", "bf16", "--io-dtype", "fp16"],
                                            "--io-dtype float16 does not fit compute dtype bfloat16"),
-        "io dtype fp16 on fp32": ([str(good), "--io-dtype", "fp16"], "--io-dtype float16 does not fit compute dtype float32"),
+        "io dtype fp16 on fp32": ([str(good), "--io-dtype", "fp16"],
+                                  "--io-dtype float16 does not fit compute dtype float32"),
         "io dtype unknown": ([str(good), "--io-dtype", "fp8"], "--io-dtype 'fp8' is not supported"),
     }
 

@@ -6,7 +6,7 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
 
 - without `fp16_input_names` the signature stays fp32 and only matmul/conv and what follows them compute in
   fp16: everything downstream of an fp32 input (LayerNorm, GELU, RMSNorm, the residual stream) stays fp32. So
-  the inputs are named: those params become float16, and `_fp32_interface` below gives `main` float32 params
+  the inputs are named: those params become float16, and `interface.fp32_interface` gives `main` float32 params
   again, each cast to fp16 as the first binding. The outputs stay float32 (the pass casts them back itself).
   The exported module's interface is therefore float32 in and out, whatever the compute dtype;
 - `relax.matmul` (policy "always") gets fp16 inputs and, with `out_dtype="float32"`, accumulates and returns
@@ -35,6 +35,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .interface import fp32_interface, is_cast, low_interface
 from .jobs import check_io_dtype, parse_dtype
 
 Const = tvm.ir.GenericConst
@@ -59,13 +60,13 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None)
     n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
     inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32]
     mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
-    mod = _fp32_interface(mod, inputs)
+    mod = fp32_interface(mod, inputs)
     if dtype == BFLOAT16:
         mod = _fp16_to_bf16(mod)
     mod = relax.transform.FoldConstant()(mod)  # astype(weight) -> a constant in the compute dtype
     mod = _fold_scalar_casts(mod)
     if io_dtype != FLOAT32:
-        mod = _low_interface(mod, io_dtype)
+        mod = low_interface(mod, io_dtype)
     mod = relax.transform.DeadCodeElimination(["main"])(relax.transform.CanonicalizeBindings()(mod))
     return unique_binding_names(mod)
 
@@ -131,30 +132,6 @@ def _op_dtypes(mod: tvm.IRModule) -> list[tuple[str, str]]:
     return found
 
 
-def _fp32_interface(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:
-    """Give `main` float32 params again: each fp16 param becomes a cast of a new fp32 param, bound first."""
-    main = mod["main"]
-    params, casts = [], []
-    for p in main.params:
-        if p.name in names and str(p.ty.dtype) == FLOAT16:
-            outer = relax.Var(p.name, relax.TensorType(p.ty.shape, FLOAT32))
-            params.append(outer)
-            casts.append(relax.VarBinding(p, relax.BlockBuilder().normalize(relax.op.astype(outer, FLOAT16))))
-        else:
-            params.append(p)
-    if not casts:
-        return mod
-    body = main.body
-    first = body.blocks[0] if body.blocks else None
-    if isinstance(first, relax.DataflowBlock):
-        blocks = [relax.DataflowBlock(casts + list(first.bindings))] + list(body.blocks[1:])
-    else:
-        blocks = [relax.DataflowBlock(casts)] + list(body.blocks)
-    out = mod.clone()
-    out["main"] = relax.Function(params, relax.SeqExpr(blocks, body.body), main.ret_ty, main.is_pure, main.attrs)
-    return out
-
-
 def _fold_scalar_casts(mod: tvm.IRModule) -> tvm.IRModule:
     """`astype(scalar const)` -> a constant of the cast's dtype (FoldConstant leaves 0-d casts); CanonicalizeBindings
     then puts the constant into its uses, where the patterns look for constants."""
@@ -165,19 +142,11 @@ def _fold_scalar_casts(mod: tvm.IRModule) -> tvm.IRModule:
     return out
 
 
-def _is_cast(expr) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.astype"
-
-
-def _dtype(expr) -> str:
-    return str(getattr(expr.ty, "dtype", ""))
-
-
 @mutator
 class _FoldScalarCasts(PyExprMutator):
     def visit_call_(self, call):  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
-        arg = call.args[0] if _is_cast(call) else None
+        arg = call.args[0] if is_cast(call) else None
         arg = self.lookup_binding(arg) if isinstance(arg, relax.Var) else arg  # a cast of a folded cast
         value = getattr(arg, "value", None) if isinstance(arg, Const) else None
         if value is None or value.numpy().ndim != 0:
@@ -188,66 +157,6 @@ class _FoldScalarCasts(PyExprMutator):
 
             return relax.const(tvm.runtime.tensor(value.numpy().astype(np.float32).astype(ml_dtypes.bfloat16)), dtype)
         return relax.const(value.numpy().astype(dtype), dtype)
-
-
-def _low_interface(mod: tvm.IRModule, io_dtype: str) -> tvm.IRModule:
-    """`main` with its float32 inputs and outputs in `io_dtype`: each fp32 input becomes a cast of a new input,
-    each fp32 output a cast to `io_dtype`, and the exact round trips these make with the existing casts cancel."""
-    main = mod["main"]
-    n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
-    params, pre, post = [], [], []
-    for i, p in enumerate(main.params):
-        if i < n_in and _dtype(p) == FLOAT32:
-            low = relax.Var(p.name, relax.TensorType(p.ty.shape, io_dtype))
-            pre.append(relax.VarBinding(p, relax.BlockBuilder().normalize(relax.op.astype(low, FLOAT32))))
-            p = low
-        params.append(p)
-
-    def bind(name, value, ty):
-        var = relax.Var(name, ty)
-        post.append(relax.VarBinding(var, relax.BlockBuilder().normalize(value)))
-        return var
-
-    def cast_out(expr):
-        if isinstance(expr, relax.Tuple):
-            return relax.Tuple([cast_out(f) for f in expr.fields])
-        if isinstance(expr, relax.Var) and isinstance(expr.ty, relax.TupleType):
-            return relax.Tuple([cast_out(bind(f"{expr.name}_{i}", relax.TupleGetItem(expr, i), t))
-                                for i, t in enumerate(expr.ty.fields)])
-        if isinstance(expr, relax.Var) and _dtype(expr) == FLOAT32:
-            return bind(expr.name, relax.op.astype(expr, io_dtype), relax.TensorType(expr.ty.shape, io_dtype))
-        return expr
-
-    ret = relax.BlockBuilder().normalize(cast_out(main.body.body))
-    blocks = list(main.body.blocks) or [relax.DataflowBlock([])]
-    first, last = blocks[0], blocks[-1]
-    blocks[0] = relax.DataflowBlock(pre + list(first.bindings)) if isinstance(first, relax.DataflowBlock) else first
-    if not isinstance(first, relax.DataflowBlock) and pre:
-        blocks.insert(0, relax.DataflowBlock(pre))
-    last = blocks[-1]
-    blocks[-1] = relax.DataflowBlock(list(last.bindings) + post) if isinstance(last, relax.DataflowBlock) else last
-    if not isinstance(last, relax.DataflowBlock) and post:
-        blocks.append(relax.BindingBlock(post))
-    out = mod.clone()
-    out["main"] = relax.Function(params, relax.SeqExpr(blocks, ret), ret.ty, main.is_pure, main.attrs)
-    out = relax.transform.CanonicalizeBindings()(out)  # gv[i] of a known tuple -> the field, for the cancelling
-    out["main"] = _CancelRoundTrips(out).visit_expr(out["main"])
-    return out
-
-
-@mutator
-class _CancelRoundTrips(PyExprMutator):
-    """astype(astype(x: d, float32), d) -> x for d float16/bfloat16 (exact: every d value is a float32 value)."""
-
-    def visit_call_(self, call):  # pylint: disable=arguments-renamed
-        call = super().visit_call_(call)
-        if not _is_cast(call) or str(call.attrs.dtype) not in (FLOAT16, BFLOAT16):
-            return call
-        inner = call.args[0]
-        inner = self.lookup_binding(inner) if isinstance(inner, relax.Var) else inner
-        if _is_cast(inner) and _dtype(inner) == FLOAT32 and _dtype(inner.args[0]) == str(call.attrs.dtype):
-            return inner.args[0]
-        return call
 
 
 def _fp16_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:

@@ -6,7 +6,8 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, is_tuple, wildcard
 from tvm.relax.transform import PatternCheckContext
 
-from .common import dim_str, dtype_of, Annotated, as_int, cast, const, finish, upcast, ndim, producer, reject, root_var, same_dim, scalar, shape_of
+from .common import (Annotated, as_int, cast, const, dim_str, dtype_of, finish, ndim, producer, reject, root_var,
+                     same_dim, scalar, shape_of, upcast)
 
 _COMPARE = {"relax.less", "relax.less_equal", "relax.greater", "relax.greater_equal"}
 
@@ -78,7 +79,8 @@ def check_attention(ctx: PatternCheckContext) -> bool:
     users = ctx.var_usages.get(root, None) if root is not None else None
     if dtype_of(root) != low and users and all(dtype_of(u) == low for u in users):
         # the fp32-accumulating P @ V is only cast down: the match that ends at that cast is the kernel
-        return reject(ctx, name, f"P @ V accumulates in {dtype_of(out)} and is cast to {low}: the kernel ends at the cast")
+        return reject(ctx, name, f"P @ V accumulates in {dtype_of(out)} and is cast to {low}: "
+                      "the kernel ends at the cast")
     mask, causal = "none", False
     masked = ann.get("masked")
     if masked is not None and getattr(masked.op, "name", "") == "relax.add":
