@@ -92,6 +92,10 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
             return T.float32(1)
         return T.Select(T.isinf(dot * T.float32(scale) + f32(m[mi(b, h, r, c)])), T.float32(0), T.float32(1))
 
+    def logit(dot, m, b, h, r, c):
+        """The base-2 logit: dot * scale * log2(e) (+ mask * log2(e), kept above NEG so a -inf mask gives no NaN)."""
+        return T.max(dot * qs + bias(m, b, h, r, c), T.float32(NEG)) if masked else dot * qs
+
     def qoff(t, kk):
         """Where m-tile t's Q fragment for k-step kk sits in qa: all in registers, or the one just loaded."""
         return t * 8 if QS else t * (D // 2) + kk * 8
@@ -141,6 +145,41 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                     st[0] = st[2]
                 for d in range(D):
                     out[at(lo, vb, vh, vi, d)] = T.Cast(dt, final(acc[d] / st[1], st[4]))
+
+    def seen(diag, r, c):
+        return visible(r, c) if diag else True
+
+    @T.macro
+    def softmax_tile(diag, sa, pa, oa, st, mask, b, h, r0, c0, jt):
+        """Scores -> running max, rescale, probabilities of one K/V tile; `diag`: the tile crosses the causal
+        diagonal (only then is each score tested against it)."""
+        for t in T.unroll(MT):
+            for i in T.unroll(2):
+                st[t * 10 + 4 + i] = st[t * 10 + i]
+            for j in T.unroll(BN // 8):
+                for c in T.unroll(4):
+                    st[t * 10 + 8 + c // 2] = T.max(st[t * 10 + 8 + c // 2], T.if_then_else(
+                        seen(diag, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                        alive(sa[t * (BN // 2) + j * 4 + c], mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                        T.float32(0)))
+                    sa[t * (BN // 2) + j * 4 + c] = T.if_then_else(
+                        seen(diag, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                        logit(sa[t * (BN // 2) + j * 4 + c], mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                        T.float32(NEG))
+                    st[t * 10 + 4 + c // 2] = T.max(st[t * 10 + 4 + c // 2], sa[t * (BN // 2) + j * 4 + c])
+            for i in T.unroll(2):
+                st[t * 10 + 4 + i] = T.cuda.warp_max(st[t * 10 + 4 + i], width=4)
+                st[t * 10 + 6 + i] = T.exp2(st[t * 10 + i] - st[t * 10 + 4 + i])
+                st[t * 10 + 2 + i] = st[t * 10 + 2 + i] * st[t * 10 + 6 + i]
+                st[t * 10 + i] = st[t * 10 + 4 + i]
+            for j in T.unroll(BN // 8):
+                for c in T.unroll(4):
+                    sa[t * (BN // 2) + j * 4 + c] = T.exp2(sa[t * (BN // 2) + j * 4 + c] - st[t * 10 + c // 2])
+                    st[t * 10 + 2 + c // 2] = st[t * 10 + 2 + c // 2] + sa[t * (BN // 2) + j * 4 + c]
+                    pa[t * (BN // 2) + j * 4 + c] = T.Cast(dt, sa[t * (BN // 2) + j * 4 + c])
+            for n in T.unroll(D // 8):
+                for c in T.unroll(4):
+                    oa[t * (D // 2) + n * 4 + c] = oa[t * (D // 2) + n * 4 + c] * st[t * 10 + 6 + c // 2]
 
     @T.prim_func(s_tir=True)
     def gpu(q: T.Buffer(tshape(lq, B, HQ, SQ, D), dt), k: T.Buffer(tshape(lk, B, HKV, L, D), dt),
@@ -232,33 +271,13 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                                                 T.evaluate(T.ptx_legacy.mma(
                                                     "m16n8k16", "row", "col", ab, ab, "fp32", qa.data, qoff(t, kk), fb.data, n * 4,
                                                     sa.data, t * (BN // 2) + (jp * 2 + n) * 4, False, dtype="float32"))
-                                for t in T.unroll(MT):
-                                    for i in T.unroll(2):
-                                        st[t * 10 + 4 + i] = st[t * 10 + i]
-                                    for j in T.unroll(BN // 8):
-                                        for c in T.unroll(4):
-                                            st[t * 10 + 8 + c // 2] = T.max(st[t * 10 + 8 + c // 2], T.if_then_else(
-                                                visible(r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                                                alive(sa[t * (BN // 2) + j * 4 + c], mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                                                T.float32(0)))
-                                            sa[t * (BN // 2) + j * 4 + c] = T.if_then_else(
-                                                visible(r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                                                T.max(sa[t * (BN // 2) + j * 4 + c] * qs + bias(mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                                                      T.float32(NEG)), T.float32(NEG))
-                                            st[t * 10 + 4 + c // 2] = T.max(st[t * 10 + 4 + c // 2], sa[t * (BN // 2) + j * 4 + c])
-                                    for i in T.unroll(2):
-                                        st[t * 10 + 4 + i] = T.cuda.warp_max(st[t * 10 + 4 + i], width=4)
-                                        st[t * 10 + 6 + i] = T.exp2(st[t * 10 + i] - st[t * 10 + 4 + i])
-                                        st[t * 10 + 2 + i] = st[t * 10 + 2 + i] * st[t * 10 + 6 + i]
-                                        st[t * 10 + i] = st[t * 10 + 4 + i]
-                                    for j in T.unroll(BN // 8):
-                                        for c in T.unroll(4):
-                                            sa[t * (BN // 2) + j * 4 + c] = T.exp2(sa[t * (BN // 2) + j * 4 + c] - st[t * 10 + c // 2])
-                                            st[t * 10 + 2 + c // 2] = st[t * 10 + 2 + c // 2] + sa[t * (BN // 2) + j * 4 + c]
-                                            pa[t * (BN // 2) + j * 4 + c] = T.Cast(dt, sa[t * (BN // 2) + j * 4 + c])
-                                    for n in T.unroll(D // 8):
-                                        for c in T.unroll(4):
-                                            oa[t * (D // 2) + n * 4 + c] = oa[t * (D // 2) + n * 4 + c] * st[t * 10 + 6 + c // 2]
+                                if causal:  # only the tiles that cross the diagonal test every score against it
+                                    if (jt + 1) * BN - 1 > qt * BM:
+                                        softmax_tile(True, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                    else:
+                                        softmax_tile(False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                else:
+                                    softmax_tile(False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
                                 for kk in T.unroll(BN // 16):
                                     for np_ in T.unroll(D // 16):
                                         T.evaluate(T.ptx_legacy.ldmatrix(
