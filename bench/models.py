@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse, copy, datetime, gc, json, multiprocessing, os, platform, sys, time, traceback  # noqa: E401
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 import numpy as np
 
@@ -186,6 +187,20 @@ def _row(args, row: dict) -> None:
     log(row["model"], row["case"], row["contender"], what)
 
 
+def summary(rows: list[dict]) -> dict:
+    """Per model/case: each contender's us, and the best tvmfuse build against the best torch.compile mode."""
+    out: dict = {}
+    for r in rows:
+        if "us" in r:
+            out.setdefault(f"{r['model']}/{r['case']}", {})[r["contender"]] = round(r["us"], 1)
+    for us in out.values():
+        ours = min((us[k] for k in ("tvmfuse", "tvmfuse_cuda_graph") if k in us), default=None)
+        theirs = min((us[k] for k in ("torch_compile", "torch_compile_reduce_overhead") if k in us), default=None)
+        if ours and theirs:
+            us["speedup_vs_torch_compile"] = round(theirs / ours, 2)
+    return out
+
+
 def chart(out: str) -> str:
     try:
         import matplotlib
@@ -203,7 +218,8 @@ def chart(out: str) -> str:
                                          .replace("tvmfuse_cuda_graph", "tvmfuse+cg") for k in keys],
                       rotation=60, fontsize=7)
         ax.set_title(f"{m} {c}", fontsize=8)
-        ax.set_ylabel("us (median)", fontsize=7)
+        ax.set_ylabel("us (median, log)", fontsize=7)
+        ax.set_yscale("log")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "models.png"), dpi=70)
     return "models.png"
@@ -215,6 +231,7 @@ def main(argv=None) -> dict:
     p.add_argument("--models", default="gpt2,bert,llama")
     p.add_argument("--cases", default=None, help="decode_b<N>, prefill_512, prefill_2048 (smoke: decode_b1)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--last", default="prefill_2048", help="cases run after all models' other cases")
     p.add_argument("--trials", type=int, default=0, help="0: schedules/ library + default schedules + templates")
     p.add_argument("--budget-s", type=float, default=540, help="start no new contender after this many seconds")
     p.add_argument("--out", default="bench-models")
@@ -240,7 +257,8 @@ def main(argv=None) -> dict:
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol by "
                      "tvmfuse.verify.compare (fp16: atol 1e-2 + rtol 1e-2); ideal_us: all fp16 weights (+KV) once at "
-                     "the measured copy bandwidth, or 2*params*tokens FLOPs at the measured matmul peak")
+                     "the measured copy bandwidth, or 2*params*tokens FLOPs at the measured matmul peak; with --jobs N "
+                     "the later cases' exports and builds ran in N CPU worker processes during the measurements")
     ceilings = None
     if target.kind.name == "cuda":
         from bench.run import ceilings as measure_ceilings
@@ -248,7 +266,9 @@ def main(argv=None) -> dict:
         RES.update(gpu=torch.cuda.get_device_name(), copy_bw_TBps=ceilings[0] / 1e12,
                    matmul_peak_TFLOPs=ceilings[1] / 1e12)
     save(args.out)
-    pairs = [(m, c) for m in args.models.split(",") for c in args.cases.split(",")]
+    late = args.last.split(",")  # these cases after every model's others: the budget cuts them first
+    pairs = [(m, c) for m in args.models.split(",") for c in args.cases.split(",") if c not in late]
+    pairs += [(m, c) for c in args.cases.split(",") if c in late for m in args.models.split(",")]
     wanted = args.contenders.split(",")
     opts = {"smoke": args.smoke, "dtype": args.dtype, "trials": args.trials, "work": args.work,
             "target": "llvm" if args.smoke else "cuda", "default": "tvm_default" in wanted,
@@ -259,21 +279,25 @@ def main(argv=None) -> dict:
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_no_gpu)
         futures = {(m, c): pool.submit(model_builds.prepare, m, c,
                                        dict(opts, graph=opts["graph"] and c.startswith("decode"))) for m, c in pairs}
-    model, current = None, None
+    built: dict = {}  # the fp32 HF models (CPU), built once each
     for name, case in pairs:
         if time.time() - T0 > args.budget_s:
             _row(args, {"model": name, "case": case, "contender": "-", "skipped": f"budget ({args.budget_s} s) spent"})
             continue
         log("===", name, case)
         try:
-            if current != name:
-                model, current = None, name
-                gc.collect()
-                model = hm.build(name, args.smoke)
+            if name not in built:
+                built[name] = hm.build(name, args.smoke)
+            model = built[name]
             case_opts = dict(opts, graph=opts["graph"] and case.startswith("decode"))
-            info = futures[(name, case)].result() if workers else model_builds.prepare(name, case, case_opts)
+            if workers:  # wait for its build no longer than the budget lasts
+                info = futures[(name, case)].result(timeout=max(1.0, args.budget_s - (time.time() - T0)))
+            else:
+                info = model_builds.prepare(name, case, case_opts)
             log(name, case, "built", {k: info[k] for k in ("export_s", "prepare_s")})
             measure_case(args, info, model, target, dev, ceilings)
+        except FuturesTimeout:
+            _row(args, {"model": name, "case": case, "contender": "-", "skipped": "budget spent waiting for its build"})
         except Exception:  # pylint: disable=broad-except
             _row(args, {"model": name, "case": case, "contender": "-", "error": traceback.format_exc()[-3000:]})
     if pool is not None:  # stop builds nobody will measure (workers are this script's own processes)
@@ -281,6 +305,7 @@ def main(argv=None) -> dict:
         pool.shutdown(wait=False, cancel_futures=True)
         for proc in procs:
             proc.terminate()
+    RES["summary"] = summary(RES["rows"])
     RES["chart"] = chart(args.out)
     RES["seconds"] = round(time.time() - T0, 1)
     save(args.out)
