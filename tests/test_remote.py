@@ -14,7 +14,7 @@ from tvmfuse.remote import Cluster, _free_port, free_servers, parse_address, que
 @pytest.fixture()
 def cluster():
     with Cluster("127.0.0.1", _free_port("127.0.0.1"), "loopback-cpu") as c:
-        yield c.start(2)
+        yield c.start(2, fork=True)  # CPU only: forked sessions are faster (spawn re-imports TVM)
 
 
 def test_tune_through_rpc_survives_a_dead_server(cluster, tmp_path, llvm, capsys):
@@ -50,3 +50,13 @@ def test_rpc_errors_are_one_line(tmp_path, capsys):
 
 def test_no_free_server_under_key(cluster):
     assert free_servers(cluster.host, cluster.port, "other-key") == 0
+
+
+def test_tracker_that_dies_at_start_says_why():
+    import socket
+
+    with socket.socket() as taken:  # bound, not listening: the tracker cannot bind it and exits
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(TvmfuseError, match=r"the RPC tracker exited at start: \S"):
+            Cluster("127.0.0.1", port, "k").start(0, timeout=30)

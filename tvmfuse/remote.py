@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -58,13 +59,17 @@ class Cluster:
     port: int
     key: str
     tracker: subprocess.Popen | None = None
+    fork: bool = False
     servers: list[subprocess.Popen] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, n_servers: int, gpus: bool = False, timeout: float = 60) -> "Cluster":
+    def start(self, n_servers: int, gpus: bool = False, timeout: float = 60, fork: bool = False) -> "Cluster":
+        """Tracker + `n_servers` servers. Servers spawn a fresh process per session unless `fork`: a forked
+        session cannot initialise CUDA (cudaErrorInitializationError, seen on the H200), so fork is for CPU only."""
+        self.fork = fork
         self.tracker = _spawn(["tvm.exec.rpc_tracker", "--host", self.host, "--port", str(self.port),
                                "--port-end", str(self.port + 1)])
         _wait_for_port(self.host, self.port, timeout, self.tracker)
@@ -82,7 +87,8 @@ class Cluster:
     def add_server(self, env: dict | None = None) -> subprocess.Popen:
         port = _free_port(self.host)
         proc = _spawn(["tvm.exec.rpc_server", "--host", self.host, "--port", str(port), "--port-end",
-                       str(port + 1), "--tracker", self.address, "--key", self.key], env)
+                       str(port + 1), "--tracker", self.address, "--key", self.key]
+                      + ([] if self.fork else ["--no-fork"]), env)
         self.servers.append(proc)
         return proc
 
@@ -102,8 +108,22 @@ class Cluster:
 
 def _spawn(module_args: list[str], env: dict | None = None) -> subprocess.Popen:
     # A session of its own, so the server's popen workers die with it (notes §5: they are orphaned otherwise).
-    return subprocess.Popen([sys.executable, "-m", *module_args], env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # stderr goes to an unnamed temporary file: read back when the process dies at start (see _last_error).
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", *module_args], env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    proc.stderr_file = err  # type: ignore[attr-defined]
+    return proc
+
+
+def _last_error(proc: subprocess.Popen) -> str:
+    """The last non-empty line the process wrote to stderr ('' if none)."""
+    err = getattr(proc, "stderr_file", None)
+    if err is None:
+        return ""
+    err.seek(0)
+    lines = [ln.strip() for ln in err.read().decode(errors="replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -125,7 +145,9 @@ def _wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise TvmfuseError(f"the RPC tracker exited at start (port {port} taken?)")
+            why = _last_error(proc)
+            raise TvmfuseError(f"the RPC tracker exited at start: {why}" if why else
+                               f"the RPC tracker exited at start (port {port} taken?)")
         try:
             socket.create_connection((host, port), timeout=1).close()
             return
@@ -142,9 +164,11 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--key", required=True, help="device key the servers register under, e.g. h200")
     p.add_argument("--servers", type=int, default=1, help="RPC servers to start (default 1)")
     p.add_argument("--gpus", action="store_true", help="pin server i to GPU i (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--fork", action="store_true",
+                   help="fork a session instead of spawning one (faster; CPU only: CUDA cannot start in a fork)")
     args = p.parse_args(argv)
     try:
-        cluster = Cluster(args.host, args.port, args.key).start(args.servers, gpus=args.gpus)
+        cluster = Cluster(args.host, args.port, args.key).start(args.servers, gpus=args.gpus, fork=args.fork)
     except TvmfuseError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
