@@ -131,7 +131,8 @@ def measure_case(args, info: dict, model, target, dev, ceilings) -> None:
     params = sum(p.numel() for p in model.parameters())
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     base = {"model": name, "case": case, **s, "params": params, "export_s": info["export_s"],
-            "prepare_s": info["prepare_s"], "same_weights_as_onnx": abs(checksum - info["param_checksum"]) < 1e-6}
+            "prepare_s": info["prepare_s"], "same_weights_as_onnx": None if info["param_checksum"] is None
+            else abs(checksum - info["param_checksum"]) < 1e-6}
     if case.startswith("decode") and not hm.has_cache(name):
         base["note"] = "BERT has no KV cache: sequence 1 without past (the closest the export allows)"
     if ceilings:
@@ -237,11 +238,13 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="bench-models")
     p.add_argument("--work", default="/tmp/bench-models", help="ONNX files, exports and tuning logs")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny configs, llvm target, fp32")
-    p.add_argument("--jobs", type=int, default=4, help="worker processes that export and build ahead of the "
-                   "measurements (GPU hidden from them; --trials 0 only); 0: build in this process")
+    p.add_argument("--jobs", type=int, default=None, help="worker processes that export and build ahead of the "
+                   "measurements (GPU hidden from them; --trials 0 only); 0: build in this process (default: 4, "
+                   "smoke 0)")
     args = p.parse_args(argv)
     args.cases = args.cases or ("decode_b1" if args.smoke else "decode_b1,decode_b16,prefill_512,prefill_2048")
     args.dtype = "float32" if args.smoke else "float16"
+    args.jobs = (0 if args.smoke else 4) if args.jobs is None else args.jobs
     T0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
@@ -273,7 +276,8 @@ def main(argv=None) -> dict:
     opts = {"smoke": args.smoke, "dtype": args.dtype, "trials": args.trials, "work": args.work,
             "target": "llvm" if args.smoke else "cuda", "default": "tvm_default" in wanted,
             "graph": not args.smoke and "tvmfuse_cuda_graph" in wanted}
-    workers = args.jobs if args.trials == 0 else 0  # tuning measures on the GPU: then build in this process
+    needs_build = any(c in wanted for c in ("tvmfuse", "tvmfuse_cuda_graph", "tvm_default"))
+    workers = args.jobs if args.trials == 0 and needs_build else 0  # tuning measures on the GPU: build here
     pool, futures = None, {}
     if workers:
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_no_gpu)
@@ -292,6 +296,8 @@ def main(argv=None) -> dict:
             case_opts = dict(opts, graph=opts["graph"] and case.startswith("decode"))
             if workers:  # wait for its build no longer than the budget lasts
                 info = futures[(name, case)].result(timeout=max(1.0, args.budget_s - (time.time() - T0)))
+            elif not needs_build:  # torch contenders only: no ONNX, no TVM
+                info = {"model": name, "case": case, "export_s": None, "prepare_s": None, "param_checksum": None}
             else:
                 info = model_builds.prepare(name, case, case_opts)
             log(name, case, "built", {k: info[k] for k in ("export_s", "prepare_s")})
