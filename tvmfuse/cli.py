@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .errors import TvmfuseError
-from .jobs import Job, check_io_dtype, job_from_path, load_jobs, parse_dtype, parse_shape
+from .jobs import Job, check_io_dtype, job_from_path, load_jobs, parse_buckets, parse_dtype, parse_shape
 
 USAGE_EXAMPLES = """examples:
   python scripts/tune.py --target llvm                       # the embedded default job
@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--logs", default="tuning_logs", metavar="DIR", help="tuning databases (default: tuning_logs)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
                    help="fix an input's dims (x=1,128,768) or a symbolic dim (seq=128); repeatable")
+    p.add_argument("--buckets", action="append", default=[], metavar="DIM=V1,V2,...",
+                   help="keep DIM symbolic, and also build a tuned static copy for each value (seq=1,128,512); "
+                        "other sizes run the default-schedule path; repeatable (the cross product)")
     p.add_argument("--schedules", metavar="DIR",
                    help="library of best schedules used as a warm start (default: the repo's schedules/; 'none': off)")
     p.add_argument("--rpc", metavar="HOST:PORT", help="measure on RPC servers of this tracker (builds stay local)")
@@ -57,6 +60,9 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
         jobs += load_jobs(args.jobs, args.trials, dtype, io_dtype)
     if not jobs:
         jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype, io_dtype=io_dtype)]
+    buckets = parse_buckets(args.buckets)
+    for job in jobs:  # a jobs file's own buckets win
+        job.buckets = job.buckets or dict(buckets)
     if args.batch is not None:
         if args.batch < 1:
             raise TvmfuseError("--batch must be >= 1")

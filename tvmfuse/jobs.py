@@ -19,7 +19,7 @@ from .export import check_safe_name
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
-MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype"}
+MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype", "buckets"}
 TOP_KEYS = {"trials", "model", "dtype", "io_dtype"}
 
 
@@ -34,6 +34,7 @@ class Job:
     dtype: str = "float32"  # compute dtype: float32, float16 or bfloat16 (tvmfuse.precision)
     io_dtype: str = "float32"  # dtype of the module's float inputs/outputs: float32 or the compute dtype
     batch: int | None = None  # candidates built and measured per tuning round (None: 16 on CPUs, 64 on GPUs)
+    buckets: dict[str, list[int]] = field(default_factory=dict)  # symbolic dim -> bucket values (tvmfuse.buckets)
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:
@@ -42,6 +43,28 @@ def parse_shape(text: str) -> tuple[str, list[int]]:
     if not sep or not name.strip() or not re.fullmatch(r"\s*\d+(\s*[,x]\s*\d+)*\s*", dims):
         raise JobError(f"--shape {text!r}: expected NAME=DIMS, e.g. x=1,128,768 or seq=128")
     return name.strip(), [int(d) for d in re.split(r"[,x]", dims)]
+
+
+def parse_buckets(texts: list[str]) -> dict[str, list[int]]:
+    """`--buckets seq=1,128,512` (repeatable: several dims give the cross product) -> {dim: sorted values}."""
+    out: dict[str, list[int]] = {}
+    for text in texts:
+        name, sep, values = text.partition("=")
+        name = name.strip()
+        if not sep or not name or not values.strip():
+            raise JobError(f"--buckets {text!r}: expected DIM=V1,V2,..., e.g. seq=1,128,512")
+        if name in out:
+            raise JobError(f"--buckets {name} is given twice: put all of its values in one --buckets {name}=...")
+        out[name] = bucket_values(f"--buckets {text!r}", [v.strip() for v in values.split(",")])
+    return out
+
+
+def bucket_values(where: str, values: list) -> list[int]:
+    """Positive integers (ints, or digit strings from the command line), sorted, duplicates dropped."""
+    for v in values:
+        if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, str) and v.isdigit()) or int(v) <= 0:
+            raise JobError(f"{where}: bucket values must be positive integers, not {v!r}")
+    return sorted({int(v) for v in values})
 
 
 def job_from_path(path: str, shapes: dict[str, list[int]], trials: int | None, dtype: str = "float32") -> Job:
@@ -98,6 +121,7 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32",
         shapes = {k: v if isinstance(v, list) else [v] for k, v in shapes.items()}
         jobs.append(Job(name, model_path, shapes, _trials(path, where, entry.get("trials", default_trials)),
                         job_dtype, _io_dtype(path, where, entry.get("io_dtype", default_io), job_dtype)))
+        jobs[-1].buckets = _buckets(path, where, entry.get("buckets", {}))
     return jobs
 
 
@@ -137,6 +161,15 @@ def _io_dtype(path: str, where: str, value, dtype: str) -> str:
         return check_io_dtype(value, dtype, "io_dtype")
     except JobError as err:
         raise JobError(f"{path}: {where}: {err}") from None
+
+
+def _buckets(path: str, where: str, value) -> dict[str, list[int]]:
+    """A model's `buckets = { seq = [1, 128, 512] }` (one int also accepted) -> {dim: sorted values}."""
+    if not isinstance(value, dict):
+        raise JobError(f"{path}: {where}: 'buckets' must map symbolic dims to lists of positive ints, "
+                       "e.g. buckets = { seq = [1, 128, 512] }")
+    return {dim: bucket_values(f"{path}: {where}: buckets {dim}", v if isinstance(v, list) and v else [v])
+            for dim, v in value.items()}
 
 
 def _check_keys(path: str, where: str, table: dict, allowed: set[str]) -> None:

@@ -14,6 +14,7 @@ from tvm import relax
 
 from . import __version__
 from .baseline import kernels_keeping_default
+from .buckets import add_dispatch, check_buckets, lower_buckets, verification_dims
 from .build import TUNED, apply_database, apply_default_schedules, compile_module, schedule_kinds
 from .default_model import NAME as DEFAULT_NAME
 from .default_model import make_tiny_block
@@ -75,9 +76,10 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     source = job.path or f"<embedded {DEFAULT_NAME}>"
     model = load_onnx(job.path) if job.path else make_tiny_block()
     imported = import_model(model, job.shapes, source)
+    check_buckets(job.buckets, imported, source)
     if imported.symbolic_dims:
         say(f"[{job.name}] symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them "
-            "get default schedules (fix them with --shape NAME=VALUE to tune those)")
+            "get default schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
     bound = bind_params(imported.mod, imported.params)
     bound = to_compute_dtype(bound, job.dtype, job.io_dtype)  # precision: fp16/bf16 kernels; before decide/fuse
     plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
@@ -102,12 +104,25 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
         for kernel, outcome in templates:
             say(f"[{job.name}] {kernel}: {outcome}")
+    bucketed = None
+    if job.buckets:  # static copies of main for the named sizes (their kernels tune); main dispatches on the dims
+        bucketed = lower_buckets(bound, fused, job.buckets, _fuse_static(job.name, target, database, trials, rpc, say))
+        fused, kernels = bucketed.fused, bucketed.kernels()
+        say(f"[{job.name}] buckets: {', '.join(bucketed.shapes)}, {len(kernels)} kernels in all; "
+            "other sizes run main_generic")
+        left = [d for d in imported.symbolic_dims if d not in job.buckets]
+        if left:
+            say(f"[{job.name}] {', '.join(left)} stay symbolic in the bucket functions too: their kernels that use "
+                f"them get default schedules (bucket them too, e.g. --buckets {left[0]}=1, to tune those)")
+    with_dispatch = (lambda m: add_dispatch(m, bucketed.shapes)) if bucketed else (lambda m: m)
     progress: dict[str, TaskProgress] = {}
     if trials > 0:
         say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
         try:
-            progress = tune(fused.mod, target, work_dir, trials, on_progress=_progress_printer(job.name, say),
-                            rpc=rpc, database=database, space_for=space_for, batch=job.batch)
+            for view in bucketed.tuning_views() if bucketed else [fused.mod]:  # buckets: function by function
+                for name, task in tune(view, target, work_dir, trials, on_progress=_progress_printer(job.name, say),
+                                       rpc=rpc, database=database, space_for=space_for, batch=job.batch).items():
+                    progress.setdefault(name, task)  # a kernel two functions share was tuned with the first
         except TuningInterrupted:
             raise TuningInterrupted(f"interrupted: {sum(database.spent.values())} records kept in {work_dir}; "
                                     "rerun the same command to resume") from None
@@ -122,28 +137,32 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     tuned_mod = apply_database(fused.mod, target, database, keep_default=keep)
     kinds = {**schedule_kinds(tuned_mod), **{k: "default (measured faster than every tuned schedule)" for k in keep}}
     records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
-    executable = compile_module(apply_default_schedules(tuned_mod, target), target)
+    executable = compile_module(with_dispatch(apply_default_schedules(tuned_mod, target)), target)
 
     result = JobResult(job.name, ok=True, kernels=len(kernels), fused=len(fused.kernel_patterns),
                        tuned=sum(kinds.get(k) == TUNED for k in kernels))
     verification = {"status": "skipped", "reason": f"no {target.kind.name} device here"}
-    if runnable:
-        dims = {d: 4 for d in imported.symbolic_dims}
-        feeds = random_inputs(imported.inputs, seed=0, dims=dims, io_dtype=job.io_dtype)
+    if runnable:  # with buckets: at the first bucket's shape (latency too) and at a shape no bucket covers
         device = device_for(target)
         vm = relax.VirtualMachine(executable, device)
-        check = compare(run_vm(vm, device, list(feeds.values()), job.io_dtype), onnxruntime_outputs(model, feeds),
-                        compute_dtype=job.dtype)
-        verification = check.as_dict()
+        checks = []
+        for dims in verification_dims(imported.symbolic_dims, job.buckets):
+            feeds = random_inputs(imported.inputs, seed=0, dims=dims, io_dtype=job.io_dtype)
+            checks.append((dims, compare(run_vm(vm, device, list(feeds.values()), job.io_dtype),
+                                         onnxruntime_outputs(model, feeds), compute_dtype=job.dtype)))
+        dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
+        verification = {**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {})}
+        feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
         result.latency_after_us = _latency_us(vm, device, feeds, job.io_dtype)
         if result.tuned:
-            untuned = compile_module(apply_default_schedules(fused.mod, target), target)
+            untuned = compile_module(with_dispatch(apply_default_schedules(fused.mod, target)), target)
             result.latency_before_us = _latency_us(relax.VirtualMachine(untuned, device), device, feeds, job.io_dtype)
         else:
             result.latency_before_us = result.latency_after_us
         if not check.ok:
             raise TvmfuseError(f"{job.name}: verification against onnxruntime FAILED "
-                               f"(max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g})")
+                               f"(max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g}"
+                               + (f" at {dims})" if job.buckets else ")"))
         result.verification = f"ok {check.max_abs_err:.1e}"
     else:
         result.verification = "skipped"
@@ -163,6 +182,8 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         "latency_us": {"default_schedules": result.latency_before_us, "tuned": result.latency_after_us},
         "tuning_log": os.path.abspath(work_dir),
     }
+    if bucketed:
+        manifest["buckets"] = bucketed.manifest(kinds)
     report = fusion_report(plan, fused, lower(bound, patterns=[]),
                            {k: us for k, (_, us) in records.items() if us is not None})
     manifest["fusion"] = report["totals"]
@@ -170,6 +191,23 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     result.details = manifest
     say(f"[{job.name}] exported {result.output}")
     return result
+
+
+def _fuse_static(job_name: str, target, database, trials: int, rpc, say: Callable[[str], None]):
+    """How a bucket's static copy of main (`name`) is fused: decide, fuse, and on CUDA the templates that take
+    its shapes, their knobs measured like main's (templates logged with the function's name)."""
+    def fuse(mod: tvm.IRModule, name: str):
+        fused = lower(mod, plan=decide(mod, target))
+        if target.kind.name == "cuda":
+            templates: list = []
+            tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc,
+                           on_progress=_progress_printer(job_name, say))
+            fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
+            for kernel, outcome in templates:
+                say(f"[{job_name}] {name}: {kernel}: {outcome}")
+        return fused
+
+    return fuse
 
 
 def _json_obj(text: str):
