@@ -2,9 +2,10 @@
 `pipeline.run_job`, + a CUDA-graph build) vs TVM default (no pattern fusion, dlight) vs torch eager / torch.compile,
 at decode (batch 1-16, KV 512) and prefill (512, 2048) shapes. Writes DIR/models.json after every row, a PNG at the end.
 
-    python3 bench/models.py --models gpt2,bert,llama --cases decode_b1,decode_b16,prefill_512 --trials 0 \\
-        --budget-s 540 --out DIR                        # on the H200
-    python3 bench/models.py --smoke --out /tmp/smoke    # here: CPU, tiny configs, llvm, fp32, decode_b1
+    python3 bench/models.py --models gpt2,llama,bert --cases decode_b1,decode_b16,prefill_512,prefill_2048 \\
+        --contenders tvmfuse,tvmfuse_cuda_graph,torch_eager,torch_compile,tvm_default --budget-s 480 --out DIR
+    python3 bench/models.py --cases decode_b1,decode_b16 --contenders torch_compile_reduce_overhead --out DIR2
+    python3 bench/models.py --smoke --out /tmp/smoke    # CPU, tiny configs, llvm, fp32, decode_b1
 """
 
 from __future__ import annotations
