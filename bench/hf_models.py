@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 
@@ -94,6 +95,8 @@ def wrap(model, case: str):
     import torch
 
     decoder = hasattr(model, "lm_head") and case.startswith("decode")
+    # transformers 5 renames past_key_values to cache (the old name warns, then goes in 5.40)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     class Decode(torch.nn.Module):
         def __init__(self):
@@ -103,9 +106,10 @@ def wrap(model, case: str):
         def forward(self, input_ids, *past):
             cache = _make_cache([(past[i], past[i + 1]) for i in range(0, len(past), 2)])
             mask = torch.ones(input_ids.shape[0], past[0].shape[2] + input_ids.shape[1], dtype=input_ids.dtype)
-            out = self.model(input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-                             return_dict=True)
-            new = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+            out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, return_dict=True,
+                             **{cache_kw: cache})
+            new = getattr(out, "cache", None)
+            new = getattr(out, "past_key_values", None) if new is None else new
             kv = [t[:, :, -1:, :] for i in range(len(past) // 2) for t in _layer_kv(new, i)]
             return (out.logits, *kv)
 
