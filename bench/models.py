@@ -281,7 +281,8 @@ def main(argv=None) -> dict:
     workers = args.jobs if args.trials == 0 and needs_build else 0  # tuning measures on the GPU: build here
     pool, futures = None, {}
     if workers:
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_no_gpu)
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_no_gpu,
+                                   max_tasks_per_child=1)  # a fresh process per build: memory back each time
         futures = {(m, c): pool.submit(model_builds.prepare, m, c,
                                        dict(opts, graph=opts["graph"] and c.startswith("decode"))) for m, c in pairs}
     built: dict = {}  # the fp32 HF models (CPU), built once each
