@@ -8,7 +8,7 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
   fp16: everything downstream of an fp32 input (LayerNorm, GELU, RMSNorm, the residual stream) stays fp32. So
   the inputs are named: those params become float16, and `interface.fp32_interface` gives `main` float32 params
   again, each cast to fp16 as the first binding. The outputs stay float32 (the pass casts them back itself).
-  The exported module's interface is therefore float32 in and out, whatever the compute dtype;
+  By default the exported module's interface is therefore float32 in and out, whatever the compute dtype;
 - `relax.matmul` (policy "always") gets fp16 inputs and, with `out_dtype="float32"`, accumulates and returns
   fp32, followed by a cast to fp16;
 - "follow" ops (elementwise, `layer_norm`, `gelu`, reshapes) compute in fp16 when all inputs are fp16 (TVM's
@@ -19,7 +19,8 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
   folds those, so the patterns see the same constants as in fp32.
 
 `io_dtype` (None or float32: as above; the compute dtype: the module takes and returns its float tensors in
-the compute dtype): the fp32 interface is built as usual, then wrapped in casts to/from `io_dtype`, and each
+the compute dtype): the fp32 interface is built as usual, then wrapped in casts to/from `io_dtype`
+(`interface.low_interface`), and each
 exact round trip (`astype(astype(x: fp16, fp32), fp16)`) cancels, so no interface cast kernel remains where
 the first/last op already computes in the compute dtype.
 

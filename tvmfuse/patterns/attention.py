@@ -6,8 +6,8 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, is_tuple, wildcard
 from tvm.relax.transform import PatternCheckContext
 
-from .common import (Annotated, as_int, cast, const, dim_str, dtype_of, finish, ndim, producer, reject, root_var,
-                     same_dim, scalar, shape_of, upcast)
+from .common import (Annotated, as_int, cast, const, dim_str, dtype_of, finish, ndim, only_cast_follows, producer,
+                     reject, same_dim, scalar, shape_of, upcast)
 
 _COMPARE = {"relax.less", "relax.less_equal", "relax.greater", "relax.greater_equal"}
 
@@ -75,11 +75,8 @@ def check_attention(ctx: PatternCheckContext) -> bool:
         return reject(ctx, name, f"softmax over axis {sm.attrs.axis}, not the key axis")
     if not same_dim(shape_of(out.args[1])[2], sk):
         return reject(ctx, name, "V length differs from K length")
-    low, root = dtype_of(out.args[1]), root_var(ctx)
-    users = ctx.var_usages.get(root, None) if root is not None else None
-    if dtype_of(root) != low and users and all(dtype_of(u) == low for u in users):
-        # the fp32-accumulating P @ V is only cast down: the match that ends at that cast is the kernel
-        return reject(ctx, name, f"P @ V accumulates in {dtype_of(out)} and is cast to {low}: "
+    if only_cast_follows(ctx):  # the fp32-accumulating P @ V is only cast down: the match ending at the cast
+        return reject(ctx, name, f"P @ V accumulates in {dtype_of(out)} and is only cast to another dtype: "
                       "the kernel ends at the cast")
     mask, causal = "none", False
     masked = ann.get("masked")

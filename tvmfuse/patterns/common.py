@@ -149,6 +149,16 @@ def check_dtypes(ctx: PatternCheckContext, pattern: str) -> bool:
     return True
 
 
+def only_cast_follows(ctx: PatternCheckContext) -> bool:
+    """The root's value is used, and only by values of another dtype: its casts (a binary op or a norm takes
+    equal dtypes), which a match ending at the cast (the pattern's optional trailing `cast`) takes in."""
+    if getattr(getattr(ctx.matched_expr, "op", None), "name", "") == "relax.astype":
+        return False  # the match took its trailing cast already
+    root = root_var(ctx)
+    users = ctx.var_usages.get(root, None) if root is not None else None
+    return bool(users) and all(dtype_of(u) in SUPPORTED_DTYPES and dtype_of(u) != dtype_of(root) for u in users)
+
+
 def finish(ctx: PatternCheckContext, pattern: str, info: dict | None = None, exposed: tuple[str, ...] = ()) -> bool:
     """The common tail of every check: dtypes, private intermediates, then accept."""
     if not check_dtypes(ctx, pattern) or not check_private_intermediates(ctx, pattern, exposed):
@@ -256,6 +266,6 @@ def as_int(value) -> int | None:
 
 
 __all__ = ["Annotated", "Match", "Recorder", "accept", "reject", "finish", "check_private_intermediates",
-           "cast", "const", "upcast",
+           "cast", "const", "upcast", "only_cast_follows",
            "dim_str", "shape_of", "dtype_of", "ndim", "same_dim", "scalar", "has_constants", "last_axis", "producer",
            "as_int", "np"]

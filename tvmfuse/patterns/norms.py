@@ -6,7 +6,8 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 
 from . import activations as act
-from .common import dim_str, Annotated, cast, finish, last_axis, ndim, reject, same_dim, shape_of, upcast
+from .common import (Annotated, cast, dim_str, finish, last_axis, ndim, only_cast_follows, reject, same_dim,
+                     shape_of, upcast)
 
 
 def _layer_norm(x: DFPattern) -> DFPattern:
@@ -42,7 +43,8 @@ def make_skip_layer_norm_bias_pattern() -> Annotated:
 
 
 def _rms(h: DFPattern) -> tuple[DFPattern, dict]:
-    """h [->fp32] -> square [->fp32] -> mean -> +eps -> sqrt/rsqrt -> divide/multiply [-> cast back] -> * weight.
+    """h [->fp32] -> square [->fp32] -> mean -> +eps -> sqrt/rsqrt -> divide/multiply [-> cast back] -> * weight
+    [-> cast] (mixed precision: the fp32 result cast to the compute dtype for the next matmul).
 
     Every cast is optional. An exporter's upcast of h (`h.to(float32)`) is one cast shared by the square and
     the divide; mixed precision (ToMixedPrecision) squares in the compute dtype and casts the square up for the
@@ -55,7 +57,7 @@ def _rms(h: DFPattern) -> tuple[DFPattern, dict]:
     norm = (is_op("relax.divide")(norm_in, sqrt) | is_op("relax.multiply")(norm_in, is_op("relax.rsqrt")(var_eps))
             | is_op("relax.multiply")(norm_in, is_op("relax.divide")(is_const(), sqrt)))
     y = is_op("relax.multiply")(cast(norm), wildcard())
-    return y, {"square": square, "mean": mean, "var_eps": var_eps, "norm": norm, "y": y}
+    return cast(y), {"square": square, "mean": mean, "var_eps": var_eps, "norm": norm, "y": y}
 
 
 def make_rms_norm_residual_pattern() -> Annotated:
@@ -124,6 +126,8 @@ def _check_rms(ctx: PatternCheckContext, name: str, exposed: tuple[str, ...] = (
     hidden = shape_of(mean.args[0])[-1]
     if not any(ndim(w) == 1 and same_dim(shape_of(w)[0], hidden) for w in weight):
         return reject(ctx, name, "the final multiply is not by a weight vector of the hidden size")
+    if only_cast_follows(ctx):
+        return reject(ctx, name, "its result is only cast to another dtype: the kernel ends at the cast")
     return finish(ctx, name, {"hidden": dim_str(hidden)}, exposed=exposed)
 
 
