@@ -132,6 +132,33 @@ def test_substitute_replaces_attention_kernel(mask):
     assert np.abs(got - ref(*args[:3], args[3] if mask else None)).max() < 2e-3
 
 
+@pytest.mark.parametrize("mask_value", [0.0, -1.0])
+def test_constant_zero_mask_is_no_mask(mask_value):
+    """Exporters write a constant all-zero additive mask where none was given: the decode template (which takes
+    no mask) then applies; any other constant mask is kept, so the decode template does not take it."""
+    from tvmfuse.fuse import lower
+    from tvmfuse.patterns import fusion_patterns
+    bb, dt = relax.BlockBuilder(), "float16"
+    q = relax.Var("q", relax.TensorType((1, 8, 1, 128), dt))
+    k, v = (relax.Var(n, relax.TensorType((1, 8, 512, 128), dt)) for n in "kv")
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
+            s = bb.emit(relax.op.multiply(s, relax.const(128 ** -0.5, dt)))
+            s = bb.emit(relax.op.add(s, relax.const(np.full((1, 1, 1, 512), mask_value, dt))))
+            o = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), v))
+        bb.emit_func_output(o)
+    fused = lower(bb.get(), patterns=fusion_patterns(["tvmfuse.attention"]))
+    log = []
+    new = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=log)
+    if mask_value == 0.0:
+        assert [o for _, o in log] == ["template attention_decode"], log
+        call = [b.value for b in new["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)][-1]
+        assert len(call.args[1].fields) == 3  # q, k, v: the zero mask is no longer passed
+    else:
+        assert "decode template takes no mask (got additive)" in log[0][1], log
+
+
 def test_substitute_leaves_unknown_kernels():
     fused = _attention_module(False)
     log = []
@@ -329,7 +356,7 @@ def test_hf_exports_take_the_prefill_template(name, exporter, exports, llvm):
         am = (np.arange(64) >= pad).astype("int64")[None]
         got = vm["main"](tvm.runtime.tensor(ids), tvm.runtime.tensor(am)).numpy()
         want = sess.run(None, {"input_ids": ids, "attention_mask": am})[0]
-        assert np.all(np.abs(got - want) <= tol + tol * np.abs(want)), (dtype, pad, np.abs(got - want).max())
+        assert np.all(np.abs(got - want) <= tol + tol * np.abs(want)), (pad, np.abs(got - want).max())
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")

@@ -70,6 +70,8 @@ def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, 
             log.append((name, f"generic: {guard}"))
             continue
         shapes["scale"] = scale
+        if shapes.get("mask") == "additive" and _all_zero(call, roles["order"].index("mask")):
+            shapes["mask"] = "none"  # exporters write a constant zero mask where none was given: adding it is a no-op
         shapes["target"] = "llvm" if str(target) == "llvm" else "cuda"
         tmpl = lookup(pattern, shapes)
         if tmpl is None:
@@ -117,6 +119,12 @@ def _call_sites(mod: tvm.IRModule) -> dict:
 def _constant(arg):
     value = getattr(arg, "value", None)
     return value.numpy() if value is not None and hasattr(value, "numpy") else None
+
+
+def _all_zero(call, index: int) -> bool:
+    """Whether the call's argument `index` is a constant tensor of zeros."""
+    value = _constant(list(call.args[1].fields)[index])
+    return value is not None and not value.any()
 
 
 def _scale(roles: dict, call) -> float | None:
