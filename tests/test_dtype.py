@@ -274,6 +274,8 @@ def test_io_dtype_end_to_end(tmp_path, dtype, tol):
     fp32_io, low_io = _export(tmp_path, model, "lng", dtype), _export(tmp_path, model, "lng", dtype, dtype)
     assert len(low_io["kernels"]) == len(fp32_io["kernels"]) - 2
     assert low_io["precision"]["interface_dtype"] == parse_dtype(dtype) != fp32_io["precision"]["interface_dtype"]
+    assert [t["dtype"] for t in low_io["inputs"] + low_io["outputs"]] == [parse_dtype(dtype)] * 2
+    assert [t["dtype"] for t in fp32_io["inputs"] + fp32_io["outputs"]] == ["float32"] * 2
     check = low_io["verification"]
     assert check["status"] == "passed" and check["tolerance"]["float32"] == {"atol": tol, "rtol": tol}
     assert check["max_abs_err"] > 1e-5  # it really computed in the low dtype

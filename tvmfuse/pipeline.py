@@ -171,8 +171,8 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         "tvmfuse_version": __version__, "tvm_version": tvm.__version__,
         "model": {"name": job.name, "source": os.path.abspath(job.path) if job.path else source},
         "target": _json_obj(target_json(target)),
-        "inputs": [t.as_dict() for t in imported.inputs],
-        "outputs": [t.as_dict() for t in imported.outputs],
+        "inputs": [_io_tensor(t.as_dict(), job.io_dtype) for t in imported.inputs],
+        "outputs": [_io_tensor(t.as_dict(), job.io_dtype) for t in imported.outputs],
         "precision": precision_info(bound, job.dtype, job.io_dtype),
         "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
                      "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1]}
@@ -214,6 +214,12 @@ def _json_obj(text: str):
     import json  # pylint: disable=import-outside-toplevel
 
     return json.loads(text)
+
+
+def _io_tensor(tensor: dict, io_dtype: str | None) -> dict:
+    """An input/output as the exported module takes it: float32 becomes the io dtype (--io-dtype)."""
+    low = io_dtype not in (None, "float32") and tensor["dtype"] == "float32"
+    return {**tensor, "dtype": io_dtype} if low else tensor
 
 
 def _latency_us(vm: relax.VirtualMachine, device, feeds: dict[str, np.ndarray], io_dtype: str) -> float:
