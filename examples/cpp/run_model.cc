@@ -3,7 +3,7 @@
 //   run_model MODEL.so INPUT.bin DIMS [INPUT.bin DIMS ...]
 //
 // Each input is a raw little-endian float32 file; DIMS is its shape, e.g. 4,32 (the manifest's "inputs"
-// list gives names, order, shapes and dtypes; an export's interface is float32 even with --dtype fp16/bf16).
+// list gives names, order, shapes and dtypes; this runner feeds float32: exports built without --io-dtype).
 // For each output it prints:   output I shape [D0, D1] dtype float32
 //                              first v0 v1 ... (up to 8 values)
 //                              sum S abs_sum A
