@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--io-dtype", default="fp32", metavar="{fp32,fp16,bf16}",
                    help="dtype of the module's float inputs and outputs: fp32, or the --dtype itself (no cast "
                         "kernels around the model); a jobs file's io_dtype overrides it (default: fp32)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="cuda: capture each static run of kernel launches as a CUDA graph (TVM's RewriteCUDAGraph); "
+                        "cuts launch overhead at decode sizes; symbolic-shape regions stay launches")
     p.add_argument("--batch", type=int, metavar="N",
                    help="candidates built and measured per tuning round (default: 16 on llvm, 64 on cuda)")
     p.add_argument("--out", default="out", metavar="DIR", help="where exports go (default: out)")
@@ -63,6 +66,8 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
     buckets = parse_buckets(args.buckets)
     for job in jobs:  # a jobs file's own buckets win
         job.buckets = job.buckets or dict(buckets)
+    for job in jobs:
+        job.cuda_graph = args.cuda_graph
     if args.batch is not None:
         if args.batch < 1:
             raise TvmfuseError("--batch must be >= 1")

@@ -35,6 +35,7 @@ class Job:
     io_dtype: str = "float32"  # dtype of the module's float inputs/outputs: float32 or the compute dtype
     batch: int | None = None  # candidates built and measured per tuning round (None: 16 on CPUs, 64 on GPUs)
     buckets: dict[str, list[int]] = field(default_factory=dict)  # symbolic dim -> bucket values (tvmfuse.buckets)
+    cuda_graph: bool = False  # cuda: replay static launch sequences as CUDA graphs (tvmfuse.build.compile_module)
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:

@@ -137,7 +137,8 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     tuned_mod = apply_database(fused.mod, target, database, keep_default=keep)
     kinds = {**schedule_kinds(tuned_mod), **{k: "default (measured faster than every tuned schedule)" for k in keep}}
     records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
-    executable = compile_module(with_dispatch(apply_default_schedules(tuned_mod, target)), target)
+    executable = compile_module(with_dispatch(apply_default_schedules(tuned_mod, target)), target,
+                                cuda_graph=job.cuda_graph)
 
     result = JobResult(job.name, ok=True, kernels=len(kernels), fused=len(fused.kernel_patterns),
                        tuned=sum(kinds.get(k) == TUNED for k in kernels))
@@ -174,6 +175,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         "inputs": [_io_tensor(t.as_dict(), job.io_dtype) for t in imported.inputs],
         "outputs": [_io_tensor(t.as_dict(), job.io_dtype) for t in imported.outputs],
         "precision": precision_info(bound, job.dtype, job.io_dtype),
+        "cuda_graph": bool(job.cuda_graph and target.kind.name == "cuda"),
         "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
                      "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1]}
                     for k in kernels],
