@@ -45,14 +45,19 @@ def rms_res(n, d):
 def mm_bias_gelu(m, k, n):
     nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]), helper.make_node("Add", ["mm", "B"], ["ad"]),
              helper.make_node("Gelu", ["ad"], ["y"])]
-    mmp = is_op("relax.matmul")(wildcard(), wildcard())
+    mmp = is_op("relax.astype")(is_op("relax.matmul")(wildcard(), wildcard()))
     return _model(nodes, [("x", [m, k]), ("W", [k, n]), ("B", [n])], [("y", [m, n])]), \
-        [FusionPattern("mm_bias_gelu", is_op("relax.nn.gelu")(is_op("relax.add")(mmp, wildcard())))]
+        [FusionPattern("mm_bias_gelu", is_op("relax.nn.gelu")(is_op("relax.add")(mmp, wildcard())))], True
 
 
-def fused_primfunc(model, patterns):
-    """Lower like the notes' section 2 and return the single fused PrimFunc (global_symbol main)."""
+def fused_primfunc(model, patterns, fp32_accumulate=False):
+    """Lower like the notes' section 2 and return the single fused PrimFunc (global_symbol main).
+
+    `fp32_accumulate`: matmuls accumulate in fp32 and cast to fp16 (TVM's ToMixedPrecision, as tvmfuse's
+    `--dtype fp16` builds them and as torch computes), instead of the fp16 accumulation of a plain fp16 MatMul."""
     mod = from_onnx(model, keep_params_in_input=True)
+    if fp32_accumulate:
+        mod = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
     seq = tvm.transform.Sequential([
         relax.transform.FuseOpsByPattern(patterns, bind_constants=False, annotate_codegen=False),
         relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),

@@ -66,23 +66,28 @@ def relerr(out, ref):
 def tvm_runner(mod, target, dev, args_t, outs_t):
     """Compile a scheduled TIR module; return a no-arg callable over torch-owned buffers (DLPack)."""
     import tvm
-    ex = tvm.compile(mod, target=target)
+    from tvmfuse.spaces.gemm import BUILD_CONFIG
+    with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):  # cp.async for pipelined tensor-core kernels
+        ex = tvm.compile(mod, target=target)
     f = ex.jit()["main"] if hasattr(ex, "jit") else ex["main"]
     targs = [tvm.runtime.from_dlpack(t) for t in list(args_t) + list(outs_t)]
     return lambda: f(*targs)
 
 
 def tune(case, pf, target, trials, wd, per_iter):
+    import tvm
     from tvm.s_tir import meta_schedule as ms
+    from tvmfuse.spaces.gemm import BUILD_CONFIG
     from tvmfuse.spaces import space_for
-    from tvmfuse.spaces.build import builder
+    from tvmfuse.builder import fast_build
     space = space_for(pf, target)
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
     recfile = os.path.join(wd, "database_tuning_record.json")
     n_old = sum(1 for _ in open(recfile)) if os.path.exists(recfile) else 0
     t = time.time()
     db = ms.tune_tir(mod=pf, target=target, work_dir=wd, max_trials_global=trials, num_trials_per_iter=per_iter,
-                     space=space if space is not None else "post-order-apply", builder=builder(),
+                     space=space if space is not None else "post-order-apply",
+                     builder=ms.builder.LocalBuilder(max_workers=os.cpu_count(), timeout_sec=60, f_build=fast_build),
                      runner=ms.runner.LocalRunner(timeout_sec=30, evaluator_config=ms.runner.EvaluatorConfig(
                          number=20, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False)),
                      strategy=ms.search_strategy.EvolutionarySearch(population_size=256, genetic_num_iters=3),
@@ -91,8 +96,8 @@ def tune(case, pf, target, trials, wd, per_iter):
     recs = db.get_all_tuning_records()
     lat = []  # this call's trials in measurement order (the DB returns records sorted by latency)
     for line in list(open(recfile))[n_old:]:
-        secs = json.loads(line)[1][1]
-        lat.append(float(np.mean([float(v) for v in secs])) * 1e6 if secs else 1e10)
+        run_secs = json.loads(line)[1][1]  # [workload, [trace, run_secs, target, args_info]], appended per trial
+        lat.append(float(np.mean([float(v) for v in run_secs])) * 1e6 if run_secs else 1e10)
     ok = [v for v in lat if v < 1e9]
     best = min(ok) if ok else None
     within = None
@@ -103,15 +108,23 @@ def tune(case, pf, target, trials, wd, per_iter):
             if run <= 1.05 * best:
                 within = i + 1
                 break
-    sch = ms.tir_integration.compile_tir(db, pf, target)
+    with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
+        sch = ms.tir_integration.compile_tir(db, pf, target)
     rec = min((r for r in recs if r.run_secs and float(r.run_secs[0]) < 1e9), key=lambda r: float(r.run_secs[0]),
               default=None)
-    info = {"space": type(space).__name__ if space is not None else "default", "trials": len(lat),
+    info = {"space": type(space).__name__ if space is not None else "default",
+            "sketch": _sketch(rec.trace) if rec else None, "trials": len(lat),
             "valid": len(ok), "tune_s": round(secs, 1), "trials_per_min": round(60 * len(lat) / secs, 1),
             "best_tuner_us": best, "trials_to_5pct": within,
             "trace": rec.trace.as_json() if rec else None,
             "workload_hash": str(tvm_ffi_hash(pf))}
     return sch, info
+
+
+def _sketch(trace) -> str:
+    """Which sketch the best record came from: mma tensor cores, wmma, or CUDA cores."""
+    text = str(trace)
+    return "mma" if "mma_sync" in text else "wmma" if "wmma" in text else "cuda-cores"
 
 
 def tvm_ffi_hash(pf):

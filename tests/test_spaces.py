@@ -9,11 +9,11 @@ from tvm.s_tir import meta_schedule as ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import cases  # noqa: E402
-from tvmfuse.spaces import classify, default_schedule, gemv, rowreduce, space_for  # noqa: E402
+from tvmfuse.spaces import classify, default_schedule, gemm, gemv, rowreduce, space_for  # noqa: E402
 
 H100 = tvm.target.Target("nvidia/nvidia-h100")
 TINY = {"ln_gelu": (cases.ln_gelu, (8, 256)), "rms_res": (cases.rms_res, (8, 256)),
-        "gemv": (cases.mm_bias_gelu, (4, 256, 512)), "gemm": (cases.mm_bias_gelu, (256, 128, 256))}
+        "gemv": (cases.mm_bias_gelu, (32, 256, 512)), "gemm": (cases.mm_bias_gelu, (256, 128, 256))}
 
 
 def _pf(name):
@@ -35,7 +35,7 @@ def test_design_space_and_postprocs(name):
     ctx = ms.TuneContext(mod=tvm.IRModule({"main": pf}), target=H100, space_generator=space_for(pf, H100),
                          search_strategy="replay-trace")
     spaces = ctx.generate_design_space()
-    assert len(spaces) == (2 if name != "gemv" else 1)
+    assert len(spaces) == 2  # rows: staged / not staged; gemv (fp16): split-K CUDA cores + mma tensor cores
     assert any("sample_categorical" in str(s.trace) for s in spaces)
 
 
@@ -54,6 +54,28 @@ def test_gemv_schedule_compiles():
     assert gemv.schedule_gemv(sch, tx=16, ky=4, vec=4, unroll=16)
     src = tvm.compile(sch.mod, target=H100).jit().imports[0].inspect_source("cuda")
     assert "threadIdx.y" in src and "__syncthreads" in src
+
+
+def test_gemv_space_offers_mma_sketch():
+    pf = _pf("gemv")  # M=32: CUDA-core split-K sketch + mma sketch; M=16 (below one 32-row ldmatrix tile): CUDA cores
+    small = cases.fused_primfunc(*cases.mm_bias_gelu(16, 256, 512))[1]
+    assert type(space_for(small, H100)).__name__ == "ScheduleFn"
+    space = space_for(pf, H100)
+    assert type(space).__name__ == "SpaceGeneratorUnion"
+    ctx = ms.TuneContext(mod=tvm.IRModule({"main": pf}), target=H100, space_generator=space,
+                         search_strategy="replay-trace")
+    assert sum("mma_sync_m16n8k8_f16f16f32" in str(s.trace) for s in ctx.generate_design_space()) == 1
+
+
+def test_gemm_sample_compiles_to_pipelined_mma():
+    pf = _pf("gemm")  # 256 x 256 x 128: tiles in units of 16 rows, 8 columns, 8 of K
+    mod = gemm.sample_schedule(pf, H100, tiles=[[2, 2, 2, 2, 1], [2, 2, 2, 2, 2], [4, 1, 4]])
+    assert mod is not None
+    with tvm.transform.PassContext(config=gemm.BUILD_CONFIG):
+        src = tvm.compile(mod, target=H100).jit().imports[0].inspect_source("cuda")
+    assert src.count("__global__") == 2  # one kernel: the bias+GELU epilogue runs on the accumulators
+    for needle in ("cp.async.cg.shared.global", "mma.sync", "ldmatrix", "cp.async.commit_group", "erf"):
+        assert needle in src, needle
 
 
 def test_default_schedule_does_not_mutate():

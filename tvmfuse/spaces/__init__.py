@@ -38,7 +38,14 @@ def space_for(func: tirx.PrimFunc, target: tvm.target.Target) -> ms.space_genera
     if kind == "row":
         return ms.space_generator.ScheduleFn(rowreduce.space_fn, sch_rules=[], postprocs="cuda", mutator_probs="cuda")
     if kind == "gemv":
-        return ms.space_generator.ScheduleFn(gemv.space_fn, sch_rules=[], postprocs="cuda", mutator_probs="cuda")
+        cuda_cores = ms.space_generator.ScheduleFn(gemv.space_fn, sch_rules=[], postprocs="cuda",
+                                                   mutator_probs="cuda")
+        m, _n, _k, dtype = gemv.matmul_shape(func)
+        if dtype != "float16" or m % 32:  # the mma tiling loads A in 32-row ldmatrix tiles: M=16 does not tile
+            return cuda_cores
+        # fp16: the split-K CUDA-core sketch and the mma sketch; tuning picks
+        return ms.space_generator.SpaceGeneratorUnion([cuda_cores, gemm.space()], sch_rules=[],
+                                                      postprocs="cuda-tensorcore", mutator_probs="cuda-tensorcore")
     if kind == "gemm":
         return gemm.space()
     return None
