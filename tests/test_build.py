@@ -88,3 +88,19 @@ def test_cuda_graph_option_captures_kernel_launches(cuda_graph):
     llvm_text = compile_module(apply_default_schedules(fused.mod, resolve_target("llvm")), resolve_target("llvm"),
                                cuda_graph=True).as_text()
     assert "cuda_graph" not in llvm_text  # CPU targets ignore the option
+
+
+def test_compile_module_scopes_the_target(monkeypatch):
+    """TVM's CUDA compile callback reads the arch from Target.current() (else it asks the GPU): compile_module must
+    push its target, or a build worker that sees no GPU fails ("No CUDA architecture was specified")."""
+    import tvm as _tvm
+
+    from tvmfuse.build import compile_module
+    from tvmfuse.targets import resolve_target
+
+    seen = []
+    monkeypatch.setattr(_tvm, "compile", lambda *a, **k: seen.append(_tvm.target.Target.current(allow_none=True)))
+    target = resolve_target("cuda")
+    for graph in (False, True):
+        compile_module(_tvm.IRModule(), target, cuda_graph=graph)
+    assert [str(t.attrs["arch"]) for t in seen] == ["sm_90a", "sm_90a"]
