@@ -29,13 +29,14 @@ def test_classify_and_space_for(name, kind):
     assert space_for(pf, tvm.target.Target({"kind": "llvm"})) is None
 
 
-@pytest.mark.parametrize("name", ["ln_gelu", "rms_res", "gemv"])
+@pytest.mark.parametrize("name", ["ln_gelu", "rms_res", "gemv", "gemm"])
 def test_design_space_and_postprocs(name):
     pf = _pf(name)
     ctx = ms.TuneContext(mod=tvm.IRModule({"main": pf}), target=H100, space_generator=space_for(pf, H100),
                          search_strategy="replay-trace")
     spaces = ctx.generate_design_space()
-    assert len(spaces) == 2  # rows: staged / not staged; gemv (fp16): split-K CUDA cores + mma tensor cores
+    # rows: staged / not staged; gemm: 2 stock wmma sketches + the mma one; gemv (fp16, M=32): CUDA cores + gemm's
+    assert len(spaces) == {"gemm": 3, "gemv": 4}.get(name, 2)
     assert any("sample_categorical" in str(s.trace) for s in spaces)
 
 
@@ -73,7 +74,8 @@ def test_gemm_sample_compiles_to_pipelined_mma():
     assert mod is not None
     with tvm.transform.PassContext(config=gemm.BUILD_CONFIG):
         src = tvm.compile(mod, target=H100).jit().imports[0].inspect_source("cuda")
-    assert src.count("__global__") == 2  # one kernel: the bias+GELU epilogue runs on the accumulators
+    assert src.count("__global__") == 4  # mma kernel + the bias+GELU epilogue kernel (declaration + definition each)
+    assert "__launch_bounds__(32) main_kernel_1" in src  # epilogue: one-warp blocks, threadIdx.x as the mma kernel
     for needle in ("cp.async.cg.shared.global", "mma.sync", "ldmatrix", "cp.async.commit_group", "erf"):
         assert needle in src, needle
 

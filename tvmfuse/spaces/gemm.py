@@ -1,4 +1,4 @@
-"""Design space for GEMM with an elementwise epilogue on tensor cores: mma.sync (m16n8k8, fp32 accumulation) fed by ldmatrix from shared memory that cp.async fills in a software pipeline, with the epilogue computed from the accumulator registers in the same kernel."""
+"""Design space for GEMM with an elementwise epilogue on tensor cores: MetaSchedule's tensor-core sketches (wmma with the epilogue fused through shared memory; mma.sync m16n8k8 with fp32 accumulation, ldmatrix and cp.async software pipelining, whose epilogue runs as a second kernel) and the build config they need."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ from tvm.ir.utils import derived_object
 #: the pass configs a tensor-core candidate needs at build time: cp.async for the pipelined copies
 BUILD_CONFIG = {"tirx.use_async_copy": True}
 
-#: fp16 x fp16 -> fp32 on mma.sync m16n8k8 (the only mma group MetaSchedule's tiling rule drives)
-MMA_F32 = {"init": "mma_init_m16n8k8_f32", "load_a": "mma_load_m16n8k8_f16_A_shared_dyn",
-           "load_b": "mma_load_m16n8k8_f16_B_shared_dyn", "compute": "mma_sync_m16n8k8_f16f16f32",
-           "store": "mma_store_m16n8k8_f32_global"}
-MMA_F16 = {**MMA_F32, "init": "mma_init_m16n8k8_f16", "compute": "mma_sync_m16n8k8_f16f16f16",
-           "store": "mma_store_m16n8k8_f16_global"}
-
 
 @derived_object
-class InlineEpilogueIntoMMAStore(PyScheduleRule):
-    """Reverse-inline an elementwise epilogue into the block that writes the mma accumulator out, so the
-    epilogue runs on the registers (one kernel) instead of re-reading an fp32 intermediate from global memory."""
+class BindEpilogueAfterMMA(PyScheduleRule):
+    """Bind the elementwise epilogue that reads the mma accumulators' write-back as its own kernel of one-warp
+    blocks (threadIdx.x = 32, as the mma kernel: TVM unifies each thread tag's extent across a PrimFunc), with
+    `vec`-wide vector accesses.
+
+    It stays a separate kernel: in TVM 0.27 the accumulator write-back (`.matrixC` -> global, LowerAutoCopy's
+    MmaToGlobal rewrite) accepts no epilogue inlined into it ("Multiple buffer read"), and redirecting it to
+    shared memory lowers to a copy that ignores the lane layout (every lane writes the whole warp tile)."""
+
+    def __init__(self, vec: int = 8) -> None:
+        super().__init__()
+        self.vec = vec
 
     def _initialize_with_tune_context(self, context) -> None:
         pass
@@ -28,19 +30,12 @@ class InlineEpilogueIntoMMAStore(PyScheduleRule):
     def apply(self, sch, block):
         try:
             producers = sch.get_producers(block)
-        except Exception:  # pylint: disable=broad-except
-            return [sch]
-        if len(producers) != 1 or not sch.get(producers[0]).name_hint.endswith(".matrixC"):
-            return [sch]
-        trial = sch.copy()
-        try:  # the accumulator goes to shared memory per warp; the warp's threads apply the epilogue vectorized
-            wb = producers[0]
-            warp_loop = trial.get_loops(wb)[-1]
-            trial.set_scope(wb, 0, "shared.dyn")
-            trial.reverse_compute_at(block, warp_loop, preserve_unit_loops=True)
-            inner = trial.get_loops(block)[len(trial.get_loops(wb)):]
-            fused = trial.fuse(*inner)
-            _, tx, vec = trial.split(fused, [None, 32, 4])
+            if len(producers) != 1 or not sch.get(producers[0]).name_hint.endswith(".matrixC"):
+                return [sch]
+            trial = sch.copy()
+            fused = trial.fuse(*trial.get_loops(block))
+            bx, tx, vec = trial.split(fused, [None, 32, self.vec])
+            trial.bind(bx, "blockIdx.x")
             trial.bind(tx, "threadIdx.x")
             trial.vectorize(vec)
         except Exception:  # pylint: disable=broad-except
@@ -48,44 +43,57 @@ class InlineEpilogueIntoMMAStore(PyScheduleRule):
         return [trial]
 
     def clone(self):
-        return InlineEpilogueIntoMMAStore()
+        return BindEpilogueAfterMMA(self.vec)
 
 
-def mma_rule(groups=(MMA_F32, MMA_F16)) -> ms.ScheduleRule:
-    """MultiLevelTilingTensorCore over the mma groups with software pipelining (cp.async stages) on."""
+def mma_rule() -> ms.ScheduleRule:
+    """The stock mma tiling (m16n8k8, cp.async software pipeline) on its own: in the "cuda-tensorcore" list the wmma
+    rule tensorizes the matmul first and this rule never sees it, so the stock space has no mma sketch."""
     R = ms.schedule_rule
+    mma_f32 = {"init": "mma_init_m16n8k8_f32", "load_a": "mma_load_m16n8k8_f16_A_shared_dyn",
+               "load_b": "mma_load_m16n8k8_f16_B_shared_dyn", "compute": "mma_sync_m16n8k8_f16f16f32",
+               "store": "mma_store_m16n8k8_f32_global"}
+    mma_f16 = {**mma_f32, "init": "mma_init_m16n8k8_f16", "compute": "mma_sync_m16n8k8_f16f16f16",
+               "store": "mma_store_m16n8k8_f16_global"}
     return R.MultiLevelTilingTensorCore(
-        intrin_groups=list(groups), structure="SSSRRSRS", tile_binds=["blockIdx.y", "blockIdx.x", "threadIdx.y"],
+        intrin_groups=[mma_f32, mma_f16], structure="SSSRRSRS", tile_binds=["blockIdx.y", "blockIdx.x", "threadIdx.y"],
         max_innermost_factor=4, vector_load_lens=[1, 2, 3, 4, 8, 16],
         reuse_read=R.ReuseType(req="must", levels=[4], scope="shared.dyn"),
         reuse_write=R.ReuseType(req="no", levels=[2], scope="shared.dyn"), use_software_pipeline=True)
 
 
-def rules() -> list:
-    """mma tiling, then the stock CUDA rules with the epilogue inlined before unrolling and binding."""
+def mma_space():
+    """The mma sketch: mma tiling, the stock CUDA rules, the epilogue bound before unrolling and auto-binding
+    (without that no candidate with an epilogue builds)."""
     import tvm.s_tir.tensor_intrin  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
 
-    cuda = list(ms.ScheduleRule.create("cuda"))[1:]  # as the stock "cuda-tensorcore" list: no ApplyCustomRule
-    names = [type(r).__name__ for r in cuda]
-    at = names.index("ParallelizeVectorizeUnroll")
-    return [mma_rule()] + cuda[:at] + [InlineEpilogueIntoMMAStore()] + cuda[at:]
-
-
-def space():
-    """PostOrderApply over the mma rules, tensor-core postprocs and mutators."""
-    return ms.space_generator.PostOrderApply(sch_rules=rules(), postprocs="cuda-tensorcore",
+    cuda = list(ms.ScheduleRule.create("cuda"))[1:]  # as the stock tensor-core list: no ApplyCustomRule
+    at = [type(r).__name__ for r in cuda].index("ParallelizeVectorizeUnroll")
+    rules = [mma_rule()] + cuda[:at] + [BindEpilogueAfterMMA()] + cuda[at:]
+    return ms.space_generator.PostOrderApply(sch_rules=rules, postprocs="cuda-tensorcore",
                                              mutator_probs="cuda-tensorcore")
 
 
+def space():
+    """The stock "cuda-tensorcore" sketches (wmma, epilogue fused) and the mma sketch; tuning picks."""
+    import tvm.s_tir.tensor_intrin  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
+
+    stock = ms.space_generator.PostOrderApply(sch_rules="cuda-tensorcore", postprocs="cuda-tensorcore",
+                                              mutator_probs="cuda-tensorcore")
+    return ms.space_generator.SpaceGeneratorUnion([stock, mma_space()], sch_rules=[], postprocs="cuda-tensorcore",
+                                                  mutator_probs="cuda-tensorcore")
+
+
 def sample_schedule(func, target, seed: int = 1, tiles=None, verify: bool = True, space_gen=None):
-    """One schedule of this space for `func` (IRModule or None if a postproc rejects it): the sketch replayed with
-    random decisions, or with the tile decisions `tiles` ([m factors], [n factors], [k factors]) where given."""
+    """One schedule of the mma sketch for `func` (IRModule, or None if a postproc rejects it): replayed with random
+    decisions, or with the tile decisions `tiles` ([m factors], [n factors], [k factors]) where given."""
     import tvm  # pylint: disable=import-outside-toplevel
     from tvm.s_tir.schedule import Trace  # pylint: disable=import-outside-toplevel
 
     mod = tvm.IRModule({"main": func})
-    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_gen or space(), search_strategy="replay-trace")
-    sketches = [s for s in ctx.generate_design_space() if "mma_sync" in str(s.trace)]
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_gen or mma_space(),
+                         search_strategy="replay-trace")
+    sketches = [s for s in ctx.generate_design_space() if "mma_sync_m16n8k8" in str(s.trace)]
     if not sketches:
         return None
     trace = sketches[0].trace
