@@ -11,6 +11,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, lookup, substitute
+from tvmfuse.kernels.attention_decode import chunk_of
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
 
@@ -183,6 +184,21 @@ def test_gpu_matches_numpy():
         out = tvm.runtime.tensor(np.zeros(args[0], "float16"), dev)
         lib["main"](*[tvm.runtime.tensor(a, dev) for a in arrs], out)
         assert np.abs(out.numpy().astype("f4") - ref(*arrs, causal=s.get("causal", False))).max() < 5e-3
+    # decode over the exports' L = 513 keys (512 past + 1): guarded tails, empty splits (split 64), Q/out [B,1,H,D];
+    # then the tiny GQA export's form: head_dim 16, the group in Q's rows, K/V read [B,L,H,D] in place
+    for s, stored in [(dict(batch=2, heads=8, kv_heads=2, seq_q=1, seq_k=513, head_dim=128, dtype="float16",
+                            q_layout="BSHD", out_layout="BSHD"), _bshd),
+                      (dict(batch=2, heads=2, kv_heads=2, seq_q=2, seq_k=513, head_dim=16, dtype="float16",
+                            k_layout="BSHD", v_layout="BSHD"), lambda x: x.reshape(2, 2, 2, 16))]:
+        D, HQ = s["head_dim"], s["heads"] * s["seq_q"]  # q, k, v, ref: [B,H,S,D] with every query row a head
+        q, k, v = rand(rng, (2, HQ, 1, D), "float16"), rand(rng, (2, 2, 513, D), "float16"), rand(rng, (2, 2, 513, D), "float16")
+        args = [stored(q)] + [_bshd(x) if s.get("k_layout") == "BSHD" else x for x in (k, v)]
+        for knobs in ({"split": 16, "warps": 4, "unroll": 2}, {"split": 64, "warps": 2, "unroll": 1},
+                      {"split": 1, "warps": 8, "unroll": 4}, ATTENTION_DECODE.default_knobs(s)):
+            lib = tvm.compile(tvm.IRModule({"main": ATTENTION_DECODE(s, knobs)}), target=CUDA)
+            out = tvm.runtime.tensor(np.zeros(args[0].shape, "float16"), dev)
+            lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+            assert np.abs(out.numpy().astype("f4") - stored(ref(q, k, v))).max() < 5e-3, (s, knobs)
     # the tiny exports' form: head_dim 16, Q/V/out BSHD read in place, K 2 heads, V 1, fp32 mask with a
     # fully masked (-inf) row (-> 0) and a finfo.min row (-> mean of V)
     s = dict(batch=1, heads=4, kv_heads=2, v_heads=1, seq_q=64, seq_k=64, head_dim=16, dtype="float16",
@@ -397,3 +413,128 @@ def test_gpu_prefill_every_knob_set_matches_numpy(variant):
         out = tvm.runtime.tensor(np.zeros(q.shape, "float16"), dev)
         lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
         assert np.abs(out.numpy().astype("f4") - want).max() < 5e-3, knobs
+
+
+@pytest.mark.parametrize("L", [513, 100])
+def test_decode_cpu_any_kv_length(L):
+    """KV length that no split x step count divides (the decode exports' 512 past keys + 1): each split takes
+    ceil(L / split) keys rounded up to whole steps, keys from L on weigh nothing, splits with no key at all
+    (split 64) combine to nothing; GQA (8 query heads over 2 KV heads), Q and out stored [B,1,H,D] (BSHD)."""
+    s = dict(batch=2, heads=8, kv_heads=2, seq_q=1, seq_k=L, head_dim=64, dtype="float16", q_layout="BSHD",
+             out_layout="BSHD")
+    space = ATTENTION_DECODE.knob_space(s)
+    assert {k["split"] for k in space} == {1, 4, 8, 16, 32, 64} and ATTENTION_DECODE.default_knobs(s) in space
+    rng = np.random.default_rng(L)
+    q, k, v = rand(rng, (2, 8, 1, 64), "float16"), rand(rng, (2, 2, L, 64), "float16"), rand(rng, (2, 2, L, 64), "float16")
+    want = _bshd(ref(q, k, v))
+    for knobs in ({"split": 4, "warps": 4, "unroll": 2}, {"split": 64, "warps": 2, "unroll": 1}):
+        live = -(-L // chunk_of(s, knobs))  # splits with keys: split 64 leaves 31 (L=513) or 51 (L=100) empty
+        assert (live < knobs["split"]) == (knobs["split"] == 64) and chunk_of(s, knobs) * knobs["split"] > L
+        got = run_cpu(ATTENTION_DECODE(s, knobs, "llvm"), [_bshd(q), k, v], (2, 1, 8, 64), "float16")
+        assert np.abs(got - want).max() < 2e-3, knobs
+
+
+def test_decode_cpu_group_rows_and_bshd_kv():
+    """transformers' GQA decode passes Q as [B, kv_heads, G, D] (the group in the rows): with no mask each row
+    is one more query head; K and V stored [B,L,H,D] are read in place; head_dim 16 (the tiny exports')."""
+    s = dict(batch=2, heads=2, kv_heads=2, seq_q=4, seq_k=513, head_dim=16, dtype="float16", k_layout="BSHD",
+             v_layout="BSHD")
+    rng = np.random.default_rng(2)
+    q, k, v = rand(rng, (2, 2, 4, 16), "float16"), rand(rng, (2, 2, 513, 16), "float16"), rand(rng, (2, 2, 513, 16), "float16")
+    got = run_cpu(ATTENTION_DECODE(s, {"split": 8}, "llvm"), [q, _bshd(k), _bshd(v)], q.shape, "float16")
+    assert np.abs(got - ref(q.reshape(2, 8, 1, 16), k, v).reshape(q.shape)).max() < 2e-3
+    assert "one query token" in ATTENTION_DECODE.check(dict(s, seq_q=64))  # prefill rows: not a group
+    assert "one query token" in ATTENTION_DECODE.check(dict(s, causal=True, seq_k=4))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_cuda_decode_compiles_with_guards_only_where_needed():
+    """L = 513: the keys past L are guarded (loads and scores); L = 512 with split x chunk == L has no guard."""
+    s = dict(batch=1, heads=32, kv_heads=8, seq_q=1, seq_k=513, head_dim=128, dtype="float16", q_layout="BSHD")
+    knobs = {"split": 16, "warps": 4, "unroll": 2}
+    src = _cuda_compiles(ATTENTION_DECODE(s, knobs))
+    assert "< 513)" in src and "-3.000000e+38" in src and "uint4" in src
+    src = _cuda_compiles(ATTENTION_DECODE(dict(s, seq_k=512), knobs))
+    assert "< 512)" not in src and "-3.000000e+38" not in src
+
+
+def _decode_export(name: str, folder: str) -> str:
+    """bench/hf_models.py's decode export of a tiny GPT-2 / Llama (Llama with 2 KV heads for 4 query heads:
+    GQA) at batch 2 with 512 past tokens, so attention runs over 513 keys."""
+    import sys
+
+    import torch
+    import transformers as tf
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import hf_models as hm  # pylint: disable=import-outside-toplevel
+
+    path = os.path.join(folder, f"{name}_decode.onnx")
+    if not os.path.exists(path):
+        cfg = hm.config(name, smoke=True)
+        cfg.update({"n_positions": 1024} if name == "gpt2" else {"max_position_embeddings": 1024, "num_key_value_heads": 2})
+        cfg._attn_implementation = "sdpa"  # pylint: disable=protected-access
+        torch.manual_seed(0)
+        model = (tf.GPT2LMHeadModel if name == "gpt2" else tf.LlamaForCausalLM)(cfg).eval()
+        hm.export(hm.wrap(model, "decode_b2"), hm.inputs(name, model, {"batch": 2, "seq": 1, "kv_len": 512}), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def decode_exports(tmp_path_factory):
+    pytest.importorskip("transformers")
+    folder = str(tmp_path_factory.mktemp("hf_decode"))
+    return lambda name: _decode_export(name, folder)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_decode_export_builds_for_cuda_with_the_decode_template(name, decode_exports, tmp_path, capsys):
+    """The product path for bench/models.py's decode exports (KV 512 + 1, fp16, `--trials 0`, compiled with
+    nvcc): every attention kernel is the decode template."""
+    import json
+
+    from tvmfuse.cli import main
+
+    out = tmp_path / "out"
+    rc = main([decode_exports(name), "--target", "cuda", "--trials", "0", "--dtype", "fp16", "--out", str(out),
+               "--logs", str(tmp_path / "logs"), "--schedules", "none"])
+    assert rc == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "attention" in ln and (": template" in ln or ": generic" in ln)]
+    assert lines and all(": template attention_decode" in ln for ln in lines), lines
+    (folder,) = os.listdir(out)
+    with open(out / folder / "manifest.json", encoding="utf-8") as f:
+        manifest = json.load(f)
+    assert [k["pattern"] for k in manifest["kernels"]].count("tvmfuse.attention") == len(lines) == 1  # layers share it
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_decode_exports_match_onnxruntime_with_the_decode_template(name, decode_exports, llvm):
+    """The tiny decode exports in fp16 (the pipeline's order), attention substituted by the decode template on
+    llvm: logits and the new K/V match onnxruntime within fp16's tolerance."""
+    import onnxruntime as ort
+
+    from tvmfuse.build import build
+    from tvmfuse.decide import decide
+    from tvmfuse.fuse import bind_params, lower
+    from tvmfuse.importer import import_model, load_onnx
+    from tvmfuse.precision import to_compute_dtype
+
+    model = load_onnx(decode_exports(name))
+    imp = import_model(model, {})
+    bound = to_compute_dtype(bind_params(imp.mod, imp.params), "float16")
+    fused = lower(bound, plan=decide(bound))
+    attention = [k for k, p in fused.kernel_patterns.items() if p == "tvmfuse.attention"]
+    log = []
+    new = substitute(fused.mod, fused.kernel_patterns, target="llvm", log=log)
+    assert attention and sorted(k for k, _ in log) == sorted(attention), log
+    assert {o for _, o in log} == {"template attention_decode"}, log
+    rng = np.random.default_rng(0)
+    feeds = {i.name: (rng.integers(0, 128, (2, 1)) if i.name == "input_ids" else rng.standard_normal(
+        [d.dim_value for d in i.type.tensor_type.shape.dim])).astype("int64" if i.name == "input_ids" else "float32")
+        for i in model.graph.input}
+    got = relax.VirtualMachine(build(new, llvm)[0], tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in feeds.values()])
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert np.all(np.abs(g.numpy() - w) <= 1e-2 + 1e-2 * np.abs(w)), np.abs(g.numpy() - w).max()
