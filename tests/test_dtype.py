@@ -310,3 +310,32 @@ def test_hf_exports_keep_their_fp32_fusions_in_fp16_and_bf16(name, exporter, hf_
         groups[dtype] = Counter(lower(mod, plan=decide(mod)).kernel_patterns.values())
     assert groups["float32"]["tvmfuse.attention"] == 1
     assert groups["float16"] == groups["bfloat16"] == groups["float32"], groups
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_power_computes_in_fp32_and_feeds_the_mean_directly(dtype):
+    """RMSNorm's mean(x**2): the square is taken in fp32 and the mean reads it without a round trip through the
+    compute dtype (fp16 overflows past 256 -> inf; torch's RMSNorm upcasts, the fp32 export had dropped that)."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Pow", ["h", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "ax"], ["ms"], keepdims=1), helper.make_node("Add", ["h", "ms"], ["y"])]
+    inits = [helper.make_tensor("w", TensorProto.FLOAT, [8, 8], np.eye(8, dtype="float32").ravel().tolist()),
+             helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]), helper.make_tensor("ax", TensorProto.INT64, [1], [-1])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], inits)
+    imp = import_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    mod = to_compute_dtype(bind_params(imp.mod, imp.params), dtype)
+    found = {}
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            found.setdefault(expr.op.name, []).append(expr)
+    relax.analysis.post_order_visit(mod["main"], visit)
+    assert [str(c.ty.dtype) for c in found["relax.power"]] == ["float32"]
+    assert [str(c.args[0].ty.dtype) for c in found["relax.mean"]] == ["float32"]
+    assert dtype in {str(c.ty.dtype) for c in found["relax.matmul"] + found["relax.astype"]}  # the rest is low
+    x = np.full((2, 8), 300.0, "float32")  # 300**2 = 90000 > 65504: an fp16 square would be inf
+    vm = relax.VirtualMachine(tvm.compile(lower(mod, patterns=[]).mod, target="llvm"), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    assert np.isfinite(got).all() and abs(float(got[0, 0]) - 90300.0) / 90300.0 < 1e-2

@@ -9,6 +9,7 @@ import tvm_ffi
 from tvm import relax, tirx
 
 from .decide import Plan, decide
+from .legalize import LEGALIZE
 from .patterns import Recorder, fusion_patterns, start, stop
 from .patterns.attention import batched_transpose_source
 
@@ -65,7 +66,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
     mod = tvm.transform.Sequential([
         inline_shape_params,
         simplify_transposes,
-        relax.transform.LegalizeOps(),
+        relax.transform.LegalizeOps(customize_legalize_map=LEGALIZE),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
