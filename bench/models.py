@@ -83,7 +83,43 @@ def measure_vm(vm, dtypes: list[str], ctx: dict) -> dict:
     args = [tvm.runtime.tensor(a.astype(d), dev) for a, d in zip(ctx["feeds"].values(), dtypes)]
     outs = to_numpy(vm["main"](*args))
     io = {"float_inputs": sorted({d for d in dtypes if "float" in d}), "outputs": sorted({str(o.dtype) for o in outs})}
-    return _measured(outs, time_vm(vm, dev, args), io, ctx)
+    row = _measured(outs, time_vm(vm, dev, args), io, ctx)
+    if ctx.get("profile"):
+        row["kernels_profile"] = kernel_profile(vm, dev, args)
+    return row
+
+
+def kernel_profile(vm, dev, args, top: int = 8) -> dict:
+    """One instrumented call: each called function's time (device synced around it; launch overhead included)
+    and the first calls whose arguments hold a non-finite value after they ran (where an inf/nan appears)."""
+    import tvm
+    times: dict[str, list] = {}
+    bad: list[str] = []
+    start = [0.0]
+
+    def instrument(_func, name, before, _ret, *fargs):
+        dev.sync()
+        if before:
+            start[0] = time.perf_counter()
+            return
+        n_us = times.setdefault(name, [0, 0.0])
+        n_us[0], n_us[1] = n_us[0] + 1, n_us[1] + (time.perf_counter() - start[0]) * 1e6
+        if len(bad) < 4:
+            for a in fargs:
+                if isinstance(a, tvm.runtime.Tensor) and "float" in str(a.dtype) and not np.isfinite(
+                        a.numpy().astype("float32")).all():
+                    bad.append(name)
+                    break
+
+    vm.set_instrument(instrument)
+    try:
+        vm["main"](*args)
+    finally:
+        vm.set_instrument(lambda *_: None)
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][1])
+    return {"total_us": round(sum(v[1] for v in times.values()), 1),
+            "top": [{"name": k, "calls": v[0], "us": round(v[1], 1)} for k, v in ranked[:top]],
+            "nonfinite_args_after": bad}
 
 
 def run_tvm(ctx: dict, key: str) -> dict:
@@ -148,6 +184,7 @@ def measure_case(args, info: dict, model, target, dev, ceilings) -> None:
         del ref_model, out
         low = hm.wrap(copy.deepcopy(model).to(tdev, tdt), case)
     ctx = {"info": info, "feeds": feeds, "ref": ref, "dtype": args.dtype, "dev": dev, "cuda": cuda, "torch_low": low,
+           "profile": args.profile,
            "torch_dtype": tdt,
            "torch_in": [torch.from_numpy(v).to(tdev, tdt if v.dtype.kind == "f" else None) for v in feeds.values()]}
     graphs = case.startswith("decode")  # the CUDA-graph contenders: decode cases on CUDA only
@@ -239,6 +276,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="bench-models")
     p.add_argument("--work", default="/tmp/bench-models", help="ONNX files, exports and tuning logs")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny configs, llvm target, fp32")
+    p.add_argument("--profile", action="store_true", help="per-kernel times and where non-finite values appear "
+                   "(one instrumented call of each TVM contender)")
     p.add_argument("--jobs", type=int, default=None, help="worker processes that export and build ahead of the "
                    "measurements (GPU hidden from them; --trials 0 only); 0: build in this process (default: 4, "
                    "smoke 0)")
