@@ -37,6 +37,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .interface import fp32_interface, is_cast, low_interface
+from .opmath import opmath_fp32
 from .jobs import check_io_dtype, parse_dtype
 
 Const = tvm.ir.GenericConst
@@ -61,7 +62,7 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None)
     n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
     inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32]
     mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
-    mod = _opmath_fp32(mod)
+    mod = opmath_fp32(mod)
     mod = fp32_interface(mod, inputs)
     if dtype == BFLOAT16:
         mod = _fp16_to_bf16(mod)
@@ -159,54 +160,6 @@ class _FoldScalarCasts(PyExprMutator):
 
             return relax.const(tvm.runtime.tensor(value.numpy().astype(np.float32).astype(ml_dtypes.bfloat16)), dtype)
         return relax.const(value.numpy().astype(dtype), dtype)
-
-
-#: ops that compute in fp32 between casts in fp16/bf16 (torch's "opmath" does the same): x**2 of a hidden state
-#: overflows fp16 past 256 (RMSNorm's mean of squares; on the H200 GPT-2 and Llama gave inf where the fp32 export
-#: had dropped the model's own upcast). tanh needs nothing: CUDA computes half tanh as tanhf, and tanh(inf) = 1
-OPMATH_FP32 = ("relax.power",)
-
-
-def _opmath_fp32(mod: tvm.IRModule) -> tvm.IRModule:
-    out = mod.clone()
-    for gv, fn in mod.functions.items():
-        if isinstance(fn, relax.Function):
-            out[gv] = _OpmathFp32(out).visit_expr(fn)
-    return out
-
-
-@relax.expr_functor.mutator
-class _OpmathFp32(relax.PyExprMutator):
-    """`op(x: fp16)` -> `astype(op(astype(x, fp32)), fp16)` for OPMATH_FP32 ops; where that result is only cast
-    back up (`astype(astype(y32, fp16), fp32)`: the mean of RMSNorm's squares), the fp32 value is used."""
-
-    def visit_call_(self, call):  # pylint: disable=arguments-renamed
-        call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op):
-            return call
-        if call.op.name == "relax.astype" and str(call.attrs.dtype) == FLOAT32 and isinstance(call.args[0], relax.Var):
-            down = self.lookup_binding(call.args[0])  # astype(astype(y: fp32, fp16), fp32) of an opmath op: y
-            if _is_op(down, "relax.astype") and str(down.attrs.dtype) == FLOAT16:
-                src = down.args[0]
-                value = self.lookup_binding(src) if isinstance(src, relax.Var) else src
-                if _is_opmath(value) and _dtype(value) == FLOAT32:
-                    return src
-        if _is_opmath(call) and any(_dtype(a) == FLOAT16 for a in call.args):
-            args = [relax.op.astype(a, FLOAT32) if _dtype(a) == FLOAT16 else a for a in call.args]
-            return relax.op.astype(self.builder_.normalize(relax.Call(call.op, args, call.attrs)), FLOAT16)
-        return call
-
-
-def _is_opmath(expr) -> bool:
-    return _is_op(expr, *OPMATH_FP32)
-
-
-def _dtype(expr) -> str:
-    return str(getattr(getattr(expr, "ty", None), "dtype", ""))
-
-
-def _is_op(expr, *names) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
 
 
 def _fp16_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:
