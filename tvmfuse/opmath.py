@@ -1,4 +1,4 @@
-"""Opmath pass: in fp16/bf16 modules, integer-power ops compute in fp32 between casts, as torch's opmath does."""
+"""Opmath pass: in fp16/bf16 modules, power ops compute in fp32 between casts, as torch's opmath does."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from tvm import relax
 FLOAT32, FLOAT16 = "float32", "float16"
 
 #: ops that compute in fp32 between casts in fp16/bf16 (torch's "opmath" does the same): x**2 of a hidden state
-#: overflows fp16 past 256 (RMSNorm's mean of squares; on the H200 GPT-2 and Llama gave inf where the fp32 export
-#: had dropped the model's own upcast). tanh needs nothing: CUDA computes half tanh as tanhf, and tanh(inf) = 1
+#: overflows fp16 past 256 (RMSNorm's mean of squares: Llama's RMSNorm upcasts to fp32 itself, but an fp32 export
+#: no longer says so). tanh needs nothing: CUDA computes half tanh in float, and tanh(inf) = 1
 OPMATH_FP32 = ("relax.power",)
 
 
