@@ -76,3 +76,25 @@ def test_gpu_default_traces_that_cannot_be_stored_are_not_committed():
                                           [1e-5], cuda, ArgInfo.from_prim_func(mod["main"]))
         outcomes.append(_round_trips(record, record.workload))
     assert True in outcomes or False in outcomes and len(outcomes) == len(mods)
+
+
+def test_cuda_default_is_the_row_schedule_the_build_applies(llvm):
+    """The default measured before tuning is the one the build gives an untuned kernel: for the two-output
+    RMSNorm+residual (dlight's reduction rules give up on it) tvmfuse's row-reduction schedule on CUDA, dlight's
+    elsewhere."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.baseline import ROW_DEFAULT, default_kind  # pylint: disable=import-outside-toplevel
+    from tvmfuse.build import apply_default_schedules  # pylint: disable=import-outside-toplevel
+    from tvmfuse.spaces import rowreduce  # pylint: disable=import-outside-toplevel
+
+    cuda = resolve_target("cuda")
+    fused, (task,) = _tasks(cuda)
+    (kernel,) = fused.kernels()
+    measured = default_schedule(task["main"], cuda)
+    assert default_kind(task["main"], cuda) == ROW_DEFAULT and default_kind(task["main"], llvm) == "default"
+    assert str(measured.trace) == str(rowreduce.default_schedule(task["main"]).trace)
+    assert str(measured.trace) == str(default_schedule(fused.mod[kernel], cuda).trace)
+    tvm.ir.assert_structural_equal(apply_default_schedules(fused.mod, cuda)[kernel],
+                                   default_schedule(fused.mod[kernel], cuda).mod["main"]
+                                   .with_attr("tirx.is_scheduled", True))

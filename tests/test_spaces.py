@@ -1,5 +1,6 @@
 """tvmfuse.spaces: space choice per kernel family, design-space generation and CUDA codegen on tiny shapes."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -48,6 +49,26 @@ def test_row_schedule_is_one_kernel_one_pass():
     assert src.count("__global__") == 2  # declaration + definition of one kernel
     assert "half4" in src or "uint2" in src  # 4 x fp16 vector loads/stores
 
+
+
+def test_row_default_knobs():
+    """16-byte vectors of the widest type computed in, whole warps covering the row in whole vectors."""
+    assert rowreduce.default_knobs(768, 32) == {"threads": 192, "vec": 4, "unroll": 64}  # fp16 LN: fp32 math
+    assert rowreduce.default_knobs(4096, 16) == {"threads": 512, "vec": 8, "unroll": 64}
+    assert rowreduce.default_knobs(8192, 32) == {"threads": 1024, "vec": 4, "unroll": 64}  # 2 vectors a thread
+    assert rowreduce.default_knobs(100, 32) == {"threads": 128, "vec": 1, "unroll": 64}  # no whole-warp cover
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_row_default_schedule_stages_where_it_fits_and_compiles():
+    sch = rowreduce.default_schedule(_pf("ln_gelu"))  # x is read three times: staged once in shared memory
+    assert "cache_read" in str(sch.trace) and "sample_categorical" not in str(sch.trace)
+    src = tvm.compile(sch.mod, target=H100).jit().imports[0].inspect_source("cuda")
+    with H100:
+        assert len(tvm.support.nvcc.compile_cuda(src, target_format="fatbin", compiler="nvcc")) > 1000
+    too_long = cases.fused_primfunc(*cases.rms_res(8, 32000))[1]  # h: 64 KB of fp16, over 48 KB of shared memory
+    assert rowreduce.default_schedule(too_long) is None
+    assert rowreduce.default_schedule(_pf("gemv")) is None
 
 def test_gemv_schedule_compiles():
     pf = _pf("gemv")

@@ -14,25 +14,60 @@ from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 from .progress import FAILED
 
 
-def default_rules(target: tvm.target.Target) -> list:
-    """dlight's rules in the order TVM's own CUDA pipeline tries them; the CPU ones elsewhere."""
+ROW_DEFAULT = "default (tvmfuse row-reduction)"
+
+
+class RowReductionDefault(dl.ScheduleRule):
+    """tvmfuse's row-reduction schedule (tvmfuse.spaces.rowreduce) with fixed knobs, for the CUDA row reductions
+    dlight's reduction rules give up on (multi-output fused norms: h = x + r; y = norm(h)), before its Fallback."""
+
+    def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
+        from .spaces import classify, rowreduce  # pylint: disable=import-outside-toplevel
+
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda" or classify(func) != "row":
+            return None
+        return rowreduce.default_schedule(func)
+
+
+def default_rules(target: tvm.target.Target, stock: bool = False) -> list:
+    """dlight's rules in the order TVM's own CUDA pipeline tries them, tvmfuse's row schedule just before the
+    final Fallback on CUDA (unless `stock`: dlight's alone, as stock TVM); the CPU ones elsewhere."""
     if "gpu" in target.keys:
-        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+        row = [RowReductionDefault()] if target.kind.name == "cuda" and not stock else []
+        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *row,
+                dl.gpu.Fallback()]
     return [dl.cpu.GEMV(), dl.cpu.Reduction()]
 
 
-def default_schedule(func: tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
-    """The first dlight rule that schedules `func` (its trace replays on the task); CPUs may keep it as is."""
+def default_rule(func: tirx.PrimFunc, target: tvm.target.Target, stock: bool = False) -> tuple:
+    """(the first rule in `default_rules` that schedules `func`, its schedule), or (None, the last rule's error)."""
+    last = None
     with target:
-        for rule in default_rules(target):
+        for rule in default_rules(target, stock):
             try:
                 space = rule.apply(func, target, False)
-            except Exception:  # pylint: disable=broad-except  (a rule that cannot handle a fused kernel)
+            except Exception as err:  # pylint: disable=broad-except  (a rule that cannot handle a fused kernel)
+                last = err
                 continue
             if isinstance(space, list):
                 space = space[0] if space else None
             if space is not None:
-                return space
+                return rule, space
+    return None, last
+
+
+def default_kind(func: tirx.PrimFunc, target: tvm.target.Target) -> str:
+    """How the build schedules an untuned kernel: "default" (dlight), or ROW_DEFAULT (CUDA only)."""
+    if target.kind.name != "cuda":
+        return "default"
+    return ROW_DEFAULT if isinstance(default_rule(func, target)[0], RowReductionDefault) else "default"
+
+
+def default_schedule(func: tirx.PrimFunc, target: tvm.target.Target) -> s_tir.Schedule | None:
+    """The first default rule that schedules `func` (its trace replays on the task); CPUs may keep it as is."""
+    rule, space = default_rule(func, target)
+    if rule is not None:
+        return space
     if "gpu" in target.keys:
         return None
     sch = s_tir.Schedule(func)  # CPUs run unscheduled kernels; one no-op instruction makes the trace

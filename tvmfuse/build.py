@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax, tirx
-from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
-from .baseline import default_rules
+from .baseline import default_kind, default_rule
 from .errors import TvmfuseError
 
 TUNED, DEFAULT = "tuned", "default"
@@ -26,38 +25,33 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
     return tuned
 
 
-def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """Give every kernel without a schedule TVM's default one (dlight), kernel by kernel, on a copy.
+def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target, stock: bool = False) -> tvm.IRModule:
+    """Give every kernel without a schedule its default one, kernel by kernel, on a copy.
 
-    dlight's rules are tried in order; a rule that cannot handle a fused kernel (they raise on some
-    multi-output reductions) is skipped. On CPUs an unscheduled kernel is still valid code; on GPUs
-    dlight's Fallback must succeed, else the kernel could not run and we say which one.
+    The rules are the baseline's (tvmfuse.baseline.default_rules: dlight's, and on CUDA tvmfuse's row-reduction
+    schedule before dlight's Fallback), tried in order; a rule that cannot handle a fused kernel (dlight's raise on
+    some multi-output reductions) is skipped. On CPUs an unscheduled kernel is still valid code; on GPUs some rule
+    (at last Fallback) must succeed, else the kernel could not run and we say which one. `stock`: dlight's rules
+    only, as stock TVM builds (benchmarks' "TVM default").
     """
-    gpu = "gpu" in target.keys
-    # the same rules the baseline measured (tvmfuse.baseline), so a kept default is the one built here
-    rule_sets = [default_rules(target), [dl.gpu.Fallback()]] if gpu else [default_rules(target)]
-    out = mod.clone()  # ApplyDefaultSchedule mutates its input (notes pitfall 12)
+    out = mod.clone()  # the input module stays unscheduled (the measured-before build reuses it)
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
             continue
-        for rules in rule_sets:
-            try:
-                with target:
-                    scheduled = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({gv: func}))
-                out[gv] = scheduled[gv]
-                break
-            except Exception as err:  # pylint: disable=broad-except  (dlight raises many kinds)
-                last = err
-        else:
-            if gpu:
-                raise TvmfuseError(f"kernel {gv.name_hint}: no default GPU schedule applies "
-                                   f"({type(last).__name__}: {str(last).strip().splitlines()[-1]})")
+        rule, got = default_rule(func, target, stock)
+        if rule is not None:
+            out[gv] = got.mod["main"].with_attr("tirx.is_scheduled", True)  # as dlight's ApplyDefaultSchedule
+        elif "gpu" in target.keys:
+            why = f" ({type(got).__name__}: {str(got).strip().splitlines()[-1]})" if got is not None else ""
+            raise TvmfuseError(f"kernel {gv.name_hint}: no default GPU schedule applies{why}")
     return out
 
 
-def schedule_kinds(mod: tvm.IRModule) -> dict[str, str]:
-    """Which kernels carry a tuned schedule (after `apply_database`) and which do not."""
-    return {gv.name_hint: TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False) else DEFAULT
+def schedule_kinds(mod: tvm.IRModule, target: tvm.target.Target | None = None) -> dict[str, str]:
+    """Which kernels carry a tuned schedule (after `apply_database`) and which do not; with `target`, the
+    untuned ones that get tvmfuse's row-reduction default say so (baseline.ROW_DEFAULT)."""
+    return {gv.name_hint: TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False)
+            else default_kind(fn, target) if target is not None else DEFAULT
             for gv, fn in mod.functions.items() if isinstance(fn, tirx.PrimFunc)}
 
 
@@ -86,7 +80,7 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
 
 
 def build(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None = None):
-    """Apply the database, then defaults; returns (executable, {kernel: "tuned" | "default"})."""
+    """Apply the database, then defaults; returns (executable, {kernel: "tuned" | "default" | baseline.ROW_DEFAULT})."""
     tuned = apply_database(mod, target, database)
-    kinds = schedule_kinds(tuned)
+    kinds = schedule_kinds(tuned, target)
     return compile_module(apply_default_schedules(tuned, target), target), kinds

@@ -1,7 +1,10 @@
-"""Design space for row-reduction fusions (LayerNorm/RMSNorm/softmax with elementwise prologue and epilogue): one block per row, the row staged once in shared memory, tunable threads per row, vector width and unroll."""
+"""Design space for row-reduction fusions (LayerNorm/RMSNorm/softmax with elementwise prologue and epilogue): one block per row, the row staged once in shared memory, tunable threads per row, vector width and unroll (fixed default knobs for untuned CUDA builds)."""
 
 from __future__ import annotations
 
+import re
+
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import get_root_block, normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
@@ -127,6 +130,59 @@ def schedule_row(sch: s_tir.Schedule, stage: bool = True, threads=None, vec=None
             sch.bind(rt, "threadIdx.x")
             sch.vectorize(rv)
     return True
+
+
+SHARED_BYTES = 48 * 1024  # static shared memory per block
+
+
+def default_knobs(row_len: int, widest_bits: int) -> dict:
+    """Fixed knobs for an untuned kernel: vectors of 16 bytes of the widest type the kernel computes in (fp16 math:
+    8, fp32 or fp16 accumulated in fp32: 4; wider vectors do not compile) where whole warps of threads, at most 1024,
+    cover the row in whole vectors (no predicated vector loop); else scalar and up to 1024 threads."""
+    vec = max(1, 128 // max(8, widest_bits))
+    while vec >= 1:
+        per_row = row_len // vec
+        fits = [t for t in range(32, 1025, 32) if row_len % vec == 0 and per_row % t == 0]
+        if fits and max(fits) >= min(256, per_row):
+            return {"threads": max(fits), "vec": vec, "unroll": 64}
+        vec //= 2
+    return {"threads": min(1024, -(-row_len // 32) * 32), "vec": 1, "unroll": 64}
+
+
+def _widest_float_bits(func: tirx.PrimFunc) -> int:
+    """Bits of the widest float type in the kernel's buffers, casts and constants (its TVMScript names them all)."""
+    return max([int(b) for b in re.findall(r"\bb?float(16|32|64)\b", func.script())] or [32])
+
+
+def _shared_bytes(sch: s_tir.Schedule, nlead: int) -> int:
+    """Shared memory one block (one row) allocates."""
+    total = 0
+    for buf in sch.get(get_root_block(sch)).alloc_buffers:
+        if buf.scope() == "shared":
+            n = 1
+            for d in buf.shape[nlead:]:
+                n *= int(d)
+            total += n * tvm.DataType(str(buf.dtype)).bits // 8
+    return total
+
+
+def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    """The row schedule with `default_knobs`, the row staged in shared memory where it fits, else read through
+    L1; None if `func` is not a row reduction or its row does not fit in shared memory."""
+    probe = s_tir.Schedule(func)
+    got = _analyze(probe)
+    if got is None:
+        return None
+    _, nlead, row_len = got
+    knobs = default_knobs(row_len, _widest_float_bits(func))
+    for stage in (True, False):
+        sch = s_tir.Schedule(func)
+        try:
+            if schedule_row(sch, stage=stage, **knobs) and _shared_bytes(sch, nlead) <= SHARED_BYTES:
+                return sch
+        except Exception:  # pylint: disable=broad-except  (a fused kernel the row schedule cannot take)
+            continue
+    return None
 
 
 def space_fn(sch: s_tir.Schedule):
