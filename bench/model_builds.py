@@ -107,7 +107,7 @@ def prepare(name: str, case: str, opts: dict) -> dict:
             raise RuntimeError("run_job no longer calls pipeline.to_compute_dtype: bench/model_builds.py needs updating")
         t = time.time()
         stock = lower(seen["to_compute_dtype"], patterns=[])
-        scheduled = apply_default_schedules(stock.mod, target)
+        scheduled = apply_default_schedules(stock.mod, target, stock=True)
         info["tvm_default"] = {
             "library": _export(compile_module(scheduled, target), os.path.join(folder, "tvm_default.so")),
             "main_dtypes": _main_dtypes(scheduled), "kernels": len(stock.kernels()), "launches": launches(stock.mod),

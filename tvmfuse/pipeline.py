@@ -135,7 +135,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     keep = kernels_keeping_default(fused.mod, records, {p.workload: p.default_us for p in progress.values()
                                                         if p.default_us is not None})
     tuned_mod = apply_database(fused.mod, target, database, keep_default=keep)
-    kinds = {**schedule_kinds(tuned_mod), **{k: "default (measured faster than every tuned schedule)" for k in keep}}
+    kinds = {**schedule_kinds(tuned_mod, target), **{k: "default (measured faster than every tuned schedule)" for k in keep}}
     records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
     executable = compile_module(with_dispatch(apply_default_schedules(tuned_mod, target)), target,
                                 cuda_graph=job.cuda_graph)
