@@ -44,3 +44,22 @@ def test_cuda_source_has_no_powf_for_the_gelu_cube():
     mod = apply_default_schedules(_power_module(3.0, "float16"), target)
     src = compile_module(mod, target).jit().imports[0].inspect_source()
     assert "hpow" not in src.split("main_kernel", 1)[-1] and "powf" not in src.split("main_kernel", 1)[-1]
+
+
+def test_power_with_a_parameter_exponent_is_right_for_negative_bases():
+    """Inside a fused composite the exponent is a parameter, not a constant: pow(|x|, y) with the sign restored
+    for odd integer y (CUDA's fast-math powf of a negative base is NaN)."""
+    bb = relax.BlockBuilder()
+    x, y = relax.Var("x", relax.TensorType((4, 32), "float32")), relax.Var("y", relax.TensorType((), "float32"))
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.power(x, y))
+        bb.emit_func_output(out)
+    mod = lower(bb.get(), patterns=[]).mod
+    assert "fabs" in _kernel_source(mod) or "abs(" in _kernel_source(mod)
+    xs = np.linspace(-3, 3, 128, dtype="float32").reshape(4, 32)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    for exponent in (2.0, 3.0, 0.5):
+        got = vm["main"](tvm.runtime.tensor(xs), tvm.runtime.tensor(np.array(exponent, "float32"))).numpy()
+        want = xs ** exponent if exponent != 0.5 else np.abs(xs) ** 0.5
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
