@@ -154,15 +154,16 @@ def _widest_float_bits(func: tirx.PrimFunc) -> int:
     return max([int(b) for b in re.findall(r"\bb?float(16|32|64)\b", func.script())] or [32])
 
 
-def _shared_bytes(sch: s_tir.Schedule, nlead: int) -> int:
-    """Shared memory one block (one row) allocates."""
+def _shared_bytes(sch: s_tir.Schedule, row_len: int) -> int:
+    """Shared memory one block (one row) allocates: a staging buffer holds one row of its full-size shape
+    (leading unit dims included, e.g. (1, 512, 768) for rows of 768; CompactBufferAllocation keeps one row)."""
     total = 0
     for buf in sch.get(get_root_block(sch)).alloc_buffers:
         if buf.scope() == "shared":
             n = 1
-            for d in buf.shape[nlead:]:
+            for d in buf.shape:
                 n *= int(d)
-            total += n * tvm.DataType(str(buf.dtype)).bits // 8
+            total += (row_len if n % row_len == 0 else n) * tvm.DataType(str(buf.dtype)).bits // 8
     return total
 
 
@@ -178,7 +179,7 @@ def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     for stage in (True, False):
         sch = s_tir.Schedule(func)
         try:
-            if schedule_row(sch, stage=stage, **knobs) and _shared_bytes(sch, nlead) <= SHARED_BYTES:
+            if schedule_row(sch, stage=stage, **knobs) and _shared_bytes(sch, row_len) <= SHARED_BYTES:
                 return sch
         except Exception:  # pylint: disable=broad-except  (a fused kernel the row schedule cannot take)
             continue
