@@ -1,5 +1,7 @@
 """Baseline records: the default schedule is measured once, stored, and kept when tuning cannot beat it."""
 
+import pytest
+import tvm
 from tvm.s_tir import meta_schedule as ms
 
 import onnx_models
@@ -98,3 +100,58 @@ def test_cuda_default_is_the_row_schedule_the_build_applies(llvm):
     tvm.ir.assert_structural_equal(apply_default_schedules(fused.mod, cuda)[kernel],
                                    default_schedule(fused.mod[kernel], cuda).mod["main"]
                                    .with_attr("tirx.is_scheduled", True))
+
+
+def _fp16_matmul_cast(m=512, k=4096, n=4096):
+    """ToMixedPrecision's GEMM: fp16 operands, fp32 accumulation, cast back to fp16."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x, w = relax.Var("x", relax.TensorType((1, m, k), "float16")), relax.Var("w", relax.TensorType((k, n), "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.astype(bb.emit(relax.op.matmul(x, w, out_dtype="float32")), "float16"))
+        bb.emit_func_output(out)
+    return lower(bb.get(), patterns=[]).mod
+
+
+def _cuda_source(mod, target, stock=False) -> str:
+    from tvmfuse.build import apply_default_schedules, compile_module
+
+    found = []
+
+    def walk(m):
+        if m.kind == "cuda":
+            found.append(m.inspect_source("cuda"))
+        for sub in m.imports:
+            walk(sub)
+    walk(compile_module(apply_default_schedules(mod, target, stock=stock), target).jit())
+    return found[0]
+
+
+def test_cuda_default_gemm_uses_tensor_cores_on_sm90a():
+    """dlight reads "sm_90a" as no tensor cores (str.isdigit on "90a"): stock TVM's default GEMM runs on CUDA cores;
+    tvmfuse's default takes dlight's tensor-core (wmma) path."""
+    cuda = resolve_target("cuda")
+    assert str(cuda.attrs["arch"]) == "sm_90a"
+    mod = _fp16_matmul_cast()
+    assert "wmma::mma_sync" in _cuda_source(mod, cuda)
+    assert "wmma" not in _cuda_source(mod, cuda, stock=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+def test_gpu_default_tensor_core_gemm_matches_numpy():
+    import numpy as np
+    from tvm import relax
+
+    from tvmfuse.build import apply_default_schedules, compile_module
+
+    cuda, dev, rng = resolve_target("cuda"), tvm.cuda(0), np.random.default_rng(0)
+    for m, k, n in [(512, 4096, 4096), (100, 768, 3072)]:
+        x = rng.standard_normal((1, m, k)).astype("float16")
+        w = (rng.standard_normal((k, n)) * 0.02).astype("float16")
+        vm = relax.VirtualMachine(compile_module(apply_default_schedules(_fp16_matmul_cast(m, k, n), cuda), cuda), dev)
+        got = vm["main"](tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev)).numpy().astype("float32")
+        want = x.astype("float32") @ w.astype("float32")
+        assert np.abs(got - want).max() < 2e-2, (m, k, n)

@@ -29,13 +29,27 @@ class RowReductionDefault(dl.ScheduleRule):
         return rowreduce.default_schedule(func)
 
 
+class TensorCoreMatmul(dl.ScheduleRule):
+    """dlight's Matmul with its tensor-core path reachable on sm_90a: dlight checks `arch` with str.isdigit, so
+    "sm_90a" (the nvidia/nvidia-h100 tag) reads as no tensor cores and every GEMM ran on CUDA cores (no HMMA in the
+    SASS, bench/results/sass_mix.json). The rule sees the arch without its suffix; the build keeps the real target."""
+
+    def apply(self, func, target, tunable):  # pylint: disable=missing-function-docstring
+        arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+        if arch[:3] == "sm_" and arch[3:-1].isdigit() and arch[-1].isalpha():
+            spec = target.export()
+            target = tvm.target.Target({**{str(k): v for k, v in spec.items()}, "arch": arch[:-1]})
+        with target:
+            return dl.gpu.Matmul().apply(func, target, tunable)
+
+
 def default_rules(target: tvm.target.Target, stock: bool = False) -> list:
     """dlight's rules in the order TVM's own CUDA pipeline tries them, tvmfuse's row schedule just before the
     final Fallback on CUDA (unless `stock`: dlight's alone, as stock TVM); the CPU ones elsewhere."""
     if "gpu" in target.keys:
         row = [RowReductionDefault()] if target.kind.name == "cuda" and not stock else []
-        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *row,
-                dl.gpu.Fallback()]
+        matmul = dl.gpu.Matmul() if stock else TensorCoreMatmul()
+        return [matmul, dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *row, dl.gpu.Fallback()]
     return [dl.cpu.GEMV(), dl.cpu.Reduction()]
 
 
