@@ -1,4 +1,4 @@
-"""Shared test helpers: lower a tiny ONNX model, and compare its built module with onnxruntime."""
+"""Shared test helpers: lower a tiny ONNX model, compare its built module with onnxruntime, read CUDA sources."""
 
 from tvm import relax
 
@@ -21,3 +21,33 @@ def check_against_ort(model, imp, fused, target):
     feeds = random_inputs(imp.inputs, dims={d: 3 for d in imp.symbolic_dims})
     dev = device_for(target)
     return compare(run_vm(relax.VirtualMachine(ex, dev), dev, list(feeds.values())), onnxruntime_outputs(model, feeds))
+
+
+def cuda_sources(executable) -> list[str]:
+    """The CUDA source of each CUDA module a built executable carries."""
+    found = []
+
+    def walk(mod):
+        if mod.kind == "cuda":
+            found.append(mod.inspect_source("cuda"))
+        for sub in mod.imports:
+            walk(sub)
+
+    walk(executable.mod)
+    return found
+
+
+def assert_bad_inputs_exit_2(cases: dict, tmp_path, capsys, extra=()) -> None:
+    """Each case {name: (args, message)} run through the CLI: exit 2, `message` in one `error:` line, nothing
+    written under its --out. `extra` args go after each case's own."""
+    from tvmfuse.cli import main  # pylint: disable=import-outside-toplevel
+
+    for case, (args, message) in cases.items():
+        out = tmp_path / f"out-{case.replace(' ', '_')}"
+        code = main(["--target", "llvm", "--trials", "0", "--out", str(out), "--logs", str(tmp_path / "l"),
+                     *extra, *args])
+        err = capsys.readouterr().err
+        assert code == 2, case
+        assert message in err, (case, err)
+        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, (case, err)
+        assert not out.exists() or not any(out.iterdir()), case

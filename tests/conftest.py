@@ -32,3 +32,19 @@ def llvm():
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 
     return resolve_target("llvm")
+
+
+@pytest.fixture(scope="session")
+def hf_exports(tmp_path_factory):
+    """hf_exports(model, exporter='legacy') -> the path of a tiny HF export (tests/hf_export.py), each made once
+    per test session."""
+    hf_export = pytest.importorskip("hf_export")
+    folder, cache = tmp_path_factory.mktemp("hf"), {}
+
+    def get(name: str, exporter: str = "legacy") -> str:
+        if (name, exporter) not in cache:
+            if exporter == "dynamo":
+                pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript (dev extra)")
+            cache[(name, exporter)] = hf_export.export(name, exporter, str(folder))
+        return cache[(name, exporter)]
+    return get

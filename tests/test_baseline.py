@@ -116,17 +116,10 @@ def _fp16_matmul_cast(m=512, k=4096, n=4096):
 
 
 def _cuda_source(mod, target, stock=False) -> str:
+    from checks import cuda_sources
     from tvmfuse.build import apply_default_schedules, compile_module
 
-    found = []
-
-    def walk(m):
-        if m.kind == "cuda":
-            found.append(m.inspect_source("cuda"))
-        for sub in m.imports:
-            walk(sub)
-    walk(compile_module(apply_default_schedules(mod, target, stock=stock), target).jit())
-    return found[0]
+    return cuda_sources(compile_module(apply_default_schedules(mod, target, stock=stock), target))[0]
 
 
 def test_cuda_default_gemm_uses_tensor_cores_on_sm90a():

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnx_models
+from checks import assert_bad_inputs_exit_2
 from tvmfuse.buckets import bucket_shapes, function_name, verification_dims
 from tvmfuse.cli import main
 from tvmfuse.jobs import load_jobs, parse_buckets
@@ -115,15 +116,7 @@ def test_bad_buckets_exit_2_with_one_line_and_nothing_written(tmp_path, capsys):
         "fixed too": (["--buckets", "batch=1,2", "--shape", "batch=4"], "batch is fixed by --shape"),
         "input fixed": (["--buckets", "batch=1,2", "--shape", "x=4,64"], "batch is fixed by --shape"),
     }
-    for case, (args, message) in cases.items():
-        out = tmp_path / f"out-{case.replace(' ', '_')}"
-        code = main(["--target", "llvm", "--trials", "0", "--out", str(out), "--logs", str(tmp_path / "l"),
-                     str(tmp_path / "dyn.onnx"), *args])
-        err = capsys.readouterr().err
-        assert code == 2, case
-        assert message in err, (case, err)
-        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, (case, err)
-        assert not out.exists() or not any(out.iterdir()), case
+    assert_bad_inputs_exit_2(cases, tmp_path, capsys, extra=[str(tmp_path / "dyn.onnx")])
 
 
 def test_jobs_file_buckets(tmp_path):

@@ -7,6 +7,7 @@ import tvm
 from tvm import relax
 
 import onnx_models
+from checks import cuda_sources
 from tvmfuse.build import DEFAULT, apply_default_schedules, build
 from tvmfuse.fuse import lower
 from tvmfuse.importer import import_model, random_inputs
@@ -17,19 +18,6 @@ from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
 def _fused(model):
     imp = import_model(model)
     return imp, lower(imp.mod, imp.params)
-
-
-def _cuda_sources(executable) -> list[str]:
-    found = []
-
-    def walk(mod):
-        if mod.kind == "cuda":
-            found.append(mod.inspect_source("cuda"))
-        for sub in mod.imports:
-            walk(sub)
-
-    walk(executable.mod)
-    return found
 
 
 def test_without_database_every_kernel_is_default(llvm):
@@ -54,7 +42,7 @@ def test_fused_module_cuda_code_compiles_with_nvcc(make):
     cuda = resolve_target("cuda")
     _, fused = _fused(make(rows=64, hidden=256))
     executable, _ = build(fused.mod, cuda)
-    sources = _cuda_sources(executable)
+    sources = cuda_sources(executable)
     assert sources and "__global__" in sources[0]
     with cuda:
         fatbin = tvm.support.nvcc.compile_cuda(sources[0], target_format="fatbin", compiler="nvcc")
@@ -141,7 +129,7 @@ def test_skip_layer_norm_gets_the_row_reduction_default_on_cuda():
     (kernel,) = fused.kernels()
     executable, kinds = build(fused.mod, cuda)
     assert kinds == {kernel: ROW_DEFAULT}
-    (src,) = _cuda_sources(executable)
+    (src,) = cuda_sources(executable)
     assert "__launch_bounds__(192)" in src and "__shfl_down_sync" in src  # one row per block, reduced across threads
     assert "*(half4*)(T_layer_norm_intermediate_ptr" in src  # 4 x fp16 vector stores
     with cuda:
@@ -149,7 +137,7 @@ def test_skip_layer_norm_gets_the_row_reduction_default_on_cuda():
     assert len(fatbin) > 1000
     # stock TVM's rules (what it got before, and the benchmarks' "TVM default"): dlight's Fallback, no cross-thread
     # reduction (one thread walks a whole row)
-    (stock_src,) = _cuda_sources(compile_module(apply_default_schedules(fused.mod, cuda, stock=True), cuda))
+    (stock_src,) = cuda_sources(compile_module(apply_default_schedules(fused.mod, cuda, stock=True), cuda))
     assert "__shfl_down_sync" not in stock_src and "__launch_bounds__(192)" not in stock_src
 
 

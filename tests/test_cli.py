@@ -113,14 +113,9 @@ def _bad_inputs(tmp):
 
 
 def test_bad_inputs_exit_2_with_one_line_and_nothing_written(tmp_path, capsys):
-    for case, (args, message) in _bad_inputs(tmp_path).items():
-        out = tmp_path / f"out-{case.replace(' ', '_')}"
-        code = main(["--target", "llvm", "--trials", "0", "--out", str(out), "--logs", str(tmp_path / "l"), *args])
-        err = capsys.readouterr().err
-        assert code == 2, case
-        assert message in err, (case, err)
-        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, (case, err)
-        assert not out.exists() or not any(out.iterdir()), case
+    from checks import assert_bad_inputs_exit_2
+
+    assert_bad_inputs_exit_2(_bad_inputs(tmp_path), tmp_path, capsys)
 
 
 def test_bad_input_process_exit_code_is_2(tmp_path):

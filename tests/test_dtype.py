@@ -283,13 +283,6 @@ def test_io_dtype_end_to_end(tmp_path, dtype, tol):
 
 # ---- tiny HF exports: the same fusion groups in fp16/bf16 as in fp32 ------------------------------------
 
-@pytest.fixture(scope="module")
-def hf_exports(tmp_path_factory):
-    hf_export = pytest.importorskip("hf_export")
-    folder = str(tmp_path_factory.mktemp("hf"))
-    return lambda name, exporter: hf_export.export(name, exporter, folder)
-
-
 @pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_hf_exports_keep_their_fp32_fusions_in_fp16_and_bf16(name, exporter, hf_exports):

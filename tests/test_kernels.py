@@ -298,14 +298,14 @@ def test_substitute_takes_the_export_form(kv_heads):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_hf_fp16_export_builds_for_cuda_with_the_template(name, exports, tmp_path, capsys):
+def test_hf_fp16_export_builds_for_cuda_with_the_template(name, hf_exports, tmp_path, capsys):
     """The product path (`tune --target cuda --dtype fp16 --trials 0`, compile only): the job log says the
     attention kernel was replaced by the prefill template, and the export has one attention kernel."""
     import json
     from tvmfuse.cli import main
 
     out = tmp_path / "out"
-    rc = main([exports(name, "legacy"), "--target", "cuda", "--trials", "0", "--dtype", "fp16",
+    rc = main([hf_exports(name, "legacy"), "--target", "cuda", "--trials", "0", "--dtype", "fp16",
                "--shape", "batch=1", "--shape", "seq=64", "--out", str(out), "--logs", str(tmp_path / "logs"),
                "--schedules", "none"])
     assert rc == 0
@@ -332,16 +332,9 @@ def test_cuda_variant_compiles_at_export_shapes():
         assert "mma.sync.aligned.m16n8k16" in src and "CUDART_INF_F" in src  # the fully-masked-row test
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    hf_export = pytest.importorskip("hf_export")
-    folder = str(tmp_path_factory.mktemp("hf"))
-    return lambda name, exporter: hf_export.export(name, exporter, folder)
-
-
 @pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_hf_exports_take_the_prefill_template(name, exporter, exports, llvm):
+def test_hf_exports_take_the_prefill_template(name, exporter, hf_exports, llvm):
     """Tiny GPT-2/Llama exports at batch 1, seq 64, the pipeline's order (bind_params -> to_compute_dtype(fp16)
     -> decide -> lower(plan)): the fp16 attention (casts between its ops, fp32 softmax) is one kernel, and
     substitute(target='llvm') takes every attention kernel, and the built module matches onnxruntime within
@@ -355,7 +348,7 @@ def test_hf_exports_take_the_prefill_template(name, exporter, exports, llvm):
     from tvmfuse.importer import import_model, load_onnx
     from tvmfuse.precision import to_compute_dtype
 
-    model = load_onnx(exports(name, exporter))
+    model = load_onnx(hf_exports(name, exporter))
     imp = import_model(model, {"batch": [1], "seq": [64]})
     tol = 1e-2
     bound = to_compute_dtype(bind_params(imp.mod, imp.params), "float16")

@@ -25,26 +25,11 @@ EXPECTED = {
 DYNAMO_GPT2 = EXPECTED["gpt2"] - {"tvmfuse.matmul_bias_gelu_tanh"} | {"tvmfuse.matmul_gelu_tanh"}
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """{(model, exporter): path}, each exported once, on first use."""
-    hf_export = pytest.importorskip("hf_export")
-    folder, cache = tmp_path_factory.mktemp("hf"), {}
-
-    def get(name: str, exporter: str = "legacy") -> str:
-        if (name, exporter) not in cache:
-            if exporter == "dynamo":
-                pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript (dev extra)")
-            cache[(name, exporter)] = hf_export.export(name, exporter, str(folder))
-        return cache[(name, exporter)]
-    return get
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_hf_model_plan_fuses_and_matches_onnxruntime(name, exporter, exports, llvm):
-    model = load_onnx(exports(name, exporter))
+def test_hf_model_plan_fuses_and_matches_onnxruntime(name, exporter, hf_exports, llvm):
+    model = load_onnx(hf_exports(name, exporter))
     imp = import_model(model)
     assert imp.symbolic_dims  # dynamic batch and sequence stay symbolic
     bound = bind_params(imp.mod, imp.params)
@@ -69,11 +54,11 @@ def test_hf_model_plan_fuses_and_matches_onnxruntime(name, exporter, exports, ll
 
 
 @pytest.mark.slow
-def test_plan_command_prints_text_and_json(exports, capsys):
-    assert plan_main([exports("llama"), "--target", "cuda"]) == 0
+def test_plan_command_prints_text_and_json(hf_exports, capsys):
+    assert plan_main([hf_exports("llama"), "--target", "cuda"]) == 0
     text = capsys.readouterr().out
     assert "tvmfuse.swiglu" in text and "kernel launches per run: stock TVM fusion" in text
-    assert plan_main([exports("gpt2", "dynamo"), "--target", "llvm", "--json", "--threshold-us", "5"]) == 0
+    assert plan_main([hf_exports("gpt2", "dynamo"), "--target", "llvm", "--json", "--threshold-us", "5"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["threshold_us"] == 5.0
     for row in report["candidates"]:

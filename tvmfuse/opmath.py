@@ -13,12 +13,17 @@ FLOAT32, FLOAT16 = "float32", "float16"
 OPMATH_FP32 = ("relax.power",)
 
 
-def opmath_fp32(mod: tvm.IRModule) -> tvm.IRModule:
+def mutate_functions(mod: tvm.IRModule, mutator_cls) -> tvm.IRModule:
+    """A copy of `mod` with every Relax function rewritten by a fresh `mutator_cls(copy)`."""
     out = mod.clone()
     for gv, fn in mod.functions.items():
         if isinstance(fn, relax.Function):
-            out[gv] = _OpmathFp32(out).visit_expr(fn)
+            out[gv] = mutator_cls(out).visit_expr(fn)
     return out
+
+
+def opmath_fp32(mod: tvm.IRModule) -> tvm.IRModule:
+    return mutate_functions(mod, _OpmathFp32)
 
 
 @relax.expr_functor.mutator

@@ -37,7 +37,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .interface import fp32_interface, is_cast, low_interface
-from .opmath import opmath_fp32
+from .opmath import mutate_functions, opmath_fp32
 from .jobs import check_io_dtype, parse_dtype
 
 Const = tvm.ir.GenericConst
@@ -138,11 +138,7 @@ def _op_dtypes(mod: tvm.IRModule) -> list[tuple[str, str]]:
 def _fold_scalar_casts(mod: tvm.IRModule) -> tvm.IRModule:
     """`astype(scalar const)` -> a constant of the cast's dtype (FoldConstant leaves 0-d casts); CanonicalizeBindings
     then puts the constant into its uses, where the patterns look for constants."""
-    out = mod.clone()
-    for gv, fn in mod.functions.items():
-        if isinstance(fn, relax.Function):
-            out[gv] = _FoldScalarCasts(out).visit_expr(fn)
-    return out
+    return mutate_functions(mod, _FoldScalarCasts)
 
 
 @mutator
@@ -163,11 +159,7 @@ class _FoldScalarCasts(PyExprMutator):
 
 
 def _fp16_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:
-    out = mod.clone()
-    for gv, fn in mod.functions.items():
-        if isinstance(fn, relax.Function):
-            out[gv] = _Retype(out).visit_expr(fn)
-    return out
+    return mutate_functions(mod, _Retype)
 
 
 @relax.expr_functor.mutator
