@@ -97,13 +97,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
                            "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
                            "with default schedules")
     database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"), fused.mod)
-    if target.kind.name == "cuda":  # hand-written kernels (tvmfuse.kernels) where a template takes the shapes,
-        templates: list = []  # their knobs measured into the same database first, the best measured applied
-        tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc,
-                       on_progress=_progress_printer(job.name, say))
-        fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
-        for kernel, outcome in templates:
-            say(f"[{job.name}] {kernel}: {outcome}")
+    _apply_templates(fused, job.name, "", target, database, trials, rpc, say)
     bucketed = None
     if job.buckets:  # static copies of main for the named sizes (their kernels tune); main dispatches on the dims
         bucketed = lower_buckets(bound, fused, job.buckets, _fuse_static(job.name, target, database, trials, rpc, say))
@@ -200,16 +194,23 @@ def _fuse_static(job_name: str, target, database, trials: int, rpc, say: Callabl
     its shapes, their knobs measured like main's (templates logged with the function's name)."""
     def fuse(mod: tvm.IRModule, name: str):
         fused = lower(mod, plan=decide(mod, target))
-        if target.kind.name == "cuda":
-            templates: list = []
-            tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc,
-                           on_progress=_progress_printer(job_name, say))
-            fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
-            for kernel, outcome in templates:
-                say(f"[{job_name}] {name}: {kernel}: {outcome}")
+        _apply_templates(fused, job_name, f"{name}: ", target, database, trials, rpc, say)
         return fused
 
     return fuse
+
+
+def _apply_templates(fused, job_name: str, where: str, target, database, trials: int, rpc, say) -> None:
+    """On CUDA, hand-written kernels (tvmfuse.kernels) where a template takes the shapes: their knobs measured into
+    the same database first, the best measured applied; each kernel's outcome logged."""
+    if target.kind.name != "cuda":
+        return
+    templates: list = []
+    tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc,
+                   on_progress=_progress_printer(job_name, say))
+    fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
+    for kernel, outcome in templates:
+        say(f"[{job_name}] {where}{kernel}: {outcome}")
 
 
 def _json_obj(text: str):
