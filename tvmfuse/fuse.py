@@ -102,18 +102,23 @@ def dedup_prim_funcs(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, str]]:
                        global_infos=mod.global_infos)
     for gv, fn in list(out.functions.items()):
         if isinstance(fn, relax.Function):
-            out[gv] = _Redirect(alias).visit_expr(fn)
+            out[gv] = _Substitute(alias).visit_expr(fn)
     return out, {gv.name_hint: k.name_hint for gv, k in alias.items()}
 
 
 @relax.expr_functor.mutator
-class _Redirect(relax.PyExprMutator):
-    def __init__(self, alias):
+class _Substitute(relax.PyExprMutator):
+    """Replaces the global vars and vars that `mapping` names (a kernel by its twin, a shape param by its value)."""
+
+    def __init__(self, mapping):
         super().__init__()
-        self.alias = alias
+        self.mapping = mapping
 
     def visit_global_var_(self, gv):  # pylint: disable=arguments-renamed
-        return self.alias.get(gv, gv)
+        return self.mapping.get(gv, gv)
+
+    def visit_var_(self, var):  # pylint: disable=arguments-renamed
+        return self.mapping.get(var, var)
 
 
 @tvm.transform.module_pass(opt_level=0, name="InlineShapeParams")
@@ -126,7 +131,7 @@ def inline_shape_params(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
         shapes = {p: relax.ShapeExpr(p.ty.values) for p in fn.params
                   if isinstance(p.ty, relax.ShapeType) and p.ty.values is not None}
         if shapes:
-            mod[gv] = _Inline(shapes).visit_expr(fn)
+            mod[gv] = _Substitute(shapes).visit_expr(fn)
     return mod
 
 
@@ -152,16 +157,6 @@ class _Transposes(relax.PyExprMutator):
     def visit_call_(self, call):  # pylint: disable=arguments-renamed
         x = batched_transpose_source(call, self.bound)
         return relax.op.permute_dims(self.visit_expr(x), [0, 1, 3, 2]) if x is not None else super().visit_call_(call)
-
-
-@relax.expr_functor.mutator
-class _Inline(relax.PyExprMutator):
-    def __init__(self, shapes):
-        super().__init__()
-        self.shapes = shapes
-
-    def visit_var_(self, var):  # pylint: disable=arguments-renamed
-        return self.shapes.get(var, var)
 
 
 def launches(mod: tvm.IRModule) -> int:
