@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sys
@@ -11,63 +10,14 @@ from collections import Counter
 from typing import Callable, Iterable
 
 import tvm
-import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from .record_io import append_lines, read_lines
+from .record_keys import mean_secs, target_key, workload_hash  # noqa: F401  (workload_hash: kernels/tuning.py imports it here)
+
 FILE = "tvmfuse_records.jsonl"  # one JSON object per line: {"workload": ...} or {"record": ...}
 MS_WORKLOADS, MS_RECORDS = "database_workload.json", "database_tuning_record.json"  # MetaSchedule's own
-FAILED = 1e9  # MetaSchedule stores 1e10 s for candidates that failed to build or run
-
-
-def target_key(target) -> str:
-    """Canonical JSON of a target without its host: two records apply to each other iff keys are equal."""
-    from .targets import target_json  # pylint: disable=import-outside-toplevel
-
-    if isinstance(target, (dict, str)):
-        target = tvm.target.Target(json.loads(target) if isinstance(target, str) else target)
-    return json.dumps({k: v for k, v in json.loads(target_json(target)).items() if k != "host"}, sort_keys=True)
-
-
-def workload_hash(mod: tvm.IRModule) -> str:
-    """The key MetaSchedule gives a workload (structural hash of its IRModule), as a string."""
-    return str(tvm_ffi.structural_hash(mod))
-
-
-def mean_secs(record) -> float:
-    secs = [float(s) for s in (record.run_secs or [])]
-    return sum(secs) / len(secs) if secs and min(secs) < FAILED else float("inf")
-
-
-def append_lines(path: str, lines: Iterable[dict]) -> None:
-    """Append JSON lines under an exclusive flock, then fsync; repair a torn last line first."""
-    data = "".join(json.dumps(obj, separators=(",", ":")) + "\n" for obj in lines).encode()
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data  # a crash mid-write left a partial line: never glue a record onto it
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def read_lines(path: str, warn: Callable[[str], None]) -> Iterable[tuple[int, dict]]:
-    """(line number, object) for every parseable line; one warning per corrupt or truncated line."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # never read a half-written batch of another process
-        raw = f.read()
-    for number, line in enumerate(raw.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            yield number, json.loads(line)
-        except (ValueError, UnicodeDecodeError) as err:
-            warn(f"{path}:{number}: skipped corrupt or truncated line ({type(err).__name__}: {str(err)[:60]})")
 
 
 def _stderr(msg: str) -> None:

@@ -12,7 +12,8 @@ import zlib
 import tvm
 import tvm_ffi
 
-from .database import TuningDatabase, mean_secs, target_key
+from .database import TuningDatabase
+from .record_keys import mean_secs, target_key
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schedules")
 INDEX, FORMAT = "index.json", "tvmfuse-schedules/1"
