@@ -16,7 +16,8 @@ from tvmfuse.database import FILE, TuningDatabase
 from tvmfuse.kernels import ATTENTION_PREFILL, substitute, template_sites
 from tvmfuse.kernels.tuning import best_knobs, candidate_knobs, tune_templates, variant_workload
 from tvmfuse.progress import kernel_records
-from tvmfuse.schedules import add_from_database, open_database
+from tvmfuse.schedules import open_database
+from tvmfuse.schedules_upkeep import add_from_database
 from tvmfuse.tune import _builder, _evaluator, _runner
 
 

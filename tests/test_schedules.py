@@ -12,7 +12,8 @@ from conftest import ROOT
 from test_database import kernel_mods, record_for, two_kernels
 from tvmfuse.cli import main as tune_main
 from tvmfuse.database import TuningDatabase
-from tvmfuse.schedules import add_from_database, load_index, lookup, prune, verify
+from tvmfuse.schedules import lookup
+from tvmfuse.schedules_upkeep import add_from_database, load_index, prune, verify
 from tvmfuse.schedules_cli import main
 from tvmfuse.targets import resolve_target
 

@@ -8,7 +8,8 @@ import sys
 
 from .database import TuningDatabase
 from .errors import TvmfuseError
-from .schedules import DEFAULT_DIR, add_from_database, prune, reindex, target_files, verify
+from .schedules import DEFAULT_DIR, target_files
+from .schedules_upkeep import add_from_database, prune, reindex, verify
 
 
 def main(argv: list[str] | None = None) -> int:
