@@ -12,7 +12,8 @@ from typing import Callable
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
 from .attention import check_attention, check_rotary_embedding, make_attention_pattern, make_rotary_embedding_pattern
-from .common import Annotated, Match, Recorder, check_private_intermediates, current, reject, start, stop
+from .builders import Annotated
+from .common import Match, Recorder, check_private_intermediates, current, reject, start, stop
 from .matmul import check_geglu, check_matmul_act, check_matmul_bias, check_swiglu, make_geglu_pattern, \
     make_matmul_act_pattern, make_matmul_bias_pattern, make_swiglu_pattern
 from .norms import (check_layer_norm_gelu, check_rms_norm, check_rms_norm_residual, check_skip_layer_norm,

@@ -1,5 +1,5 @@
 """Activation sub-patterns, as ops and as ONNX exporters decompose them, and their constant checks. A constant
-may be a scalar cast to the compute dtype (`astype(const)`, mixed precision): `common.const`."""
+may be a scalar cast to the compute dtype (`astype(const)`, mixed precision): `builders.const`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 
 from tvm.relax.dpl import DFPattern, is_op
 
-from .common import cast, const, has_constants, upcast
+from .builders import cast, const, upcast
+from .readers import has_constants
 
 
 def _mul(a, b) -> DFPattern:

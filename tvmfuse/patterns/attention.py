@@ -6,8 +6,9 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, is_tuple, wildcard
 from tvm.relax.transform import PatternCheckContext
 
-from .common import (Annotated, as_int, cast, const, dim_str, dtype_of, finish, ndim, only_cast_follows, producer,
-                     reject, same_dim, scalar, shape_of, upcast)
+from .builders import Annotated, cast, const, upcast
+from .common import finish, only_cast_follows, producer, reject
+from .readers import as_int, dim_str, dtype_of, ndim, same_dim, scalar, shape_of
 
 _COMPARE = {"relax.less", "relax.less_equal", "relax.greater", "relax.greater_equal"}
 

@@ -1,18 +1,15 @@
-"""What every table entry shares: match recording, rejection with a reason, the private-intermediate check."""
+"""What every check shares: match recording, accept or reject with a reason, the dtype and private-intermediate checks."""
 
 from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
 
-import numpy as np
-import tvm
 from tvm import relax
-from tvm.relax.dpl import DFPattern, is_const, is_op
 from tvm.relax.transform import PatternCheckContext
 
-Annotated = tuple[DFPattern, dict[str, DFPattern]]
-Const = tvm.ir.GenericConst  # relax.Constant in older TVM
+from .readers import dtype_of, leaf_args
+
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -72,21 +69,13 @@ def _match(ctx: PatternCheckContext, pattern: str, info: dict | None, reason: st
     matched = {v for v, _ in bound}
     inputs = []
     for _, call in bound:
-        for arg in _leaf_args(call):
+        for arg in leaf_args(call):
             if arg in matched or any(arg.same_as(x) for x in inputs):
                 continue
             inputs.append(arg)
     root = root_var(ctx)
     outputs = [v for v, _ in bound if v.same_as(root) or _used_outside(ctx, v, matched)]
     return Match(pattern, root.name if root is not None else "?", bound, inputs, outputs, dict(info or {}), reason)
-
-
-def _leaf_args(call: relax.Call):
-    for arg in call.args:
-        if isinstance(arg, relax.Tuple):
-            yield from (f for f in arg.fields if isinstance(f, (relax.Var, Const)))
-        elif isinstance(arg, (relax.Var, Const)):
-            yield arg
 
 
 def _used_outside(ctx: PatternCheckContext, var, matched) -> bool:
@@ -166,106 +155,11 @@ def finish(ctx: PatternCheckContext, pattern: str, info: dict | None = None, exp
     return accept(ctx, pattern, info)
 
 
-# ---- sub-patterns for the casts mixed precision (ToMixedPrecision) puts around fp32 ops ---------------
-
-def cast(p: DFPattern) -> DFPattern:
-    """`p`, optionally followed by an `astype` (where mixed precision casts around an op computing in fp32)."""
-    return is_op("relax.astype")(p) | p
-
-
-def const() -> DFPattern:
-    """A constant, or a scalar constant cast to the compute dtype: ToMixedPrecision writes fp16 ops' scalar
-    operands as `astype(const)`, and FoldConstant (TVM 0.27) folds that cast for tensors but not for 0-d ones."""
-    return is_const() | is_op("relax.astype")(is_const())
-
-
-def upcast(p: DFPattern) -> DFPattern:
-    """`p`, optionally cast from a float dtype to float32: the cast into an op that computes in fp32. Only a
-    float-to-fp32 cast: a cast to the compute dtype that feeds other ops too (the model's input cast to fp16)
-    and a cast from int stay outside the match (the kernel's input)."""
-    src = p.has_dtype("float16") | p.has_dtype("bfloat16") | p.has_dtype("float32")
-    return is_op("relax.astype")(src).has_dtype("float32") | p
-
-
-# ---- small readers used by the checks -------------------------------------------------------------
-
-def shape_of(expr) -> list | None:
-    shape = getattr(getattr(expr, "ty", None), "shape", None)
-    return None if shape is None else list(shape)
-
-
-def dtype_of(expr) -> str | None:
-    return getattr(getattr(expr, "ty", None), "dtype", None)
-
-
-def ndim(expr) -> int:
-    shape = shape_of(expr)
-    return -1 if shape is None else len(shape)
-
-
-def dim_str(d) -> str:
-    """A dim as text: "64" for constants (not "T.int64(64)"), the expression for symbolic ones."""
-    value = getattr(d, "value", None)
-    return str(value) if isinstance(value, int) else str(d)
-
-
-def same_dim(a, b) -> bool:
-    """Two PrimExprs known equal (ints, or the same symbolic expression)."""
-    return dim_str(a) == dim_str(b)
-
-
-def scalar(expr) -> float | None:
-    """The value of a scalar (or one-element) constant, else None."""
-    if not isinstance(expr, Const):
-        return None
-    value = expr.value.numpy()
-    return float(value.reshape(-1)[0]) if value.size == 1 else None
-
-
-#: relative rounding error of a constant stored in a dtype (half its epsilon): a bf16 0.044715 is 0.0446777
-ROUNDING = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
-
-
-def constants(ctx: PatternCheckContext) -> list[tuple[float, str]]:
-    """All scalar constants read by the matched bindings, each with its dtype."""
-    out = []
-    for call in ctx.matched_bindings.values():
-        for arg in _leaf_args(call):
-            value = scalar(arg)
-            if value is not None:
-                out.append((value, str(arg.value.dtype)))
-    return out
-
-
-def has_constants(ctx: PatternCheckContext, wanted: list[tuple[float, ...]], tol: float = 1e-3) -> str | None:
-    """None when, for every group of alternatives, one value appears (within `tol`, or the rounding error of
-    the constant's dtype if larger); else what is missing."""
-    got = constants(ctx)
-    for alts in wanted:
-        if not any(abs(g - a) <= max(tol, ROUNDING.get(dt, 0.0)) * max(1.0, abs(a)) for g, dt in got for a in alts):
-            return f"constant {alts[0]:.6g} not found (constants: {', '.join(f'{g:.6g}' for g, _ in got)})"
-    return None
-
-
-def last_axis(axis, rank: int) -> bool:
-    values = [int(a) for a in (axis if isinstance(axis, (list, tuple)) or hasattr(axis, "__len__") else [axis])]
-    return values in ([-1], [rank - 1])
-
-
 def producer(name: str):
     """The call that defines var `name` in main (filled by the decide stage), or None."""
     rec = current()
     return rec.producers.get(name) if rec else None
 
 
-def as_int(value) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-__all__ = ["Annotated", "Match", "Recorder", "accept", "reject", "finish", "check_private_intermediates",
-           "cast", "const", "upcast", "only_cast_follows",
-           "dim_str", "shape_of", "dtype_of", "ndim", "same_dim", "scalar", "has_constants", "last_axis", "producer",
-           "as_int", "np"]
+__all__ = ["Match", "Recorder", "start", "stop", "current", "accept", "reject", "finish",
+           "check_private_intermediates", "check_dtypes", "only_cast_follows", "producer"]

@@ -8,7 +8,9 @@ from tvm.relax.dpl import DFPattern, is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 
 from . import activations as act
-from .common import dim_str, Annotated, cast, finish, ndim, reject, same_dim, shape_of
+from .builders import Annotated, cast
+from .common import finish, reject
+from .readers import dim_str, ndim, same_dim, shape_of
 
 ACTIVATIONS: dict[str, tuple[Callable[[DFPattern], DFPattern], Callable | None]] = {
     "gelu": (act.gelu_erf, act.gelu_erf_problem),

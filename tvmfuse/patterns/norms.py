@@ -6,8 +6,9 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 
 from . import activations as act
-from .common import (Annotated, cast, dim_str, finish, last_axis, ndim, only_cast_follows, reject, same_dim,
-                     shape_of, upcast)
+from .builders import Annotated, cast, upcast
+from .common import finish, only_cast_follows, reject
+from .readers import dim_str, last_axis, ndim, same_dim, shape_of
 
 
 def _layer_norm(x: DFPattern) -> DFPattern:
