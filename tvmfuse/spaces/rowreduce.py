@@ -36,13 +36,20 @@ def _analyze(sch: s_tir.Schedule):
                 return None
         elif len(k) != len(kinds[-1]):
             return None
+    red_dom = [int(d) for d in next(i for i in infos if i.is_reduction()).dom()]
+    if all(d == 1 for d in red_dom[:nlead]):  # one row (decode: [1, 1, H]): the spatial blocks lost their unit
+        return infos, 0, _prod(red_dom[nlead:])  # dims, so no loop is a row loop; schedule_row adds the block loop
     doms = [int(d) for d in last.dom()]
     if len(doms) <= nlead:
         return None
-    row_len = 1
-    for d in doms[nlead:]:
-        row_len *= d
-    return infos, nlead, row_len
+    return infos, nlead, _prod(doms[nlead:])
+
+
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
 
 
 def is_row_reduction(func: tirx.PrimFunc) -> bool:
@@ -114,7 +121,7 @@ def schedule_row(sch: s_tir.Schedule, stage: bool = True, threads=None, vec=None
             lps = sch.get_loops(blk)[1:]
         else:
             lps = sch.get_loops(blk)
-            bx = sch.fuse(*lps[:nlead])
+            bx = sch.fuse(*lps[:nlead]) if nlead else sch.add_unit_loop(lps[0])
             sch.bind(bx, "blockIdx.x")
             lps = sch.get_loops(blk)[1:]
         lps = [l for l in lps if sch.get(l).extent != 1] or lps[-1:]
