@@ -8,11 +8,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import tvm
 from tvm import relax
 
-from . import __version__
 from .baseline import kernels_keeping_default
 from .buckets import add_dispatch, check_buckets, lower_buckets, verification_dims
 from .build import TUNED, apply_database, apply_default_schedules, compile_module, schedule_kinds
@@ -24,17 +22,18 @@ from .decide import decide
 from .fuse import bind_params, lower
 from .report import fusion_report, report_files
 from .importer import import_model, load_onnx, random_inputs
-from .precision import precision_info, to_compute_dtype
+from .manifest import make_manifest
+from .measure import compare_at_dims, latency_us
+from .precision import to_compute_dtype
 from .jobs import Job
 from .kernels import substitute
 from .kernels.tuning import tune_templates
 from .spaces import space_for
-from .targets import device_for, has_device, target_json, target_name
+from .targets import device_for, has_device, target_name
 from .schedules import DEFAULT_DIR as SCHEDULES_DIR
 from .schedules import open_database
 from .progress import TaskProgress, kernel_records
 from .tune import TuningInterrupted, tune
-from .verify import compare, module_inputs, onnxruntime_outputs, run_vm
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
 
@@ -140,18 +139,15 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     if runnable:  # with buckets: at the first bucket's shape (latency too) and at a shape no bucket covers
         device = device_for(target)
         vm = relax.VirtualMachine(executable, device)
-        checks = []
-        for dims in verification_dims(imported.symbolic_dims, job.buckets):
-            feeds = random_inputs(imported.inputs, seed=0, dims=dims, io_dtype=job.io_dtype)
-            checks.append((dims, compare(run_vm(vm, device, list(feeds.values()), job.io_dtype),
-                                         onnxruntime_outputs(model, feeds), compute_dtype=job.dtype)))
+        checks = compare_at_dims(vm, device, model, imported.inputs,
+                                 verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype)
         dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
         verification = {**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {})}
         feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
-        result.latency_after_us = _latency_us(vm, device, feeds, job.io_dtype)
+        result.latency_after_us = latency_us(vm, device, feeds, job.io_dtype)
         if result.tuned:
             untuned = compile_module(with_dispatch(apply_default_schedules(fused.mod, target)), target)
-            result.latency_before_us = _latency_us(relax.VirtualMachine(untuned, device), device, feeds, job.io_dtype)
+            result.latency_before_us = latency_us(relax.VirtualMachine(untuned, device), device, feeds, job.io_dtype)
         else:
             result.latency_before_us = result.latency_after_us
         if not check.ok:
@@ -162,24 +158,9 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     else:
         result.verification = "skipped"
 
-    manifest = {
-        "tvmfuse_version": __version__, "tvm_version": tvm.__version__,
-        "model": {"name": job.name, "source": os.path.abspath(job.path) if job.path else source},
-        "target": _json_obj(target_json(target)),
-        "inputs": [_io_tensor(t.as_dict(), job.io_dtype) for t in imported.inputs],
-        "outputs": [_io_tensor(t.as_dict(), job.io_dtype) for t in imported.outputs],
-        "precision": precision_info(bound, job.dtype, job.io_dtype),
-        "cuda_graph": bool(job.cuda_graph and target.kind.name == "cuda"),
-        "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
-                     "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1]}
-                    for k in kernels],
-        "rejected_matches": [{"pattern": p, "at": at, "reason": why} for p, at, why in fused.rejections],
-        "verification": verification,
-        "latency_us": {"default_schedules": result.latency_before_us, "tuned": result.latency_after_us},
-        "tuning_log": os.path.abspath(work_dir),
-    }
-    if bucketed:
-        manifest["buckets"] = bucketed.manifest(kinds)
+    manifest = make_manifest(job, target, source, imported, bound, fused, kernels, kinds, records, verification,
+                             {"default_schedules": result.latency_before_us, "tuned": result.latency_after_us},
+                             work_dir, bucketed)
     report = fusion_report(plan, fused, lower(bound, patterns=[]),
                            {k: us for k, (_, us) in records.items() if us is not None})
     manifest["fusion"] = report["totals"]
@@ -211,24 +192,6 @@ def _apply_templates(fused, job_name: str, where: str, target, database, trials:
     fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
     for kernel, outcome in templates:
         say(f"[{job_name}] {where}{kernel}: {outcome}")
-
-
-def _json_obj(text: str):
-    import json  # pylint: disable=import-outside-toplevel
-
-    return json.loads(text)
-
-
-def _io_tensor(tensor: dict, io_dtype: str | None) -> dict:
-    """An input/output as the exported module takes it: float32 becomes the io dtype (--io-dtype)."""
-    low = io_dtype not in (None, "float32") and tensor["dtype"] == "float32"
-    return {**tensor, "dtype": io_dtype} if low else tensor
-
-
-def _latency_us(vm: relax.VirtualMachine, device, feeds: dict[str, np.ndarray], io_dtype: str) -> float:
-    args = [tvm.runtime.tensor(a, device) for a in module_inputs(feeds.values(), io_dtype)]
-    timer = vm.time_evaluator("main", device, number=5, repeat=3, min_repeat_ms=50)
-    return float(np.median(timer(*args).results) * 1e6)
 
 
 def _progress_printer(name: str, say: Callable[[str], None]) -> Callable[[TaskProgress], None]:
