@@ -188,7 +188,8 @@ def _apply_templates(fused, job_name: str, where: str, target, database, trials:
         return
     templates: list = []
     tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc,
-                   on_progress=_progress_printer(job_name, say))
+                   on_progress=_progress_printer(job_name, say),
+                   say=lambda line: say(f"[{job_name}] {where}{line}"))  # wrong knob sets, one line each
     fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
     for kernel, outcome in templates:
         say(f"[{job_name}] {where}{kernel}: {outcome}")

@@ -1,4 +1,5 @@
-"""Knob tuning of the hand-written kernels: every knob set measured by tune.py's builder and runner, kept as a record."""
+"""Knob tuning of the hand-written kernels: every knob set checked against the generic kernel, measured by tune.py's
+builder and runner, kept as a record."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
 from ..database import mean_secs, workload_hash
 from ..progress import TaskProgress
-from . import template_sites
+from . import _call_sites, template_sites
+from .check import VariantCheck
 from .common import Template, knob_key
 
 FAILED_SECS = 1e10  # what MetaSchedule stores for a candidate that failed to build or run
@@ -66,15 +68,18 @@ def best_knobs(database, tmpl: Template, shapes: dict, target) -> tuple[dict | N
 def tune_templates(mod: tvm.IRModule, patterns: dict[str, str], target: tvm.target.Target, database,
                    trials: int, rpc: tuple[str, str] | None = None, info: dict | None = None,
                    on_progress: Callable[[TaskProgress], None] | None = None, builder=None,
-                   runner=None) -> dict[str, TaskProgress]:
+                   runner=None, say: Callable[[str], None] | None = None) -> dict[str, TaskProgress]:
     """Measure up to `trials` knob sets of every kernel a template takes (`template_sites`) and commit each
     as a record to `database`; knob sets already recorded count toward the budget and are not measured again
     (`trials` 0 measures nothing). `substitute(..., database=database)` then applies the best. The builder
-    and runner are tune.py's (local or RPC) unless given."""
+    and runner are tune.py's (local or RPC) unless given. Each built knob set is first run against the generic
+    kernel it replaces (`check.VariantCheck`, on the runner's device: local or an RPC session); a wrong one is
+    recorded as failed, not timed, and `say` gets one line for it."""
     from ..tune import _builder, _evaluator, _runner  # pylint: disable=import-outside-toplevel  (the same ones)
 
     progress: dict[str, TaskProgress] = {}
-    for _gv, name, tmpl, shapes, _perm in template_sites(mod, patterns, info, target_kind(target)):
+    say = say or (lambda _line: None)
+    for gv, name, tmpl, shapes, perm in template_sites(mod, patterns, info, target_kind(target)):
         space, done = candidate_knobs(tmpl, shapes), measured(database, tmpl, shapes, target)
         budget = min(max(trials, 0), len(space))
         spent = min(sum(knob_key(k) in done for k in space), budget)
@@ -85,24 +90,55 @@ def tune_templates(mod: tvm.IRModule, patterns: dict[str, str], target: tvm.targ
             builder = _builder(os.cpu_count() or 1)
         if todo and runner is None:
             runner = _runner(rpc, _evaluator("gpu" in target.keys))
+        check = _variant_check(mod[gv], _call_sites(mod)[name], perm, target, runner, name, say) if todo else None
         for start in range(0, len(todo), ROUND):
-            _measure_round(todo[start:start + ROUND], tmpl, shapes, name, target, database, builder, runner, task)
+            _measure_round(todo[start:start + ROUND], tmpl, shapes, name, target, database, builder, runner, task,
+                           check, say)
             if on_progress:
                 on_progress(task)
     return progress
 
 
-def _measure_round(knob_sets, tmpl, shapes, name, target, database, builder, runner, task) -> None:
-    """Build the variants with the builder, time them with the runner, commit one record per knob set
-    (failures too, at MetaSchedule's failure time, so a rerun does not measure them again)."""
+def _variant_check(generic, call, perm, target, runner, name: str, say) -> VariantCheck | None:
+    """The check of this kernel's variants, or None (said once) when the generic kernel cannot serve as reference."""
+    try:
+        return VariantCheck(generic, call, perm, target, runner)
+    except Exception as err:  # pylint: disable=broad-except  (no reference: measure unverified rather than not at all)
+        say(f"{name}: knob sets not verified (no reference: {type(err).__name__}: {str(err).strip()[:200]})")
+        return None
+
+
+def _check_outputs(check, artifacts, knob_sets, name: str, say) -> list[str | None]:
+    """Per variant: None (right, or not checked), else why it is wrong (said once); [] when nothing was checked.
+    A check that fails as a whole (the reference does not run, no RPC session) is said once and not tried again."""
+    if check is None or check.unusable:
+        return []
+    try:
+        wrong = check.check(artifacts)
+    except Exception as err:  # pylint: disable=broad-except
+        check.unusable = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[-1][:200]}"
+        say(f"{name}: knob sets not verified from here on (the check failed: {check.unusable})")
+        return []
+    for knobs, why in zip(knob_sets, wrong):
+        if why:
+            say(f"{name}: knobs {knobs} {why}")
+    return wrong
+
+
+def _measure_round(knob_sets, tmpl, shapes, name, target, database, builder, runner, task, check, say) -> None:
+    """Build the variants with the builder, check their outputs, time the right ones with the runner, commit one
+    record per knob set (failures and wrong outputs too, at MetaSchedule's failure time, so a rerun does not
+    measure them again and `best_knobs` never picks them)."""
     mods = [variant_workload(tmpl, shapes, k, name, target) for k in knob_sets]
     names = getattr(database, "names", None)
     if names is not None:
         names.update({workload_hash(m): name for m in mods})
     built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
     device = "cpu" if target_kind(target) == "llvm" else target.kind.name
+    wrong = _check_outputs(check, [b.artifact_path if b.error_msg is None else None for b in built], knob_sets,
+                           name, say)
     inputs = [(i, ms.runner.RunnerInput(b.artifact_path, device, ArgInfo.from_prim_func(mods[i]["main"])))
-              for i, b in enumerate(built) if b.error_msg is None]
+              for i, b in enumerate(built) if b.error_msg is None and not (wrong and wrong[i])]
     secs: dict[int, list[float]] = {i: [FAILED_SECS] for i in range(len(mods))}
     for (i, _), future in zip(inputs, runner.run([r for _, r in inputs])):
         result = future.result()
