@@ -26,10 +26,9 @@ from .manifest import make_manifest
 from .measure import compare_at_dims, latency_us
 from .precision import to_compute_dtype
 from .jobs import Job
-from .kernels import substitute
-from .kernels.tuning import tune_templates
 from .spaces import space_for
 from .targets import device_for, has_device, target_name
+from .templates import apply_templates
 from .schedules import DEFAULT_DIR as SCHEDULES_DIR
 from .schedules import open_database
 from .progress import TaskProgress, kernel_records
@@ -96,7 +95,8 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
                            "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
                            "with default schedules")
     database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"), fused.mod)
-    _apply_templates(fused, job.name, "", target, database, trials, rpc, say)
+    apply_templates(fused, target, database, trials, rpc, _progress_printer(job.name, say),
+                    lambda s: say(f"[{job.name}] {s}"))
     bucketed = None
     if job.buckets:  # static copies of main for the named sizes (their kernels tune); main dispatches on the dims
         bucketed = lower_buckets(bound, fused, job.buckets, _fuse_static(job.name, target, database, trials, rpc, say))
@@ -175,24 +175,11 @@ def _fuse_static(job_name: str, target, database, trials: int, rpc, say: Callabl
     its shapes, their knobs measured like main's (templates logged with the function's name)."""
     def fuse(mod: tvm.IRModule, name: str):
         fused = lower(mod, plan=decide(mod, target))
-        _apply_templates(fused, job_name, f"{name}: ", target, database, trials, rpc, say)
+        apply_templates(fused, target, database, trials, rpc, _progress_printer(job_name, say),
+                        lambda s: say(f"[{job_name}] {name}: {s}"))
         return fused
 
     return fuse
-
-
-def _apply_templates(fused, job_name: str, where: str, target, database, trials: int, rpc, say) -> None:
-    """On CUDA, hand-written kernels (tvmfuse.kernels) where a template takes the shapes: their knobs measured into
-    the same database first, the best measured applied; each kernel's outcome logged."""
-    if target.kind.name != "cuda":
-        return
-    templates: list = []
-    tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc,
-                   on_progress=_progress_printer(job_name, say),
-                   say=lambda line: say(f"[{job_name}] {where}{line}"))  # wrong knob sets, one line each
-    fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=templates, database=database)
-    for kernel, outcome in templates:
-        say(f"[{job_name}] {where}{kernel}: {outcome}")
 
 
 def _progress_printer(name: str, say: Callable[[str], None]) -> Callable[[TaskProgress], None]:
