@@ -61,3 +61,20 @@ def with_op(op_type: str = "NoSuchOp") -> onnx.ModelProto:
     graph = helper.make_graph([node], "t", [_f32("x", [4])], [_f32("y", [4])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
                                                    helper.make_opsetid("com.example", 1)], ir_version=10)
+
+
+def projection(rows=1, k=64, n=96, leak: bool = False, shared: bool = False) -> onnx.ModelProto:
+    """y = x @ W (a linear layer without bias, W an initializer [K, N]); `leak`: the projection is also fed to a
+    Relu that is a second output (nothing may fuse around it); `shared`: a second MatMul reads the same W."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((k, n)).astype("float32") / np.sqrt(k)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"])]
+    outputs = [_f32("y", [1, rows, n])]
+    if leak:
+        nodes.append(helper.make_node("Relu", ["y"], ["r"]))
+        outputs.append(_f32("r", [1, rows, n]))
+    if shared:
+        nodes.append(helper.make_node("MatMul", ["x2", "w"], ["y2"]))
+        outputs.append(_f32("y2", [1, rows, n]))
+    inputs = [_f32("x", [1, rows, k])] + ([_f32("x2", [1, rows, k])] if shared else [])
+    return _model(nodes, inputs, outputs, [_const("w", w)])

@@ -24,6 +24,7 @@ from .report import fusion_report, report_files
 from .importer import import_model, load_onnx, random_inputs
 from .manifest import make_manifest
 from .measure import compare_at_dims, latency_us
+from .layout import transpose_weights
 from .precision import to_compute_dtype
 from .jobs import Job
 from .spaces import space_for
@@ -80,6 +81,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
             "get default schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
     bound = bind_params(imported.mod, imported.params)
     bound = to_compute_dtype(bound, job.dtype, job.io_dtype)  # precision: fp16/bf16 kernels; before decide/fuse
+    bound = transpose_weights(bound)  # layout: constant weights [N, K], read through a permute the kernel absorbs
     plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
     fused = lower(bound, plan=plan)
     kernels = fused.kernels()

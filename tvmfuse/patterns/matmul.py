@@ -1,4 +1,4 @@
-"""MatMul entries: MatMul (+transposed weight) + bias + activation, SwiGLU and its gated-GELU variant."""
+"""MatMul entries: MatMul (+transposed weight) + bias + activation, the bare transposed-weight MatMul, SwiGLU and its gated-GELU variant."""
 
 from __future__ import annotations
 
@@ -94,6 +94,22 @@ def check_matmul_act(activation: str) -> Callable[[PatternCheckContext], bool]:
         return finish(ctx, name, {**_linear_info(mm), "activation": activation, "bias": False})
     check.__name__ = f"check_matmul_{activation}"
     return check
+
+
+def make_matmul_pattern() -> Annotated:
+    """y = x @ permute_dims(W) [-> cast], no epilogue: a projection whose weight the layout stage stores [N, K]
+    (tvmfuse/layout.py); the group puts the permute inside the matmul's kernel, which then reads K contiguously."""
+    w = wildcard()
+    mm = is_op("relax.matmul")(wildcard(), is_op("relax.permute_dims")(w))
+    y = cast(mm)
+    return y, {"mm": mm, "w": w, "y": y}
+
+
+def check_matmul(ctx: PatternCheckContext) -> bool:
+    mm = ctx.annotated_expr["mm"]
+    if ndim(ctx.annotated_expr["w"]) != 2:
+        return reject(ctx, "tvmfuse.matmul", f"weight has rank {ndim(ctx.annotated_expr['w'])}: not a linear layer")
+    return finish(ctx, "tvmfuse.matmul", {**_linear_info(mm), "activation": "none", "bias": False})
 
 
 def _linear_info(mm) -> dict:
