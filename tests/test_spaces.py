@@ -134,17 +134,19 @@ def test_row_default_schedules_a_single_row_across_threads(case, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
-def test_gpu_row_default_single_row_matches_llvm():
+def test_gpu_row_default_single_row_matches_numpy():
+    """Against float64 numpy: an llvm build of this all-fp16 kernel sums 4096 squares serially in fp16 (3.5% off)."""
     import numpy as np
 
     pf = _one_row("rms_res", 4096)
     rng = np.random.default_rng(0)
-    args = [np.asarray(rng.random([int(d) for d in p.shape])).astype(str(p.dtype)) for p in pf.params]
-    outs = []
-    for mod, target, dev in [(rowreduce.default_schedule(pf).mod, H100, tvm.cuda(0)),
-                             (tvm.IRModule({"main": pf}), tvm.target.Target({"kind": "llvm"}), tvm.cpu(0))]:
-        dev_args = [tvm.runtime.tensor(a, dev) for a in args]
-        tvm.compile(mod, target=target)["main"](*dev_args)
-        outs.append([t.numpy().astype("float32") for t in dev_args])
-    for got, want in zip(*outs):
-        assert np.abs(got - want).max() < 2e-2
+    args = {p.name: np.asarray(rng.random([int(d) for d in p.shape])).astype(str(p.dtype)) for p in pf.params}
+    dev = tvm.cuda(0)
+    dev_args = [tvm.runtime.tensor(a, dev) for a in args.values()]
+    tvm.compile(rowreduce.default_schedule(pf).mod, target=H100)["main"](*dev_args)
+    x, r, eps, w = (args[n].astype("float64") for n in ("x", "r", "eps", "w"))
+    h = x + r
+    y = h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * w
+    y_got, h_got = (t.numpy().astype("float64") for t in dev_args[-2:])  # the model's outputs: y, h
+    assert np.abs(h_got - h).max() < 2e-3 * np.abs(h).max()
+    assert np.abs(y_got - y).max() < 1e-2 * np.abs(y).max()

@@ -29,6 +29,18 @@ class RowReductionDefault(dl.ScheduleRule):
         return rowreduce.default_schedule(func)
 
 
+class SmallBatchMatmul(dl.ScheduleRule):
+    """tvmfuse's small-M matmul schedule (tvmfuse.spaces.smallm) for M of 2..32 rows over a [N, K] weight, where
+    dlight's GEMV (M = 1 only) and Matmul (CUDA-core 32x64 tiles below M = 64) leave most of the GPU idle."""
+
+    def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
+        from .spaces import smallm  # pylint: disable=import-outside-toplevel
+
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        return smallm.default_schedule(func)
+
+
 class TensorCoreMatmul(dl.ScheduleRule):
     """dlight's Matmul with its tensor-core path reachable on sm_90a: dlight checks `arch` with str.isdigit, so
     "sm_90a" (the nvidia/nvidia-h100 tag) reads as no tensor cores and every GEMM ran on CUDA cores (no HMMA in the
@@ -44,12 +56,14 @@ class TensorCoreMatmul(dl.ScheduleRule):
 
 
 def default_rules(target: tvm.target.Target, stock: bool = False) -> list:
-    """dlight's rules in the order TVM's own CUDA pipeline tries them, tvmfuse's row schedule just before the
-    final Fallback on CUDA (unless `stock`: dlight's alone, as stock TVM); the CPU ones elsewhere."""
+    """dlight's rules in the order TVM's own CUDA pipeline tries them, with tvmfuse's small-M matmul schedule first
+    and its row schedule just before the final Fallback on CUDA (unless `stock`: dlight's alone, as stock TVM);
+    the CPU ones elsewhere."""
     if "gpu" in target.keys:
         row = [RowReductionDefault()] if target.kind.name == "cuda" and not stock else []
         matmul = dl.gpu.Matmul() if stock else TensorCoreMatmul()
-        return [matmul, dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *row, dl.gpu.Fallback()]
+        small = [SmallBatchMatmul()] if target.kind.name == "cuda" and not stock else []
+        return [*small, matmul, dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *row, dl.gpu.Fallback()]
     return [dl.cpu.GEMV(), dl.cpu.Reduction()]
 
 
