@@ -48,3 +48,19 @@ def hf_exports(tmp_path_factory):
             cache[(name, exporter)] = hf_export.export(name, exporter, str(folder))
         return cache[(name, exporter)]
     return get
+
+
+@pytest.fixture(scope="session")
+def tuned_rms(tmp_path_factory, llvm):
+    """One 4-trial tune of the RMSNorm+residual kernel (16 x 64) on llvm, shared by test_tune and test_baseline:
+    (fused module, progress per kernel, the trial counts on_progress saw, the work dir)."""
+    import onnx_models  # pylint: disable=import-outside-toplevel
+    from tvmfuse.fuse import lower  # pylint: disable=import-outside-toplevel
+    from tvmfuse.importer import import_model  # pylint: disable=import-outside-toplevel
+    from tvmfuse.tune import tune  # pylint: disable=import-outside-toplevel
+
+    imp = import_model(onnx_models.rms_norm_residual(rows=16, hidden=64))
+    fused = lower(imp.mod, imp.params)
+    work, seen = str(tmp_path_factory.mktemp("tuned_rms")), []
+    progress = tune(fused.mod, llvm, work, trials_per_task=4, on_progress=lambda t: seen.append(t.trials))
+    return fused, progress, seen, work

@@ -11,7 +11,7 @@ from tvmfuse.fuse import lower
 from tvmfuse.importer import import_model
 from tvmfuse.targets import resolve_target
 from tvmfuse.progress import kernel_records
-from tvmfuse.tune import tunable_tasks, tune
+from tvmfuse.tune import tunable_tasks
 
 
 def _tasks(target, model=None):
@@ -32,12 +32,11 @@ def test_default_is_measured_once_and_stored(tmp_path, llvm):
     assert len(ms.database.JSONDatabase(work_dir=str(tmp_path)).get_all_tuning_records()) == 1
 
 
-def test_tuning_result_is_never_worse_than_the_default(tmp_path, llvm):
-    fused, _ = _tasks(llvm)
-    progress = tune(fused.mod, llvm, str(tmp_path), trials_per_task=4)
+def test_tuning_result_is_never_worse_than_the_default(tuned_rms):
+    fused, progress, _, work_dir = tuned_rms  # conftest: one 4-trial tune of _tasks' model, shared with test_tune
     (task,) = progress.values()
     assert task.default_us is not None and task.trials == 4  # the default counts as one of the 4 trials
-    _, best_us = kernel_records(fused.mod, ms.database.JSONDatabase(work_dir=str(tmp_path)))[task.name]
+    _, best_us = kernel_records(fused.mod, ms.database.JSONDatabase(work_dir=work_dir))[task.name]
     assert best_us <= task.default_us
 
 

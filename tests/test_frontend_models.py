@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 
 import numpy as np
 import onnx
@@ -25,18 +24,13 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="session")
-def hf_onnx(tmp_path_factory):
-    """Export each (model, exporter) once per session, on first use."""
-    folder = tmp_path_factory.mktemp("hf_onnx")
+def hf_onnx(hf_exports):
+    """(path, loaded model) of each (model, exporter), from conftest's session-wide exports (made once)."""
     cache: dict = {}
 
     def get(name: str, exporter: str) -> tuple[str, onnx.ModelProto]:
         if (name, exporter) not in cache:
-            if exporter == "dynamo":
-                pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript (dev extra)")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                path = hf_export.export(name, exporter, str(folder))
+            path = hf_exports(name, exporter)
             cache[(name, exporter)] = (path, onnx.load(path))
         return cache[(name, exporter)]
 

@@ -58,22 +58,24 @@ def start_and_wait(cmd, tmp_path, at_least, log):
 
 
 def test_kill_9_then_rerun_finishes_with_the_remaining_budget_only(model, tmp_path, capsys):
+    # 2 kernels x 4 trials: both defaults are measured and stored first, then one search round of 3 per kernel
+    # (their 6 records land together); killed -9 in that round, the rerun runs only those 6
     with open(tmp_path / "run1.log", "w") as log:
-        proc = start_and_wait(command(model, tmp_path), tmp_path, 8, log)
+        proc = start_and_wait(command(model, tmp_path, trials=4), tmp_path, 2, log)
         os.killpg(proc.pid, signal.SIGKILL)  # the run and its builder/runner workers: "machine gone"
         assert proc.wait() == -signal.SIGKILL
     before = record_lines(tmp_path)
     kept = len(before)
-    assert 8 <= kept < 16
-    rerun = subprocess.run(command(model, tmp_path), capture_output=True, text=True, timeout=600)
+    assert 2 <= kept < 8
+    rerun = subprocess.run(command(model, tmp_path, trials=4), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"{kept} stored records for this target and TVM version" in rerun.stdout
-    assert f"resumed: {kept} trials were already recorded and counted toward the budget; {16 - kept} run now" \
+    assert f"resumed: {kept} trials were already recorded and counted toward the budget; {8 - kept} run now" \
         in rerun.stdout
     after = record_lines(tmp_path)
-    assert len(after) == 16 and after[:kept] == before  # 2 kernels x 8 trials; nothing from before is lost
+    assert len(after) == 8 and after[:kept] == before  # 2 kernels x 4 trials; nothing from before is lost
     manifest = json.loads((tmp_path / "out" / "two-llvm" / "manifest.json").read_text())
-    assert [(k["schedule"], k["trials"]) for k in manifest["kernels"]] == [("tuned", 8), ("tuned", 8)]
+    assert [(k["schedule"], k["trials"]) for k in manifest["kernels"]] == [("tuned", 4), ("tuned", 4)]
     assert load(str(tmp_path / "out" / "two-llvm")) is not None  # sha256 checked at load
 
     # now damage the database: torn last line, garbage, a record for another target and one for another
@@ -88,17 +90,18 @@ def test_kill_9_then_rerun_finishes_with_the_remaining_budget_only(model, tmp_pa
                               + lines[3:-1] + [lines[-1][:40]]))
     assert tune_main(command(model, tmp_path, trials=0)[2:]) == 0
     out, err = capsys.readouterr()
-    assert "15 stored records for this target and TVM version; skipped 2 corrupt, 1 other TVM version, " \
+    assert "7 stored records for this target and TVM version; skipped 2 corrupt, 1 other TVM version, " \
            "1 other target" in out
     assert f"{path}:4: skipped corrupt" in err and f"{path}:{len(lines) + 3}: skipped corrupt" in err
     manifest = json.loads((tmp_path / "out" / "two-llvm" / "manifest.json").read_text())
-    assert sorted(k["trials"] for k in manifest["kernels"]) == [7, 8]
+    assert sorted(k["trials"] for k in manifest["kernels"]) == [3, 4]
     assert all(k["schedule"] == "tuned" and k["best_us"] > 0.1 for k in manifest["kernels"])  # not the 0.001 us fakes
 
 
-def test_ctrl_c_stops_cleanly_and_says_how_to_resume(model, tmp_path):
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(one_kernel_model, tmp_path):
+    # one kernel, 12 trials: its default and a round of 4 are on disk, Ctrl-C comes in the next round (not the last)
     with open(tmp_path / "run.log", "w") as log:
-        proc = start_and_wait(command(model, tmp_path), tmp_path, 8, log)
+        proc = start_and_wait(command(one_kernel_model, tmp_path, trials=12), tmp_path, 5, log)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
         rc = proc.wait(timeout=120)
     text = (tmp_path / "run.log").read_text()

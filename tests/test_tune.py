@@ -7,18 +7,15 @@ from tvmfuse.build import TUNED, build
 from tvmfuse.fuse import lower
 from tvmfuse.importer import import_model
 from tvmfuse.progress import kernel_records
-from tvmfuse.tune import tunable_tasks, tune
+from tvmfuse.tune import tunable_tasks
 
 
-def test_tune_records_progress_and_build_uses_them(tmp_path, llvm):
-    imp = import_model(onnx_models.layer_norm_gelu(rows=16, hidden=64))
-    fused = lower(imp.mod, imp.params)
-    seen = []
-    progress = tune(fused.mod, llvm, str(tmp_path), trials_per_task=4, on_progress=lambda t: seen.append(t.trials))
+def test_tune_records_progress_and_build_uses_them(tuned_rms, llvm):
+    fused, progress, seen, work_dir = tuned_rms  # conftest: one 4-trial tune, shared with test_baseline
     (kernel,) = fused.kernels()
     assert progress[kernel].trials == 4 and progress[kernel].best_us > 0
     assert seen and seen[-1] == 4
-    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    db = ms.database.JSONDatabase(work_dir=work_dir)
     trials, best_us = kernel_records(fused.mod, db)[kernel]
     assert trials == 4 and best_us == progress[kernel].best_us
     _, kinds = build(fused.mod, llvm, db)
