@@ -51,7 +51,7 @@ def test_small_m_kernel_is_one_launch_with_vector_loads_and_fp32_sums():
     mod = _projection(16, 4096, 4096)
     (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
     assert src.count("__global__") == 2  # declaration + definition: one kernel
-    assert "uint4" in src  # 16-byte loads of x and W
+    assert "half4" in src  # 8-byte (4 x fp16) loads of x and W
     assert "float " in src and "__syncthreads" in src  # fp32 partial sums meeting in shared memory
 
 

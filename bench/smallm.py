@@ -1,0 +1,134 @@
+"""GPU benchmark of the small-M (decode batch) matmul schedule (tvmfuse/spaces/smallm.py): every knob set at the
+issue-5 GEMV shape and the Llama decode-16 projections, checked against torch and timed beside torch (cuBLAS).
+
+    python3 bench/smallm.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CASES = [  # name, M, K, N, epilogue (bias + GELU, the issue-5 case; none: a Llama projection)
+    ("m16_k4096_n11008_bias_gelu", 16, 4096, 11008, True),
+    ("m16_k4096_n4096", 16, 4096, 4096, False),
+    ("m16_k11008_n4096", 16, 11008, 4096, False),
+]
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def kernel(m, k, n, gelu):
+    """The fused PrimFunc tvmfuse builds for y = [gelu](x @ W^T [+ b]) in fp16, fp32 accumulation, W stored [N, K]."""
+    from tvm import relax, tirx
+
+    from tvmfuse.fuse import lower
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, m, k), "float16"))
+    w = relax.Var("w", relax.TensorType((n, k), "float16"))
+    params = [x, w] + ([relax.Var("b", relax.TensorType((n,), "float16"))] if gelu else [])
+    with bb.function("main", params):
+        with bb.dataflow():
+            mm = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)),
+                                                                   out_dtype="float32")), "float16"))
+            y = relax.op.nn.gelu(bb.emit(relax.op.add(mm, params[2]))) if gelu else mm
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    low = lower(bb.get())
+    (fn,) = [f for f in low.mod.functions.values() if isinstance(f, tirx.PrimFunc)]
+    return fn.with_attr("global_symbol", "main")
+
+
+def knob_sets(m):
+    return [dict(tn=tn, warps=w, vec=v) for tn, w, v in itertools.product((1, 2, 4, 8), (2, 4, 8), (4, 8))
+            if (m * tn) % 32 == 0]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    opts = p.parse_args()
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import tvm
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmfuse.spaces import smallm
+    from tvmfuse.targets import resolve_target
+    from tvmfuse.tune import _builder
+
+    target, dev = resolve_target("cuda"), tvm.cuda(0)
+    res = {"gpu": torch.cuda.get_device_name(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": {}}
+    x_ = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    y_ = torch.empty_like(x_)
+    t0.record(); [y_.copy_(x_) for _ in range(20)]; t1.record(); torch.cuda.synchronize()
+    bw = 2 * x_.numel() * 20 / (t0.elapsed_time(t1) / 1e3)
+    res["copy_bw_TBps"] = bw / 1e12
+    for name, m, k, n, gelu in CASES:
+        fn = kernel(m, k, n, gelu)
+        default = smallm.default_knobs(m)
+        variants = []
+        for knobs in knob_sets(m):
+            sch = s_tir.Schedule(fn)
+            if smallm.schedule_small_m(sch, **knobs):
+                variants.append((knobs, sch.mod))
+        built = _builder(os.cpu_count() or 1).build([ms.builder.BuilderInput(mod, target) for _, mod in variants])
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(1, m, k, device="cuda", dtype=torch.float16, generator=g)
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=g) * 0.02
+        b = torch.randn(n, device="cuda", dtype=torch.float16, generator=g) * 0.1
+        ref_fn = (lambda: F.gelu(F.linear(x, w, b))) if gelu else (lambda: F.linear(x, w))
+        ref = ref_fn().float()
+        for _ in range(3):
+            ref_fn()
+        torch.cuda.synchronize()
+        t0.record(); [ref_fn() for _ in range(100)]; t1.record(); torch.cuda.synchronize()
+        torch_us = t0.elapsed_time(t1) * 1e3 / 100
+        ideal_us = 2 * (m * k + n * k + n + m * n) / bw * 1e6
+        rows = []
+        for (knobs, _), b_res in zip(variants, built):
+            row = {"knobs": knobs, "default": knobs == default}
+            if b_res.error_msg:
+                row["error"] = b_res.error_msg.splitlines()[0][:200]
+                rows.append(row)
+                continue
+            lib = tvm.runtime.load_module(b_res.artifact_path)
+            by_name = {"x": x, "w": w, "b": b}  # in the PrimFunc's parameter order (the weight comes first)
+            args = [tvm.runtime.tensor(by_name[str(prm.name)].cpu().numpy(), dev) for prm in fn.params[:-1]]
+            out = tvm.runtime.tensor(np.zeros((1, m, n), "float16"), dev)
+            lib["main"](*args, out)
+            row["max_abs_err"] = float((torch.from_numpy(out.numpy()).cuda().float() - ref).abs().max())
+            ev = lib.time_evaluator("main", dev, number=100, repeat=5)
+            row["us"] = float(np.median(ev(*args, out).results) * 1e6)
+            rows.append(row)
+            log(name, knobs, f"{row['us']:.1f} us err {row['max_abs_err']:.2e}")
+        ok = [r for r in rows if "us" in r and r["max_abs_err"] < 3e-2]
+        best = min(ok, key=lambda r: r["us"]) if ok else None
+        dflt = next((r for r in rows if r["default"]), None)
+        res["cases"][name] = {
+            "m": m, "k": k, "n": n, "epilogue": "bias+gelu" if gelu else "none", "torch_us": torch_us,
+            "ideal_us": ideal_us, "fma_bound_us_fp32_cuda_cores": m * k * n / (132 * 128 * 1.98e9) * 1e6,
+            "default_knobs": default, "default_us": dflt.get("us") if dflt else None,
+            "best": best, "variants": rows}
+        log(name, f"torch {torch_us:.1f} us, ideal {ideal_us:.1f} us, default {res['cases'][name]['default_us']}, "
+            f"best {best and best['us']:.1f} {best and best['knobs']}")
+        with open(opts.out, "w") as f:
+            json.dump(res, f, indent=1)
+    res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    with open(opts.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
