@@ -79,9 +79,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     if imported.symbolic_dims:
         say(f"[{job.name}] symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them "
             "get default schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
-    bound = bind_params(imported.mod, imported.params)
-    bound = to_compute_dtype(bound, job.dtype, job.io_dtype)  # precision: fp16/bf16 kernels; before decide/fuse
-    bound = transpose_weights(bound)  # layout: constant weights [N, K], read through a permute the kernel absorbs
+    bound = prepare_module(imported, job.dtype, job.io_dtype)
     plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
     fused = lower(bound, plan=plan)
     kernels = fused.kernels()
@@ -170,6 +168,13 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     result.details = manifest
     say(f"[{job.name}] exported {result.output}")
     return result
+
+
+def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None) -> tvm.IRModule:
+    """The imported model as decide and fuse see it: weights bound as constants, precision (fp16/bf16 kernels),
+    then the weight layout (constant weights [N, K], read through a permute the kernel absorbs)."""
+    bound = bind_params(imported.mod, imported.params)
+    return transpose_weights(to_compute_dtype(bound, dtype, io_dtype))
 
 
 def _fuse_static(job_name: str, target, database, trials: int, rpc, say: Callable[[str], None]):

@@ -79,13 +79,14 @@ def report_files(report: dict) -> dict[str, str]:
 
 def plan_model(path: str, target_name: str, settings: Settings, shapes: dict | None = None) -> dict:
     from .decide import decide  # pylint: disable=import-outside-toplevel
-    from .fuse import bind_params, lower  # pylint: disable=import-outside-toplevel
+    from .fuse import lower  # pylint: disable=import-outside-toplevel
     from .importer import import_model, load_onnx  # pylint: disable=import-outside-toplevel
+    from .pipeline import prepare_module  # pylint: disable=import-outside-toplevel
     from .targets import resolve_target  # pylint: disable=import-outside-toplevel
 
     target = resolve_target(target_name)
     imported = import_model(load_onnx(path), shapes, path)
-    bound = bind_params(imported.mod, imported.params)
+    bound = prepare_module(imported)  # as a job sees it (fp32: plan has no --dtype)
     plan = decide(bound, target, settings)
     return fusion_report(plan, lower(bound, plan=plan), lower(bound, patterns=[]))
 
