@@ -1,0 +1,58 @@
+"""Decode template's shape check, knob space and default knobs, and the keys per split (chunk) each knob set gives."""
+
+from __future__ import annotations
+
+VEC = 8  # 16-byte loads of fp16/bf16
+PAST = -3.0e38  # the score of a key at or past L: below NEG, so it never raises a running max and weighs exp2(.) = 0
+_SMEM = 48 * 1024  # static shared memory for the in-block combine
+
+
+def check(s: dict) -> str | None:
+    if s["mask"] not in ("none",):
+        return f"decode template takes no mask (got {s['mask']})"
+    if s["seq_q"] != 1 and (s["causal"] or group(s) > 8):
+        return "decode template needs one query token (or, not causal, up to 8 rows of a query head group)"
+    if s["v_heads"] != s["kv_heads"]:
+        return "decode template needs K and V with the same head count"
+    if s["head_dim"] not in (16, 32, 64, 128) or s["heads"] % s["kv_heads"]:
+        return "head_dim must be 16/32/64/128 and kv heads must divide query heads"
+    if s["dtype"] not in ("float16", "bfloat16", "float32"):
+        return f"dtype {s['dtype']}"
+    if not knob_space(s):
+        return "no knob set fits in shared memory"
+    return None
+
+
+def group(s: dict) -> int:
+    """Query rows per KV head. Without mask or causality each of seq_q > 1 rows is one more query head:
+    transformers' GQA decode folds the group into the rows (Q [B, kv_heads, G, D])."""
+    return s["heads"] * s["seq_q"] // s["kv_heads"]
+
+
+def chunk_of(s: dict, knobs: dict) -> int:
+    """Keys per split: ceil(L / split) rounded up to whole steps of warps x (32 x 8 / head_dim) x unroll keys."""
+    rows = knobs.get("warps", 4) * (32 * VEC // s["head_dim"]) * knobs.get("unroll", 1)
+    return _ceil(_ceil(s["seq_k"], knobs["split"]), rows) * rows
+
+
+def _ceil(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def knob_space(s: dict) -> list[dict]:
+    """split (blocks per KV head), warps, unroll (steps of keys in flight per thread), for any L; those whose
+    in-block combine (per key slot: the G heads' D partial outputs, max and sum) fits in static shared memory."""
+    slots = {w: w * 32 * VEC // s["head_dim"] for w in (2, 4, 8)}  # keys in flight per step, per unroll
+    return [{"split": split, "warps": w, "unroll": u} for split in (1, 4, 8, 16, 32, 64) for w in (2, 4, 8)
+            for u in (1, 2, 4) if 4 * slots[w] * group(s) * (s["head_dim"] + 2) <= _SMEM]
+
+
+def default_knobs(s: dict) -> dict:
+    """About 2 blocks with keys per SM (528), 4 warps; then the fewest empty splits and padded keys."""
+    def key(k):
+        chunk = chunk_of(s, k)
+        live = _ceil(s["seq_k"], chunk)  # splits with keys
+        blocks = s["batch"] * s["kv_heads"] * live
+        return (blocks < 264 or k["warps"] != 4, abs(blocks - 528), k["split"] - live, chunk * k["split"], -k["unroll"])
+    space = knob_space(s)
+    return min(space, key=key) if space else {"split": 1, "warps": 4, "unroll": 1}
