@@ -18,7 +18,15 @@ from test_kernels import _attention_module
 from tvmfuse.database import FILE, TuningDatabase
 from tvmfuse.kernels import ATTENTION_PREFILL, substitute, template_sites, tuning
 from tvmfuse.kernels.check import VariantCheck
-from tvmfuse.kernels.tuning import FAILED_SECS, best_knobs, candidate_knobs, measured, tune_templates, variant_workload
+from tvmfuse.kernels.tuning import (
+    FAILED_SECS,
+    best_knobs,
+    candidate_knobs,
+    failed_knobs,
+    measured,
+    tune_templates,
+    variant_workload,
+)
 from tvmfuse.progress import kernel_records
 from tvmfuse.schedules import open_database
 from tvmfuse.schedules_upkeep import add_from_database
@@ -152,13 +160,14 @@ def test_cuda_build_applies_a_template_record():
     assert compile_module(apply_default_schedules(tuned, cuda), cuda) is not None
 
 
-def _wrong_for(tmpl, shapes, bad_knobs, monkeypatch) -> None:
-    """variant_workload gives a wrong kernel for `bad_knobs` (softmax scale doubled), under the right record key."""
+def _wrong_for(tmpl, shapes, bad_knobs: list, monkeypatch) -> None:
+    """variant_workload gives a wrong kernel for each of `bad_knobs` (softmax scale doubled), under the right record
+    key."""
     right = tuning.variant_workload
 
     def variant(tmpl_, shapes_, knobs, name, target):
         mod = right(tmpl_, shapes_, knobs, name, target)
-        if knobs != bad_knobs:
+        if knobs not in bad_knobs:
             return mod
         bad = right(tmpl_, dict(shapes_, scale=2 * shapes_["scale"]), knobs, name, target)
         return tvm.IRModule({"main": bad["main"].with_attr("tvmfuse.template", mod["main"].attrs["tvmfuse.template"])})
@@ -185,7 +194,7 @@ def test_wrong_variant_is_recorded_failed_and_never_chosen(tmp_path, llvm, monke
     fused = _attention_module(False)
     name, tmpl, shapes = _site(fused)
     space = candidate_knobs(tmpl, shapes)
-    _wrong_for(tmpl, shapes, space[0], monkeypatch)
+    _wrong_for(tmpl, shapes, [space[0]], monkeypatch)
     db, runner, said = TuningDatabase(str(tmp_path), llvm), _FirstIsFastest(), []
     progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=_builder(1),
                               runner=runner, say=said.append)[name]
@@ -202,6 +211,31 @@ def test_wrong_variant_is_recorded_failed_and_never_chosen(tmp_path, llvm, monke
     assert _kernel_knobs(substitute(fused.mod, fused.kernel_patterns, target="llvm", database=db), name) == space[1]
 
 
+def test_every_knob_set_wrong_keeps_the_generic_kernel(tmp_path, llvm, monkeypatch):
+    """Every measured knob set gives the wrong output: none is timed, each is a failed record, and substitute keeps
+    the generic kernel (not the template with its default knobs), saying why in the job's log line."""
+    fused = _attention_module(False)
+    name, tmpl, shapes = _site(fused)
+    space = candidate_knobs(tmpl, shapes)
+    assert len(space) > 2  # two measured, the rest never: "every measured", not every knob set
+    _wrong_for(tmpl, shapes, space, monkeypatch)
+    db, runner, said = TuningDatabase(str(tmp_path), llvm), _FirstIsFastest(), []
+    progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=_builder(1),
+                              runner=runner, say=said.append)[name]
+    assert (progress.trials, progress.failed, progress.best_us, runner.given) == (2, 2, None, [])
+    assert len(said) == 2 and all("gave wrong output" in line for line in said), said
+    assert best_knobs(db, tmpl, shapes, "llvm") == (None, None) and failed_knobs(db, tmpl, shapes, "llvm") == 2
+    log = []
+    new = substitute(fused.mod, fused.kernel_patterns, target="llvm", database=db, log=log)
+    assert [f"{kernel}: {outcome}" for kernel, outcome in log] == \
+        [f"{name}: generic: every measured knob set failed (2)"]  # as templates.apply_templates logs it
+    assert new[name].same_as(fused.mod[name]) and "tvmfuse.knobs" not in new[name].attrs
+    log = []  # nothing measured (a fresh database): the template with its default knobs, as before
+    fresh = substitute(fused.mod, fused.kernel_patterns, target="llvm", database=TuningDatabase(None, llvm), log=log)
+    assert log == [(name, "template attention_prefill, default knobs (none measured)")]
+    assert _kernel_knobs(fresh, name) == space[0]
+
+
 def test_variants_are_checked_in_the_runners_rpc_session(tmp_path, llvm, monkeypatch):
     """With an RPC runner the check runs where it measures: in a session its `rpc_config` opens (here TVM's
     in-process LocalSession, standing in for the tracker's server: the same upload/load_module/device calls),
@@ -215,7 +249,7 @@ def test_variants_are_checked_in_the_runners_rpc_session(tmp_path, llvm, monkeyp
     fused = _attention_module(False)
     name, tmpl, shapes = _site(fused)
     space = candidate_knobs(tmpl, shapes)
-    _wrong_for(tmpl, shapes, space[1], monkeypatch)
+    _wrong_for(tmpl, shapes, [space[1]], monkeypatch)
     db, said = TuningDatabase(str(tmp_path), llvm), []
     progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=_builder(1),
                               runner=runner, say=said.append)[name]
@@ -237,7 +271,7 @@ def test_gpu_variants_are_checked_on_the_gpu(tmp_path, monkeypatch):
     fused = _attention_module(True)
     (_, name, tmpl, shapes, _), = template_sites(fused.mod, fused.kernel_patterns, target="cuda")
     space = candidate_knobs(tmpl, shapes)
-    _wrong_for(tmpl, shapes, space[-1], monkeypatch)
+    _wrong_for(tmpl, shapes, [space[-1]], monkeypatch)
     db, said = TuningDatabase(str(tmp_path), cuda), []
     progress = tune_templates(fused.mod, fused.kernel_patterns, cuda, db, trials=len(space), say=said.append)[name]
     (_, calls), = checks

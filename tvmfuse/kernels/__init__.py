@@ -87,8 +87,9 @@ def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict
                database=None) -> tvm.IRModule:
     """Replace each kernel a template takes (`template_sites`) by the template; everything else is left
     untouched. Knobs: `knobs` ({primfunc: knobs}) if given, else the best measured in `database`
-    (`tuning.best_knobs`: records of the tuning database or the schedules library), else the defaults."""
-    from .tuning import best_knobs  # pylint: disable=import-outside-toplevel  (tuning imports this module)
+    (`tuning.best_knobs`: records of the tuning database or the schedules library), else the defaults when none
+    was measured; when every measured knob set failed (wrong output, build or run error) the generic kernel stays."""
+    from .tuning import best_knobs, failed_knobs  # pylint: disable=import-outside-toplevel  (tuning imports this)
 
     log = log if log is not None else []
     rewrite = {}
@@ -96,6 +97,10 @@ def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict
         chosen, why = (knobs or {}).get(name), ""
         if chosen is None and database is not None:
             chosen, us = best_knobs(database, tmpl, shapes, target)
+            failed = failed_knobs(database, tmpl, shapes, target) if chosen is None else 0
+            if failed:
+                log.append((name, f"generic: every measured knob set failed ({failed})"))
+                continue
             why = f", measured knobs {chosen} ({us:.1f} us)" if chosen is not None else ", default knobs (none measured)"
         rewrite[gv] = (name, tmpl(shapes, chosen, target).with_attr("global_symbol", name), perm)
         log.append((name, f"template {tmpl.name}{why}"))

@@ -56,13 +56,21 @@ def measured(database, tmpl: Template, shapes: dict, target) -> dict[str, float]
 
 def best_knobs(database, tmpl: Template, shapes: dict, target) -> tuple[dict | None, float | None]:
     """The fastest measured knob set still valid for these shapes, and its latency in µs; (None, None) if none."""
-    valid = {knob_key(k) for k in tmpl.knob_space(shapes)}
-    timed = [(secs, k) for k, secs in measured(database, tmpl, shapes, target).items()
-             if k in valid and secs < float("inf")]
+    timed = [(secs, k) for k, secs in _measured_valid(database, tmpl, shapes, target).items() if secs < float("inf")]
     if not timed:
         return None, None
     secs, knobs = min(timed)
     return json.loads(knobs), secs * 1e6
+
+
+def failed_knobs(database, tmpl: Template, shapes: dict, target) -> int:
+    """How many measured knob sets still valid for these shapes failed (wrong output, build or run error)."""
+    return sum(secs == float("inf") for secs in _measured_valid(database, tmpl, shapes, target).values())
+
+
+def _measured_valid(database, tmpl: Template, shapes: dict, target) -> dict[str, float]:
+    valid = {knob_key(k) for k in tmpl.knob_space(shapes)}
+    return {k: secs for k, secs in measured(database, tmpl, shapes, target).items() if k in valid}
 
 
 def tune_templates(mod: tvm.IRModule, patterns: dict[str, str], target: tvm.target.Target, database,
