@@ -90,3 +90,14 @@ def test_decode_projection_gets_dlight_gemv_on_cuda():
     after = [default_rule(fused.mod[k], cuda)[0] for k in fused.kernels()]
     assert [type(r).__name__ for r in before] == ["Reduction"]
     assert [type(r).__name__ for r in after] == ["GEMV"]
+
+
+def test_bare_projection_is_kept_for_its_layout_not_for_a_predicted_saving():
+    """The permute of a constant costs nothing unfused (FoldConstant folds it), so the group saves no predicted
+    time; it is kept, at any threshold, because only inside it does the kernel read W as [N, K]."""
+    from tvmfuse.decide import Settings
+
+    _, bound = _bound(onnx_models.projection(rows=3, k=64, n=96))
+    (cand,) = decide(transpose_weights(bound), None, Settings(threshold_us=5.0)).candidates
+    assert cand.match.pattern == "tvmfuse.matmul" and cand.decision == "kept"
+    assert cand.benefit_us == pytest.approx(0.0, abs=1e-9) and cand.reason.startswith("reads its weight [N, K]")

@@ -58,12 +58,14 @@ def test_plan_command_prints_text_and_json(hf_exports, capsys):
     assert plan_main([hf_exports("llama"), "--target", "cuda"]) == 0
     text = capsys.readouterr().out
     assert "tvmfuse.swiglu" in text and "kernel launches per run: stock TVM fusion" in text
-    assert plan_main([hf_exports("gpt2", "dynamo"), "--target", "llvm", "--json", "--threshold-us", "5"]) == 0
+    gpt2 = hf_exports("gpt2", "dynamo")  # exported first: the exporter prints progress to stdout
+    capsys.readouterr()
+    assert plan_main([gpt2, "--target", "llvm", "--json", "--threshold-us", "5"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["threshold_us"] == 5.0
     for row in report["candidates"]:
         assert {"pattern", "ops", "decision", "reason"} <= set(row)
-        if row["decision"] == "kept":
+        if row["decision"] == "kept" and not row["reason"].startswith("reads its weight"):
             assert row["predicted_saved_us"] > 5.0
         elif "predicted_saved_us" in row and row["reason"].startswith("benefit"):
             assert row["predicted_saved_us"] <= 5.0

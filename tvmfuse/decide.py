@@ -97,6 +97,10 @@ def decide(mod: tvm.IRModule, target=None, settings: Settings | None = None, pat
             cand.reason = ("two matmuls in one kernel have no GPU schedule (dlight and tvmfuse's spaces schedule one "
                            "reduction per kernel; Llama's SwiGLU at 512x4096x11008 fp16 on the H200: 313 ms fused, "
                            "3.4 ms as two GEMMs)")
+        elif cand.benefit_us <= settings.threshold_us and _reads_weight_in_place(cand):
+            cand.decision = KEPT
+            cand.reason = ("reads its weight [N, K] in place (the layout stage): K contiguous for the GEMV/GEMM "
+                           "schedule; without the group the permute folds back into a [K, N] constant")
         elif cand.benefit_us <= settings.threshold_us:
             cand.reason = f"benefit {cand.benefit_us:.3f} us does not beat the threshold {settings.threshold_us} us"
         else:
@@ -105,6 +109,15 @@ def decide(mod: tvm.IRModule, target=None, settings: Settings | None = None, pat
     _resolve_overlaps([c for c in candidates if c.decision == KEPT])
     candidates.sort(key=lambda c: rec.order.get(c.match.root, 0))
     return Plan(candidates, device, settings, dict(dims.used))
+
+
+def _constant_permute(call) -> bool:
+    """A permute_dims of a constant: the layout stage's weight read, which FoldConstant folds when not fused."""
+    return cm.op_name(call) == "permute_dims" and isinstance(call.args[0], tvm.ir.GenericConst)
+
+
+def _reads_weight_in_place(cand: Candidate) -> bool:
+    return _matmuls(cand) == 1 and any(_constant_permute(call) for _, call in cand.match.bindings)
 
 
 def _matmuls(cand: Candidate) -> int:
@@ -126,6 +139,8 @@ def _score(cand: Candidate, dims: cm.Dims, device: cm.Device) -> None:
     dtype = str(getattr(m.outputs[0].ty, "dtype", "float32")) if m.outputs else "float32"
     unfused, fused, row, unfused_us = cm.Cost(), cm.Cost(launches=1), None, 0.0
     for var, call in m.bindings:
+        if _constant_permute(call):  # folded at compile time when not fused: no kernel, no bytes either way
+            continue
         one = cm.op_cost(call, var.ty, dims)
         unfused += one
         unfused_us += one.latency_us(device, dtype)  # each op is its own roofline
