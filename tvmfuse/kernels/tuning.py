@@ -133,6 +133,14 @@ def _check_outputs(check, artifacts, knob_sets, name: str, say) -> list[str | No
     return wrong
 
 
+def commit_variant(database, mod: tvm.IRModule, secs: list[float], target) -> None:
+    """Store one knob set's `variant_workload` with its measured run times (FAILED_SECS: failed or wrong)."""
+    sch = s_tir.Schedule(mod)
+    sch.get_sblock("root")  # one no-op instruction: MetaSchedule's databases return no empty-trace record
+    database.commit_tuning_record(ms.database.TuningRecord(
+        sch.trace, database.commit_workload(mod), secs, target, ArgInfo.from_prim_func(mod["main"])))
+
+
 def _measure_round(knob_sets, tmpl, shapes, name, target, database, builder, runner, task, check, say) -> None:
     """Build the variants with the builder, check their outputs, time the right ones with the runner, commit one
     record per knob set (failures and wrong outputs too, at MetaSchedule's failure time, so a rerun does not
@@ -154,10 +162,7 @@ def _measure_round(knob_sets, tmpl, shapes, name, target, database, builder, run
         if result.error_msg is None and run:
             secs[i] = run
     for i, mod in enumerate(mods):
-        sch = s_tir.Schedule(mod)
-        sch.get_sblock("root")  # one no-op instruction: MetaSchedule's databases return no empty-trace record
-        database.commit_tuning_record(ms.database.TuningRecord(
-            sch.trace, database.commit_workload(mod), secs[i], target, ArgInfo.from_prim_func(mod["main"])))
+        commit_variant(database, mod, secs[i], target)
         task.trials += 1
         us = sum(secs[i]) / len(secs[i]) * 1e6
         if secs[i][0] >= FAILED_SECS:
