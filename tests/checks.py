@@ -51,3 +51,26 @@ def assert_bad_inputs_exit_2(cases: dict, tmp_path, capsys, extra=()) -> None:
         assert message in err, (case, err)
         assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, (case, err)
         assert not out.exists() or not any(out.iterdir()), case
+
+
+def decode_attention(kv_len: int, mask_value: float | None = None, dt: str = "float16"):
+    """softmax(q k^T / sqrt(128) [+ constant mask]) v at decode (1 query over `kv_len` keys, 8 heads, d 128),
+    lowered with the attention pattern only: the Fused the kernel tests take templates from."""
+    import numpy as np
+    from tvm import relax
+
+    from tvmfuse.fuse import lower
+    from tvmfuse.patterns import fusion_patterns
+
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, 8, 1, 128), dt))
+    k, v = (relax.Var(n, relax.TensorType((1, 8, kv_len, 128), dt)) for n in "kv")
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
+            s = bb.emit(relax.op.multiply(s, relax.const(128 ** -0.5, dt)))
+            if mask_value is not None:
+                s = bb.emit(relax.op.add(s, relax.const(np.full((1, 1, 1, kv_len), mask_value, dt))))
+            out = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), v))
+        bb.emit_func_output(out)
+    return lower(bb.get(), patterns=fusion_patterns(["tvmfuse.attention"]))

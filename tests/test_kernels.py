@@ -137,19 +137,9 @@ def test_substitute_replaces_attention_kernel(mask):
 def test_constant_zero_mask_is_no_mask(mask_value):
     """Exporters write a constant all-zero additive mask where none was given: the decode template (which takes
     no mask) then applies; any other constant mask is kept, so the decode template does not take it."""
-    from tvmfuse.fuse import lower
-    from tvmfuse.patterns import fusion_patterns
-    bb, dt = relax.BlockBuilder(), "float16"
-    q = relax.Var("q", relax.TensorType((1, 8, 1, 128), dt))
-    k, v = (relax.Var(n, relax.TensorType((1, 8, 512, 128), dt)) for n in "kv")
-    with bb.function("main", [q, k, v]):
-        with bb.dataflow():
-            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
-            s = bb.emit(relax.op.multiply(s, relax.const(128 ** -0.5, dt)))
-            s = bb.emit(relax.op.add(s, relax.const(np.full((1, 1, 1, 512), mask_value, dt))))
-            o = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), v))
-        bb.emit_func_output(o)
-    fused = lower(bb.get(), patterns=fusion_patterns(["tvmfuse.attention"]))
+    from checks import decode_attention
+
+    fused = decode_attention(512, mask_value)
     log = []
     new = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=log)
     if mask_value == 0.0:

@@ -284,23 +284,12 @@ def test_gpu_variants_are_checked_on_the_gpu(tmp_path, monkeypatch):
 def test_half_precision_reference_computes_in_float32(tmp_path, llvm, monkeypatch):
     """An all-fp16 graph's generic decode kernel (softmax sum over seq_k 4096 in fp16) is itself off by more than
     fp16's tolerance: run as it is, it would fail the right variant; run in float32 (`in_float32`), it passes it."""
-    from tvm import relax
     from tvm.support.tar import tar
 
-    from tvmfuse.fuse import lower
+    from checks import decode_attention
     from tvmfuse.kernels import _call_sites, check
-    from tvmfuse.patterns import fusion_patterns
 
-    bb, dt = relax.BlockBuilder(), "float16"
-    q = relax.Var("q", relax.TensorType((1, 8, 1, 128), dt))
-    k, v = (relax.Var(n, relax.TensorType((1, 8, 4096, 128), dt)) for n in "kv")
-    with bb.function("main", [q, k, v]):
-        with bb.dataflow():
-            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
-            s = bb.emit(relax.op.multiply(s, relax.const(128 ** -0.5, dt)))
-            out = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), v))
-        bb.emit_func_output(out)
-    fused = lower(bb.get(), patterns=fusion_patterns(["tvmfuse.attention"]))
+    fused = decode_attention(4096)
     (gv, name, tmpl, shapes, perm), = template_sites(fused.mod, fused.kernel_patterns, target="llvm")
     artifact = str(tmp_path / "variant.tar")
     tvm.compile(variant_workload(tmpl, shapes, None, name, llvm), target=llvm).export_library(artifact, fcompile=tar)
