@@ -1,12 +1,12 @@
 """tvmfuse.layout: constant matmul weights stored [N, K], read through a permute the matmul's kernel absorbs."""
 
 import numpy as np
+import onnx_models
 import pytest
 import tvm
+from checks import check_against_ort
 from tvm import relax, tirx
 
-import onnx_models
-from checks import check_against_ort
 from tvmfuse.baseline import default_rule
 from tvmfuse.decide import decide
 from tvmfuse.fuse import bind_params, lower

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import tvm
+from checks import cuda_sources
 from tvm import relax, tirx
 
-from checks import cuda_sources
 from tvmfuse.baseline import SmallBatchMatmul, default_rule
 from tvmfuse.build import apply_default_schedules, compile_module
 from tvmfuse.fuse import lower

@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.ir import GenericConst  # what relax.const builds in TVM 0.27 (relax.Constant before)
+from tvm.ir import (
+    GenericConst,  # what relax.const builds in TVM 0.27 (relax.Constant before)
+)
 
 MATMUL = tvm.ir.Op.get("relax.matmul")
 

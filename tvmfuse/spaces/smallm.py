@@ -61,7 +61,7 @@ def applies(func: tirx.PrimFunc) -> bool:
     """True for a small-M (2..32) inner-reduction matmul this schedule takes with its default knobs."""
     try:
         got = _analyze(s_tir.Schedule(func))
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001  (a kernel this schedule cannot take)
         return False
     if got is None:
         return False
@@ -122,5 +122,5 @@ def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
         if got is None:
             return None
         return sch if schedule_small_m(sch, **default_knobs(got[2])) else None
-    except Exception:  # pylint: disable=broad-except  (a fused kernel this schedule cannot take)
+    except Exception:  # noqa: BLE001  (a fused kernel this schedule cannot take)
         return None
