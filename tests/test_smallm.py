@@ -68,3 +68,34 @@ def test_gpu_small_m_matches_numpy(rows, batch):
     got = vm["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)]).numpy().astype("float32")
     want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
     assert np.abs(got - want).max() < 2e-2
+
+
+def test_tuning_space_samples_the_small_m_knobs():
+    """`--trials` explores the small-M schedule's knobs (beside the split-K CUDA-core sketch): every sample either
+    passes MetaSchedule's CUDA postprocs and compiles, or is rejected by them (shared memory over the limit)."""
+    import itertools
+
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmfuse.spaces import space_for
+
+    h100 = tvm.target.Target("nvidia/nvidia-h100")
+    fn = _kernel(_projection(16, 512, 256))
+    ctx = ms.TuneContext(mod=tvm.IRModule({"main": fn}), target=h100, space_generator=space_for(fn, h100),
+                         search_strategy="replay-trace")
+    sketches = ctx.generate_design_space()
+    assert len(sketches) == 2  # the CUDA-core GEMV sketch and the small-M one
+    trace = sketches[1].trace
+    picks = [i for i in trace.insts if i.kind.name == "SampleCategorical"]
+    assert [list(map(int, i.attrs[0])) for i in picks] == [[2, 4, 8], [2, 4, 8], [4, 8]]  # tn, warps, vec
+    compiled = 0
+    for combo in itertools.product(*[range(len(i.attrs[0])) for i in picks]):
+        for inst, choice in zip(picks, combo):
+            trace = trace.with_decision(inst, choice, remove_postproc=True)
+        sch = s_tir.Schedule(tvm.IRModule({"main": fn}))
+        trace.apply_to_schedule(sch, remove_postproc=True)
+        if all([p.apply(sch) for p in ctx.space_generator.postprocs]):
+            tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=h100)
+            compiled += 1
+    assert compiled >= 12  # 6 of 18 need more than 48 KB of shared memory for the lanes' partial sums

@@ -6,7 +6,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import meta_schedule as ms
 
-from . import gemm, gemv, rowreduce
+from . import gemm, gemv, rowreduce, smallm
 
 __all__ = ["classify", "space_for", "default_schedule"]
 
@@ -38,14 +38,18 @@ def space_for(func: tirx.PrimFunc, target: tvm.target.Target) -> ms.space_genera
     if kind == "row":
         return ms.space_generator.ScheduleFn(rowreduce.space_fn, sch_rules=[], postprocs="cuda", mutator_probs="cuda")
     if kind == "gemv":
-        cuda_cores = ms.space_generator.ScheduleFn(gemv.space_fn, sch_rules=[], postprocs="cuda",
-                                                   mutator_probs="cuda")
+        spaces = [ms.space_generator.ScheduleFn(gemv.space_fn, sch_rules=[], postprocs="cuda", mutator_probs="cuda")]
+        if smallm.applies(func):  # the small-M default's knobs, sampled
+            spaces.append(ms.space_generator.ScheduleFn(smallm.space_fn, sch_rules=[], postprocs="cuda",
+                                                        mutator_probs="cuda"))
         m, _n, _k, dtype = gemv.matmul_shape(func)
-        if dtype != "float16" or m % 32:  # the mma tiling loads A in 32-row ldmatrix tiles: M=16 does not tile
-            return cuda_cores
-        # fp16: the split-K CUDA-core sketch and the mma sketch; tuning picks
-        return ms.space_generator.SpaceGeneratorUnion([cuda_cores, gemm.space()], sch_rules=[],
-                                                      postprocs="cuda-tensorcore", mutator_probs="cuda-tensorcore")
+        tensor_cores = dtype == "float16" and m % 32 == 0  # the mma tiling loads A in 32-row ldmatrix tiles
+        if tensor_cores:
+            spaces.append(gemm.space())
+        if len(spaces) == 1:
+            return spaces[0]
+        kind = "cuda-tensorcore" if tensor_cores else "cuda"  # tuning picks among the sketches
+        return ms.space_generator.SpaceGeneratorUnion(spaces, sch_rules=[], postprocs=kind, mutator_probs=kind)
     if kind == "gemm":
         return gemm.space()
     return None

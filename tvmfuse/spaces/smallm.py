@@ -74,13 +74,14 @@ def _fits(m: int, n: int, k: int, tn: int, warps: int, vec: int) -> bool:
     return 1 < m <= MAX_M and (m * tn) % LANES == 0 and n % (tn * warps) == 0 and k % (LANES * vec) == 0
 
 
-def schedule_small_m(sch: s_tir.Schedule, tn: int, warps: int, vec: int) -> bool:
-    """Schedule in place; False if the kernel is not a small-M inner-reduction matmul of fitting sizes."""
+def schedule_small_m(sch: s_tir.Schedule, tn, warps, vec) -> bool:
+    """Schedule in place; False if the kernel is not a small-M inner-reduction matmul of fitting sizes. The knobs
+    are ints, or sampled variables whose every choice fits (`space_fn`)."""
     got = _analyze(sch)
     if got is None:
         return False
     red, epi, m, n, k = got
-    if not _fits(m, n, k, tn, warps, vec):
+    if all(isinstance(x, int) for x in (tn, warps, vec)) and not _fits(m, n, k, tn, warps, vec):
         return False
     block = red.block_rv
     *rows, col, red_loop = sch.get_loops(block)
@@ -124,3 +125,18 @@ def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
         return sch if schedule_small_m(sch, **default_knobs(got[2])) else None
     except Exception:  # noqa: BLE001  (a fused kernel this schedule cannot take)
         return None
+
+
+def space_fn(sch: s_tir.Schedule):
+    """ScheduleFn body: the schedule with its knobs sampled among the choices that fit this kernel's M, N, K."""
+    got = _analyze(sch.copy())
+    if got is None:
+        return []
+    _, _, m, n, k = got
+    warps = [w for w in (2, 4, 8) if n % w == 0]
+    tns = [t for t in (1, 2, 4, 8, 16, 32) if (m * t) % LANES == 0 and m * t <= 128 and n % (t * max(warps or [1])) == 0]
+    vecs = [v for v in (4, 8) if k % (LANES * v) == 0]
+    if not 1 < m <= MAX_M or not (warps and tns and vecs):
+        return []
+    pick = [sch.sample_categorical(c, [1.0 / len(c)] * len(c)) for c in (tns, warps, vecs)]
+    return [sch] if schedule_small_m(sch, *pick) else []
