@@ -39,8 +39,11 @@ def two_kernels(rows=8, d=32, one=False) -> onnx.ModelProto:
 
 def kernel_mods(target, one=False):
     """(fused module, [task IRModule per kernel]) of `two_kernels`, exactly as the pipeline tunes them."""
-    imp = import_model(two_kernels(one=one))
-    fused = lower(imp.mod, imp.params)
+    from tvmfuse.decide import decide
+    from tvmfuse.pipeline import prepare_module
+
+    bound = prepare_module(import_model(two_kernels(one=one)))  # bind, precision, weight layout
+    fused = lower(bound, plan=decide(bound, target))
     return fused, [t.dispatched[0] for t in tunable_tasks(fused.mod, target)]
 
 
