@@ -16,6 +16,8 @@ from tvm.ir import (
     GenericConst,  # what relax.const builds in TVM 0.27 (relax.Constant before)
 )
 
+from .opmath import mutate_functions
+
 MATMUL = tvm.ir.Op.get("relax.matmul")
 
 
@@ -23,13 +25,7 @@ def transpose_weights(mod: tvm.IRModule) -> tvm.IRModule:
     """`matmul(x, C)` with C a 2-D constant becomes `matmul(x, permute_dims(C^T))` in every Relax function;
     a constant used by several matmuls is transposed once."""
     transposed: dict = {}
-    out = mod
-    for gv, fn in mod.functions.items():
-        if isinstance(fn, relax.Function) and not (fn.attrs and "Composite" in fn.attrs):
-            new = _Transposer(out, transposed).visit_expr(fn)
-            if not new.same_as(fn):
-                out = tvm.IRModule({**dict(out.functions.items()), gv: new}, attrs=out.attrs)
-    return out
+    return mutate_functions(mod, lambda copy: _Transposer(copy, transposed))
 
 
 def is_weight(expr) -> bool:
