@@ -66,21 +66,22 @@ def applies(func: tirx.PrimFunc) -> bool:
     if got is None:
         return False
     _, _, m, n, k = got
-    knobs = default_knobs(m)
-    return _fits(m, n, k, **knobs)
+    return _fits(m, n, k, **default_knobs(m))
 
 
 def _fits(m: int, n: int, k: int, tn: int, warps: int, vec: int) -> bool:
     return 1 < m <= MAX_M and (m * tn) % LANES == 0 and n % (tn * warps) == 0 and k % (LANES * vec) == 0
 
 
-def schedule_small_m(sch: s_tir.Schedule, tn, warps, vec) -> bool:
+def schedule_small_m(sch: s_tir.Schedule, tn=None, warps=None, vec=None) -> bool:
     """Schedule in place; False if the kernel is not a small-M inner-reduction matmul of fitting sizes. The knobs
-    are ints, or sampled variables whose every choice fits (`space_fn`)."""
+    are ints, sampled variables whose every choice fits (`space_fn`), or None: `default_knobs`."""
     got = _analyze(sch)
     if got is None:
         return False
     red, epi, m, n, k = got
+    if tn is None:
+        tn, warps, vec = (default_knobs(m)[key] for key in ("tn", "warps", "vec"))
     if all(isinstance(x, int) for x in (tn, warps, vec)) and not _fits(m, n, k, tn, warps, vec):
         return False
     block = red.block_rv
@@ -119,10 +120,7 @@ def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """The schedule with `default_knobs`, or None where it does not apply."""
     try:
         sch = s_tir.Schedule(func)
-        got = _analyze(s_tir.Schedule(func))
-        if got is None:
-            return None
-        return sch if schedule_small_m(sch, **default_knobs(got[2])) else None
+        return sch if schedule_small_m(sch) else None
     except Exception:  # noqa: BLE001  (a fused kernel this schedule cannot take)
         return None
 
