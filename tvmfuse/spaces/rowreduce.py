@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import tvm
@@ -38,18 +39,11 @@ def _analyze(sch: s_tir.Schedule):
             return None
     red_dom = [int(d) for d in next(i for i in infos if i.is_reduction()).dom()]
     if all(d == 1 for d in red_dom[:nlead]):  # one row (decode: [1, 1, H]): the spatial blocks lost their unit
-        return infos, 0, _prod(red_dom[nlead:])  # dims, so no loop is a row loop; schedule_row adds the block loop
+        return infos, 0, math.prod(red_dom[nlead:])  # dims, so no loop is a row loop; schedule_row adds the block loop
     doms = [int(d) for d in last.dom()]
     if len(doms) <= nlead:
         return None
-    return infos, nlead, _prod(doms[nlead:])
-
-
-def _prod(dims) -> int:
-    out = 1
-    for d in dims:
-        out *= d
-    return out
+    return infos, nlead, math.prod(doms[nlead:])
 
 
 def is_row_reduction(func: tirx.PrimFunc) -> bool:
@@ -167,9 +161,7 @@ def _shared_bytes(sch: s_tir.Schedule, row_len: int) -> int:
     total = 0
     for buf in sch.get(get_root_block(sch)).alloc_buffers:
         if buf.scope() == "shared":
-            n = 1
-            for d in buf.shape:
-                n *= int(d)
+            n = math.prod(int(d) for d in buf.shape)
             total += (row_len if n % row_len == 0 else n) * tvm.DataType(str(buf.dtype)).bits // 8
     return total
 

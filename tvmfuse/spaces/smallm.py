@@ -9,6 +9,8 @@ the epilogue (cast, bias, activation) runs on the same warp.
 
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
@@ -43,10 +45,7 @@ def _analyze(sch: s_tir.Schedule):
         return None
     if not any(len(r.region) == 2 and r.region[0].min.same_as(n_var) for r in reads):
         return None  # no [N, K] weight
-    m = 1
-    for d in doms[:-2]:
-        m *= d
-    return red, epi, m, doms[-2], doms[-1]
+    return red, epi, math.prod(doms[:-2]), doms[-2], doms[-1]
 
 
 def default_knobs(m: int) -> dict:
