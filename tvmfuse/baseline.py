@@ -60,9 +60,9 @@ def default_rules(target: tvm.target.Target, stock: bool = False) -> list:
     and its row schedule just before the final Fallback on CUDA (unless `stock`: dlight's alone, as stock TVM);
     the CPU ones elsewhere."""
     if "gpu" in target.keys:
-        row = [RowReductionDefault()] if target.kind.name == "cuda" and not stock else []
+        ours = target.kind.name == "cuda" and not stock
+        small, row = ([SmallBatchMatmul()], [RowReductionDefault()]) if ours else ([], [])
         matmul = dl.gpu.Matmul() if stock else TensorCoreMatmul()
-        small = [SmallBatchMatmul()] if target.kind.name == "cuda" and not stock else []
         return [*small, matmul, dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *row, dl.gpu.Fallback()]
     return [dl.cpu.GEMV(), dl.cpu.Reduction()]
 
