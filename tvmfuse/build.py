@@ -67,15 +67,17 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
     backend = relax.backend.cuda.pipeline if cuda else relax.backend.cpu_generic.pipeline
     passes = backend.dataflow_lower_passes(target) + backend.finalize_passes(target)
     pipeline = tvm.transform.Sequential(passes)
+    # CUDA: cp.async for the software-pipelined shared-memory copies, as the tuning builds (tvmfuse.builder) had
+    # them: without it the tensor-core GEMM's 3-deep ring ran as synchronous copies, 2.5x slower in the models
+    config = {"tirx.use_async_copy": True} if cuda else {}
+    if cuda_graph and cuda:
+        config["relax.backend.use_cuda_graph"] = True
+    outer = tvm.transform.PassContext.current()  # keep the caller's settings, add these options
     # `with target`: TVM's CUDA compile callback takes the arch from Target.current() and otherwise asks the GPU,
     # so a process that sees no GPU (a build worker) failed with "No CUDA architecture was specified".
-    if not (cuda_graph and cuda):
-        with target:
-            return tvm.compile(mod, target=target, relax_pipeline=pipeline)
-    outer = tvm.transform.PassContext.current()  # keep the caller's settings, add the one option
     with target, tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
                                            disabled_pass=list(outer.disabled_pass),
-                                           config={**dict(outer.config), "relax.backend.use_cuda_graph": True}):
+                                           config={**dict(outer.config), **config}):
         return tvm.compile(mod, target=target, relax_pipeline=pipeline)
 
 
