@@ -29,6 +29,18 @@ class RowReductionDefault(dl.ScheduleRule):
         return rowreduce.default_schedule(func)
 
 
+class VectorizedInjective(dl.ScheduleRule):
+    """tvmfuse's injective schedule (tvmfuse.spaces.elementwise): 16-byte vector accesses where dlight's Fallback
+    moves one element per thread (KV-cache concatenations, transposes, elementwise chains)."""
+
+    def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
+        from .spaces import elementwise  # pylint: disable=import-outside-toplevel
+
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        return elementwise.default_schedule(func)
+
+
 class SmallBatchMatmul(dl.ScheduleRule):
     """tvmfuse's small-M matmul schedule (tvmfuse.spaces.smallm) for M of 2..32 rows over a [N, K] weight, where
     dlight's GEMV (M = 1 only) and Matmul (CUDA-core 32x64 tiles below M = 64) leave most of the GPU idle."""
@@ -39,6 +51,18 @@ class SmallBatchMatmul(dl.ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
             return None
         return smallm.default_schedule(func)
+
+
+class TensorCoreGemm(dl.ScheduleRule):
+    """tvmfuse's tensor-core GEMM schedule (tvmfuse.spaces.tcgemm) with its measured default tile, for fp16 matmuls
+    whose sizes the 128x128x64 tile divides; dlight's Matmul (padding) takes the others."""
+
+    def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
+        from .spaces import tcgemm  # pylint: disable=import-outside-toplevel
+
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        return tcgemm.default_schedule(func)
 
 
 class TensorCoreMatmul(dl.ScheduleRule):
@@ -56,14 +80,15 @@ class TensorCoreMatmul(dl.ScheduleRule):
 
 
 def default_rules(target: tvm.target.Target, stock: bool = False) -> list:
-    """dlight's rules in the order TVM's own CUDA pipeline tries them, with tvmfuse's small-M matmul schedule first
-    and its row schedule just before the final Fallback on CUDA (unless `stock`: dlight's alone, as stock TVM);
-    the CPU ones elsewhere."""
+    """dlight's rules in the order TVM's own CUDA pipeline tries them, with tvmfuse's small-M and tensor-core
+    matmul schedules first and its row and vectorized injective schedules just before the final Fallback on CUDA
+    (unless `stock`: dlight's alone, as stock TVM); the CPU ones elsewhere."""
     if "gpu" in target.keys:
         ours = target.kind.name == "cuda" and not stock
-        small, row = ([SmallBatchMatmul()], [RowReductionDefault()]) if ours else ([], [])
+        first, last = (([SmallBatchMatmul(), TensorCoreGemm()], [RowReductionDefault(), VectorizedInjective()])
+                       if ours else ([], []))
         matmul = dl.gpu.Matmul() if stock else TensorCoreMatmul()
-        return [*small, matmul, dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *row, dl.gpu.Fallback()]
+        return [*first, matmul, dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *last, dl.gpu.Fallback()]
     return [dl.cpu.GEMV(), dl.cpu.Reduction()]
 
 

@@ -6,7 +6,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import meta_schedule as ms
 
-from . import gemm, gemv, rowreduce, smallm
+from . import gemm, gemv, rowreduce, smallm, tcgemm
 
 __all__ = ["classify", "space_for", "default_schedule"]
 
@@ -51,7 +51,13 @@ def space_for(func: tirx.PrimFunc, target: tvm.target.Target) -> ms.space_genera
         kind = "cuda-tensorcore" if tensor_cores else "cuda"  # tuning picks among the sketches
         return ms.space_generator.SpaceGeneratorUnion(spaces, sch_rules=[], postprocs=kind, mutator_probs=kind)
     if kind == "gemm":
-        return gemm.space()
+        if not tcgemm.applies(func):
+            return gemm.space()
+        tiles = ms.space_generator.ScheduleFn(tcgemm.space_fn, sch_rules=[], postprocs=gemm.tensorcore_postprocs(),
+                                              mutator_probs="cuda-tensorcore")  # the measured tile sets
+        return ms.space_generator.SpaceGeneratorUnion([tiles, gemm.space()], sch_rules=[],
+                                                      postprocs=gemm.tensorcore_postprocs(),
+                                                      mutator_probs="cuda-tensorcore")
     return None
 
 

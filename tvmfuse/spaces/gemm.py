@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.postproc import PyPostproc
 from tvm.s_tir.meta_schedule.schedule_rule import PyScheduleRule
 from tvm.ir.utils import derived_object
 
@@ -44,6 +45,45 @@ class BindEpilogueAfterMMA(PyScheduleRule):
 
     def clone(self):
         return BindEpilogueAfterMMA(self.vec)
+
+
+#: dynamic shared memory a block may opt into, by compute capability (the CUDA programming guide's table); the
+#: H100 target tag says 48 KB (the static limit), which made VerifyGPUCode refuse every deeper staging
+DYNAMIC_SMEM = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
+
+
+@derived_object
+class VerifyGPUCodeDynamicSmem(PyPostproc):
+    """MetaSchedule's VerifyGPUCode with the shared-memory limit a block can opt into on the target's arch (TVM's
+    CUDA runtime raises each kernel's dynamic shared memory attribute) instead of the tag's 48 KB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = None
+
+    def _initialize_with_tune_context(self, context) -> None:
+        import tvm  # pylint: disable=import-outside-toplevel
+
+        arch = str(context.target.attrs.get("arch", ""))
+        limit = DYNAMIC_SMEM.get(arch.rstrip("a"))
+        target = context.target
+        if limit is not None:
+            spec = {str(k): v for k, v in target.export().items() if str(k) != "host"}
+            target = tvm.target.Target({**spec, "max_shared_memory_per_block": limit})
+        self.inner = ms.postproc.VerifyGPUCode()
+        self.inner._initialize_with_tune_context(ms.TuneContext(target=target))  # pylint: disable=protected-access
+
+    def apply(self, sch) -> bool:
+        return self.inner.apply(sch)
+
+    def clone(self):
+        return VerifyGPUCodeDynamicSmem()
+
+
+def tensorcore_postprocs() -> list:
+    """The "cuda-tensorcore" postprocessors with `VerifyGPUCodeDynamicSmem` in VerifyGPUCode's place."""
+    return [VerifyGPUCodeDynamicSmem() if type(p).__name__ == "VerifyGPUCode" else p
+            for p in ms.Postproc.create("cuda-tensorcore")]
 
 
 def mma_rule() -> ms.ScheduleRule:

@@ -1,0 +1,60 @@
+"""tvmfuse.spaces.elementwise: the vectorized default schedule for injective kernels on CUDA."""
+
+import numpy as np
+import pytest
+import tvm
+from checks import cuda_sources
+from tvm import relax, tirx
+
+from tvmfuse.baseline import VectorizedInjective, default_rule
+from tvmfuse.build import apply_default_schedules, compile_module
+from tvmfuse.fuse import lower
+from tvmfuse.targets import resolve_target
+
+
+def _concat(a_shape, b_shape, axis, transpose_b=None, dtype="float16"):
+    """concat([a, permute_dims(b)?], axis): the KV-cache update of a decode step when `transpose_b` is given."""
+    bb = relax.BlockBuilder()
+    a, b = relax.Var("a", relax.TensorType(a_shape, dtype)), relax.Var("b", relax.TensorType(b_shape, dtype))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            t = bb.emit(relax.op.permute_dims(b, transpose_b)) if transpose_b else b
+            out = bb.emit_output(relax.op.concat([a, t], axis=axis))
+        bb.emit_func_output(out)
+    return lower(bb.get(), patterns=[]).mod
+
+
+def _kernel(mod):
+    (fn,) = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
+    return fn
+
+
+KV = ((4, 8, 64, 128), (4, 1, 8, 128), 2, [0, 2, 1, 3])  # past [B, H, S, D] + new [B, 1, H, D] -> [B, H, S+1, D]
+
+
+@pytest.mark.parametrize("case,expected", [(KV, True), (((64, 100), (64, 28), 1, None), True),
+                                           (((64, 100), (64, 27), 1, None), False),  # innermost 127: no 8-vector
+                                           (((2, 4), (2, 4), 1, None), False)])  # fewer elements than one block
+def test_injective_rule_takes_kernels_that_split_into_16_byte_vectors(case, expected):
+    rule, _ = default_rule(_kernel(_concat(*case)), resolve_target("cuda"))
+    assert isinstance(rule, VectorizedInjective) is expected, type(rule).__name__
+
+
+def test_kv_concat_moves_16_bytes_per_access():
+    cuda = resolve_target("cuda")
+    (src,) = cuda_sources(compile_module(apply_default_schedules(_concat(*KV), cuda), cuda))
+    assert src.count("__global__") == 2  # one kernel
+    assert src.count("*(uint4*)") == 3  # a vector load from past or new, a vector store
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+@pytest.mark.parametrize("case", [KV, ((64, 100), (64, 28), 1, None), ((3, 40, 16), (3, 8, 16), 1, None)])
+def test_gpu_vectorized_concat_matches_numpy(case):
+    cuda, dev, rng = resolve_target("cuda"), tvm.cuda(0), np.random.default_rng(0)
+    a_shape, b_shape, axis, perm = case
+    a = rng.standard_normal(a_shape).astype("float16")
+    b = rng.standard_normal(b_shape).astype("float16")
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(_concat(*case), cuda), cuda), dev)
+    got = vm["main"](tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev)).numpy()
+    np.testing.assert_array_equal(got, np.concatenate([a, b.transpose(perm) if perm else b], axis=axis))

@@ -1,0 +1,82 @@
+"""tvmfuse.spaces.tcgemm: the tensor-core GEMM default schedule and its tile sketches on CUDA."""
+
+import numpy as np
+import pytest
+import tvm
+from checks import cuda_sources
+from test_smallm import _kernel, _projection
+from tvm.s_tir import meta_schedule as ms
+
+from tvmfuse.baseline import TensorCoreGemm, TensorCoreMatmul, default_rule
+from tvmfuse.build import apply_default_schedules, compile_module
+from tvmfuse.spaces import gemm, space_for, tcgemm
+from tvmfuse.targets import resolve_target
+
+
+@pytest.mark.parametrize("rows,transposed,rule", [(512, True, TensorCoreGemm), (512, False, TensorCoreMatmul),
+                                                  (256, True, TensorCoreGemm), (100, True, TensorCoreMatmul),
+                                                  (192, True, TensorCoreMatmul)])
+def test_gemm_rule_takes_the_shapes_its_tile_divides(rows, transposed, rule):
+    """128x128x64 tiles: M = 100 or 192 go to dlight's Matmul (which pads), and so does W read [K, N] (its copies
+    into shared memory would be strided: cp.async moves 16 contiguous bytes; on the H200 that kernel aborted)."""
+    got, _ = default_rule(_kernel(_projection(rows, 1024, 512, transposed=transposed)), resolve_target("cuda"))
+    assert type(got) is rule, type(got).__name__
+
+
+def test_fits_checks_every_tile_dimension():
+    knobs = tcgemm.default_knobs(512, 512)
+    assert tcgemm.fits(512, 512, 1024, **knobs)
+    assert not tcgemm.fits(512, 512, 1000, **knobs)  # K not a multiple of the 64-wide chunk
+    assert not tcgemm.fits(512, 520, 1024, **knobs)  # N not a multiple of 128
+    assert not tcgemm.fits(512, 512, 128, **knobs)  # two K chunks cannot fill a 3-deep pipeline
+
+
+def test_gemm_kernel_is_one_launch_on_tensor_cores_with_async_copies():
+    cuda = resolve_target("cuda")
+    (src,) = cuda_sources(compile_module(apply_default_schedules(_projection(512, 1024, 512), cuda), cuda))
+    assert src.count("__global__") == 2  # declaration + definition: the epilogue (bias) is in the same kernel
+    assert "wmma::mma_sync" in src and "wmma::accumulator, 16, 16, 16, float>" in src  # fp32 accumulation
+    assert "cp.async.cg.shared.global" in src  # the 3-deep ring is filled by cp.async (needs tirx.use_async_copy:
+    # without it the pipeline's copies are plain loads and stores)
+
+
+def test_tile_sketches_pass_postprocs_with_the_dynamic_shared_memory_limit():
+    """One sketch per measured tile set that fits; every one stages more than the tag's 48 KB, so the stock
+    VerifyGPUCode rejects it and tvmfuse's (the limit a block can opt into on sm_90) accepts it."""
+    cuda = resolve_target("cuda")
+    fn = _kernel(_projection(512, 1024, 512))
+    ctx = ms.TuneContext(mod=tvm.IRModule({"main": fn}), target=cuda, space_generator=space_for(fn, cuda),
+                         search_strategy="replay-trace")
+    fitting = [v for v in tcgemm.KNOB_SETS if tcgemm.fits(512, 512, 1024, **dict(zip(tcgemm.KNOBS, v)))]
+    sketches = ctx.generate_design_space()
+    tiles = [s for s in sketches if "sample_categorical" not in str(s.trace) and "wmma" in str(s.mod)]
+    assert len(tiles) == len(fitting) >= 8
+    stock = ms.postproc.VerifyGPUCode()
+    stock._initialize_with_tune_context(ctx)  # pylint: disable=protected-access
+    ours = gemm.VerifyGPUCodeDynamicSmem()
+    ours._initialize_with_tune_context(ctx)  # pylint: disable=protected-access
+    for sch in tiles:
+        assert ours.apply(sch.copy()) and not stock.apply(sch.copy())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+@pytest.mark.parametrize("knobs", [None, (2, 4, 4, 4, 4, 8, 0), (4, 4, 2, 2, 4, 8, 3)])
+def test_gpu_tile_sets_match_numpy(knobs):
+    from tvm import relax, s_tir
+
+    cuda, dev, rng = resolve_target("cuda"), tvm.cuda(0), np.random.default_rng(0)
+    m, k, n = 256, 1024, 512
+    x = rng.standard_normal((1, m, k)).astype("float16")
+    w = (rng.standard_normal((n, k)) * 0.03).astype("float16")
+    b = rng.standard_normal(n).astype("float16")
+    mod = _projection(m, k, n)
+    if knobs is not None:  # the kernel scheduled with this tile set, the rest by the defaults
+        gv = [g for g, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)][0]
+        sch = s_tir.Schedule(mod[gv])
+        assert tcgemm.schedule_tc_gemm(sch, **dict(zip(tcgemm.KNOBS, knobs)))
+        mod[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), dev)
+    got = vm["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)]).numpy().astype("float32")
+    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    assert np.abs(got - want).max() < 2e-2
