@@ -187,7 +187,6 @@ def measure_case(args, info: dict, model, target, dev, ceilings) -> None:
            "profile": args.profile,
            "torch_dtype": tdt,
            "torch_in": [torch.from_numpy(v).to(tdev, tdt if v.dtype.kind == "f" else None) for v in feeds.values()]}
-    graphs = case.startswith("decode")  # the CUDA-graph contenders: decode cases on CUDA only
     jobs = {"tvmfuse": lambda: run_tvm(ctx, "tvmfuse"),
             "tvmfuse_cuda_graph": lambda: run_tvm(ctx, "tvmfuse_cuda_graph"),
             "torch_eager": lambda: run_torch(ctx, None),
@@ -195,9 +194,8 @@ def measure_case(args, info: dict, model, target, dev, ceilings) -> None:
             "torch_compile_reduce_overhead": lambda: run_torch(ctx, "reduce-overhead"),
             "tvm_default": lambda: run_tvm(ctx, "tvm_default")}
     for key in [c for c in CONTENDERS if c in args.contenders.split(",")]:
-        if key in ("tvmfuse_cuda_graph", "torch_compile_reduce_overhead") and not (graphs and cuda):
-            if graphs:
-                _row(args, dict(base, contender=key, skipped="CUDA graphs: CUDA only"))
+        if key in ("tvmfuse_cuda_graph", "torch_compile_reduce_overhead") and not cuda:
+            _row(args, dict(base, contender=key, skipped="CUDA graphs: CUDA only"))
             continue
         if time.time() - T0 > args.budget_s:
             _row(args, dict(base, contender=key, skipped=f"budget ({args.budget_s} s) spent"))
@@ -339,7 +337,7 @@ def main(argv=None) -> dict:
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_no_gpu,
                                    max_tasks_per_child=1)  # a fresh process per build: memory back each time
         futures = {(m, c): pool.submit(model_builds.prepare, m, c,
-                                       dict(opts, graph=opts["graph"] and c.startswith("decode"))) for m, c in pairs}
+                                       opts) for m, c in pairs}
     if workers and not args.overlap:  # measure on an idle CPU: launch-bound contenders (torch eager, the VM) slow
         deadline = T0 + args.budget_s  # down while builds run beside them
         for fut in futures.values():
@@ -357,13 +355,12 @@ def main(argv=None) -> dict:
             if name not in built:
                 built[name] = hm.build(name, args.smoke)
             model = built[name]
-            case_opts = dict(opts, graph=opts["graph"] and case.startswith("decode"))
             if workers:  # wait for its build no longer than the budget lasts
                 info = futures[(name, case)].result(timeout=max(1.0, args.budget_s - (time.time() - T0)))
             elif not needs_build:  # torch contenders only: no ONNX, no TVM
                 info = {"model": name, "case": case, "export_s": None, "prepare_s": None, "param_checksum": None}
             else:
-                info = model_builds.prepare(name, case, case_opts)
+                info = model_builds.prepare(name, case, opts)
             log(name, case, "built", {k: info[k] for k in ("export_s", "prepare_s")})
             measure_case(args, info, model, target, dev, ceilings)
         except FuturesTimeout:

@@ -47,6 +47,71 @@ def kernel(m, k, n, gelu):
     return fn.with_attr("global_symbol", "main")
 
 
+def copy_bandwidth():
+    """Device-to-device copy bandwidth in bytes/s (256 MiB, 20 copies)."""
+    import torch
+
+    x_ = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    y_ = torch.empty_like(x_)
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record(); [y_.copy_(x_) for _ in range(20)]; t1.record(); torch.cuda.synchronize()
+    return 2 * x_.numel() * 20 / (t0.elapsed_time(t1) / 1e3)
+
+
+def inputs(m, k, n):
+    """x [1, M, K], W [N, K] (scaled 0.02), bias [N] (0.1): fp16, seeded."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, m, k, device="cuda", dtype=torch.float16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=g) * 0.02
+    return x, w, torch.randn(n, device="cuda", dtype=torch.float16, generator=g) * 0.1
+
+
+def torch_time(fn, runs=100):
+    """Mean µs of `fn` over `runs` calls after 3 warm-up calls (CUDA events)."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0.record(); [fn() for _ in range(runs)]; t1.record(); torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / runs
+
+
+def time_variants(fn, variants, built, by_name, ref, out_shape, default, name):
+    """Run each built variant of `fn` on the named torch inputs (in the PrimFunc's parameter order), check it
+    against `ref` and time it (median of 5 x 100 runs): one row per variant."""
+    import numpy as np
+    import torch
+    import tvm
+
+    dev = tvm.cuda(0)
+    args = [tvm.runtime.tensor(by_name[str(prm.name)].cpu().numpy(), dev) for prm in fn.params[:-1]]
+    rows = []
+    for (knobs, _), b_res in zip(variants, built):
+        row = {"knobs": knobs, "default": knobs == default}
+        if b_res.error_msg:
+            row["error"] = b_res.error_msg.strip().splitlines()[-1][:200]
+            rows.append(row)
+            continue
+        try:
+            lib = tvm.runtime.load_module(b_res.artifact_path)
+            out = tvm.runtime.tensor(np.zeros(out_shape, "float16"), dev)
+            lib["main"](*args, out)
+            row["max_abs_err"] = float((torch.from_numpy(out.numpy()).cuda().float() - ref).abs().max())
+            ev = lib.time_evaluator("main", dev, number=100, repeat=5)
+            row["us"] = float(np.median(ev(*args, out).results) * 1e6)
+        except Exception as err:  # noqa: BLE001  (a variant that fails to launch: too many registers, ...)
+            row["error"] = str(err).strip().splitlines()[-1][:200]
+            rows.append(row)
+            continue
+        rows.append(row)
+        log(name, knobs, f"{row['us']:.1f} us err {row['max_abs_err']:.2e}")
+    return rows
+
+
 def knob_sets(m):
     return [dict(tn=tn, warps=w, vec=v) for tn, w, v in itertools.product((1, 2, 4, 8), (2, 4, 8), (4, 8))
             if (m * tn) % 32 == 0]
@@ -56,10 +121,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     opts = p.parse_args()
-    import numpy as np
     import torch
     import torch.nn.functional as F
-    import tvm
     from tvm import s_tir
     from tvm.s_tir import meta_schedule as ms
 
@@ -67,13 +130,9 @@ def main():
     from tvmfuse.targets import resolve_target
     from tvmfuse.tune import _builder
 
-    target, dev = resolve_target("cuda"), tvm.cuda(0)
+    target = resolve_target("cuda")
     res = {"gpu": torch.cuda.get_device_name(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": {}}
-    x_ = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    y_ = torch.empty_like(x_)
-    t0.record(); [y_.copy_(x_) for _ in range(20)]; t1.record(); torch.cuda.synchronize()
-    bw = 2 * x_.numel() * 20 / (t0.elapsed_time(t1) / 1e3)
+    bw = copy_bandwidth()
     res["copy_bw_TBps"] = bw / 1e12
     for name, m, k, n, gelu in CASES:
         fn = kernel(m, k, n, gelu)
@@ -84,35 +143,11 @@ def main():
             if smallm.schedule_small_m(sch, **knobs):
                 variants.append((knobs, sch.mod))
         built = _builder(os.cpu_count() or 1).build([ms.builder.BuilderInput(mod, target) for _, mod in variants])
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(1, m, k, device="cuda", dtype=torch.float16, generator=g)
-        w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=g) * 0.02
-        b = torch.randn(n, device="cuda", dtype=torch.float16, generator=g) * 0.1
+        x, w, b = inputs(m, k, n)
         ref_fn = (lambda: F.gelu(F.linear(x, w, b))) if gelu else (lambda: F.linear(x, w))
-        ref = ref_fn().float()
-        for _ in range(3):
-            ref_fn()
-        torch.cuda.synchronize()
-        t0.record(); [ref_fn() for _ in range(100)]; t1.record(); torch.cuda.synchronize()
-        torch_us = t0.elapsed_time(t1) * 1e3 / 100
+        ref, torch_us = ref_fn().float(), torch_time(ref_fn)
         ideal_us = 2 * (m * k + n * k + n + m * n) / bw * 1e6
-        rows = []
-        for (knobs, _), b_res in zip(variants, built):
-            row = {"knobs": knobs, "default": knobs == default}
-            if b_res.error_msg:
-                row["error"] = b_res.error_msg.splitlines()[0][:200]
-                rows.append(row)
-                continue
-            lib = tvm.runtime.load_module(b_res.artifact_path)
-            by_name = {"x": x, "w": w, "b": b}  # in the PrimFunc's parameter order (the weight comes first)
-            args = [tvm.runtime.tensor(by_name[str(prm.name)].cpu().numpy(), dev) for prm in fn.params[:-1]]
-            out = tvm.runtime.tensor(np.zeros((1, m, n), "float16"), dev)
-            lib["main"](*args, out)
-            row["max_abs_err"] = float((torch.from_numpy(out.numpy()).cuda().float() - ref).abs().max())
-            ev = lib.time_evaluator("main", dev, number=100, repeat=5)
-            row["us"] = float(np.median(ev(*args, out).results) * 1e6)
-            rows.append(row)
-            log(name, knobs, f"{row['us']:.1f} us err {row['max_abs_err']:.2e}")
+        rows = time_variants(fn, variants, built, {"x": x, "w": w, "b": b}, ref, (1, m, n), default, name)
         ok = [r for r in rows if "us" in r and r["max_abs_err"] < 3e-2]
         best = min(ok, key=lambda r: r["us"]) if ok else None
         dflt = next((r for r in rows if r["default"]), None)
