@@ -40,6 +40,29 @@ def test_injective_rule_takes_kernels_that_split_into_16_byte_vectors(case, expe
     assert isinstance(rule, VectorizedInjective) is expected, type(rule).__name__
 
 
+def _compare_and_cast():
+    """less(a, b) -> bool (an attention mask) and astype(a, fp16): elementwise kernels of other widths."""
+    bb = relax.BlockBuilder()
+    a, b = (relax.Var(n, relax.TensorType((64, 256), "float32")) for n in "ab")
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.Tuple([bb.emit(relax.op.less(a, b)), bb.emit(relax.op.astype(a, "float16"))]))
+        bb.emit_func_output(out)
+    return lower(bb.get(), patterns=[]).mod
+
+
+def test_bool_kernels_stay_with_dlight_and_mixed_widths_use_the_widest():
+    """CUDA has no vector type of bools ("Cannot convert type T.boolx16", GPT-2's mask kernels): dlight's Fallback
+    takes them; a fp32 -> fp16 cast moves 4 elements (16 bytes of fp32) per access."""
+    cuda = resolve_target("cuda")
+    mod = _compare_and_cast()
+    rules = {gv.name_hint: type(default_rule(f, cuda)[0]).__name__ for gv, f in mod.functions.items()
+             if isinstance(f, tirx.PrimFunc)}
+    assert sorted(rules.values()) == ["Fallback", "VectorizedInjective"], rules
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    assert "*(float4*)(a_ptr" in src and "*(half4*)(compute_ptr" in src  # 16-byte fp32 loads, 8-byte fp16 stores
+
+
 def test_kv_concat_moves_16_bytes_per_access():
     cuda = resolve_target("cuda")
     (src,) = cuda_sources(compile_module(apply_default_schedules(_concat(*KV), cuda), cuda))

@@ -3,7 +3,7 @@
 dlight's Fallback binds one output element per thread in 1024-thread blocks: for fp16 that is 2-byte loads and
 stores, and the KV-cache concatenations of the Llama decode-16 layer ([16, 32, 513, 128], 67 MB each) took 133-153 µs
 (bench/results/models_run7.json profile), 3-4x their bytes at copy bandwidth. Here the loops are fused and split
-so the innermost `vec` elements (16 bytes of the output type) are one vectorized access.
+so the innermost `vec` elements (16 bytes of the widest type accessed) are one vectorized access.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
 
 THREADS = 256
+ALLOWED_CODES = {tvm_ffi.dtype("int32").type_code, tvm_ffi.dtype("uint8").type_code,
+                 tvm_ffi.dtype("float16").type_code, tvm_ffi.dtype("bfloat16").type_code}
 
 
 def _single_injective_block(sch: s_tir.Schedule):
@@ -33,14 +35,17 @@ def _single_injective_block(sch: s_tir.Schedule):
 
 
 def schedule_vectorized(sch: s_tir.Schedule) -> bool:
-    """Schedule in place; False if the kernel is not one static injective block whose innermost extent splits into
-    16-byte vectors of its output type."""
+    """Schedule in place; False if the kernel is not one static injective block of 8-, 16- or 32-bit ints or
+    floats whose innermost extent splits into 16-byte vectors of the widest type it accesses."""
     got = _single_injective_block(sch)
     if got is None:
         return False
     block, doms = got
-    bits = tvm_ffi.dtype(str(sch.get(block).writes[0].source.dtype)).bits
-    vec = 128 // bits if bits in (8, 16, 32) else 0
+    stmt = sch.get(block)
+    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in list(stmt.reads) + list(stmt.writes)}
+    if any(d.type_code not in ALLOWED_CODES or d.bits not in (8, 16, 32) or d.lanes != 1 for d in dtypes):
+        return False  # bool (no CUDA vector type: "Cannot convert type T.boolx16"), 64-bit or vector elements
+    vec = 128 // max(d.bits for d in dtypes)  # 16 bytes of the widest type accessed
     total = math.prod(doms)
     if vec == 0 or doms[-1] % vec != 0 or total < vec * THREADS:
         return False
