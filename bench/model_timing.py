@@ -1,0 +1,119 @@
+"""How bench/models.py runs and times each contender: the product's export and TVM builds in a Relax VM (with an
+optional per-kernel profile), torch eager and torch.compile; every output checked against the fp32 reference."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def time_torch(fn, cuda: bool) -> float:
+    """Median us per call: bench.run's CUDA-event timer on the GPU (iterations sized to ~50 ms), wall clock on CPU."""
+    if cuda:
+        from bench.run import t_events
+        one = t_events(fn, iters=1, reps=3)
+        return t_events(fn, iters=int(min(50, max(3, 5e4 / max(one, 1.0)))), reps=5)
+    fn()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e6)
+    return float(np.median(ts))
+
+
+def time_vm(vm, dev, args) -> float:
+    vm["main"](*args)  # warm (a CUDA-graph build captures here)
+    dev.sync()
+    timer = vm.time_evaluator("main", dev, number=1, repeat=5, min_repeat_ms=100)
+    return float(np.median(timer(*args).results) * 1e6)
+
+
+def load_vm(path: str, dev):
+    import tvm
+    from tvm import relax
+    return relax.VirtualMachine(tvm.runtime.load_module(path), dev)
+
+
+def measure_vm(vm, dtypes: list[str], ctx: dict) -> dict:
+    """Run a Relax VM on the case's inputs (as device tensors in the dtypes `main` takes); time it; check it."""
+    import tvm
+    from tvmfuse.runtime import to_numpy
+    dev = ctx["dev"]
+    args = [tvm.runtime.tensor(a.astype(d), dev) for a, d in zip(ctx["feeds"].values(), dtypes)]
+    outs = to_numpy(vm["main"](*args))
+    io = {"float_inputs": sorted({d for d in dtypes if "float" in d}), "outputs": sorted({str(o.dtype) for o in outs})}
+    row = _measured(outs, time_vm(vm, dev, args), io, ctx)
+    if ctx.get("profile"):
+        row["kernels_profile"] = kernel_profile(vm, dev, args)
+    return row
+
+
+def kernel_profile(vm, dev, args, top: int = 8) -> dict:
+    """One instrumented call: each called function's time (device synced around it; launch overhead included)
+    and the first calls whose arguments hold a non-finite value after they ran (where an inf/nan appears)."""
+    import tvm
+    times: dict[str, list] = {}
+    bad: list[str] = []
+    start = [0.0]
+
+    def instrument(_func, name, before, _ret, *fargs):
+        dev.sync()
+        if before:
+            start[0] = time.perf_counter()
+            return
+        n_us = times.setdefault(name, [0, 0.0])
+        n_us[0], n_us[1] = n_us[0] + 1, n_us[1] + (time.perf_counter() - start[0]) * 1e6
+        if len(bad) < 4:
+            for a in fargs:
+                if isinstance(a, tvm.runtime.Tensor) and "float" in str(a.dtype) and not np.isfinite(
+                        a.numpy().astype("float32")).all():
+                    bad.append(name)
+                    break
+
+    vm.set_instrument(instrument)
+    try:
+        vm["main"](*args)
+    finally:
+        vm.set_instrument(lambda *_: None)
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][1])
+    return {"total_us": round(sum(v[1] for v in times.values()), 1),
+            "top": [{"name": k, "calls": v[0], "us": round(v[1], 1)} for k, v in ranked[:top]],
+            "nonfinite_args_after": bad}
+
+
+def run_tvm(ctx: dict, key: str) -> dict:
+    """A contender built by bench/model_builds.py: load its library (or the product's export) and measure it."""
+    import tvmfuse
+    built = ctx["info"][key]
+    t = time.time()
+    vm = tvmfuse.load(built["export"], ctx["dev"]).vm if "export" in built else load_vm(built["library"], ctx["dev"])
+    load_s = round(time.time() - t, 1)  # includes compiling the CUDA source (TVM_CUDA_COMPILE_MODE)
+    info = {k: v for k, v in built.items() if k not in ("library", "main_dtypes")}
+    return dict(info, contender=key, load_s=load_s, **measure_vm(vm, built["main_dtypes"], ctx))
+
+
+def run_torch(ctx: dict, mode: str | None) -> dict:
+    import torch
+    fn, info = ctx["torch_low"], {}
+    if mode is not None:
+        torch._dynamo.reset()  # pylint: disable=protected-access
+        fn = torch.compile(fn, mode=mode)
+        t = time.time()
+        fn(*ctx["torch_in"])
+        fn(*ctx["torch_in"])
+        info["compile_s"] = round(time.time() - t, 1)
+    outs = fn(*ctx["torch_in"])
+    outs = [o.detach().float().cpu().numpy() for o in (outs if isinstance(outs, tuple) else (outs,))]
+    us = time_torch(lambda: fn(*ctx["torch_in"]), ctx["cuda"])
+    name = "torch_eager" if mode is None else "torch_compile" + ("_reduce_overhead" if mode == "reduce-overhead" else "")
+    return dict(info, contender=name, mode=mode or "eager",
+                **_measured(outs, us, {"dtype": str(ctx["torch_dtype"]).replace("torch.", "")}, ctx))
+
+
+def _measured(outs, us, io, ctx) -> dict:
+    from tvmfuse.verify import compare
+    check = compare([np.asarray(o, np.float32) for o in outs], ctx["ref"], compute_dtype=ctx["dtype"])
+    return {"us": us, "max_abs_err": check.max_abs_err, "max_rel_err": check.max_rel_err, "within_tol": check.ok,
+            "io": io}
