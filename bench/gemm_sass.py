@@ -79,7 +79,7 @@ def main():
     for name, m, k, n, gelu in CASES:
         got = run.get(name, {})
         times = {tuple(v["knobs"]): v.get("us") for v in got.get("variants", []) if v["knobs"] != "dlight"}
-        default = tcgemm.default_knobs(m, n)
+        default = tcgemm.default_knobs()
         sets = {"default": default}
         if got.get("best") and got["best"]["knobs"] != [default[f] for f in FIELDS]:
             sets["fastest"] = dict(zip(FIELDS, got["best"]["knobs"]))

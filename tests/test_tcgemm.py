@@ -24,7 +24,7 @@ def test_gemm_rule_takes_the_shapes_its_tile_divides(rows, transposed, rule):
 
 
 def test_fits_checks_every_tile_dimension():
-    knobs = tcgemm.default_knobs(512, 512)
+    knobs = tcgemm.default_knobs()
     assert tcgemm.fits(512, 512, 1024, **knobs)
     assert not tcgemm.fits(512, 512, 1000, **knobs)  # K not a multiple of the 64-wide chunk
     assert not tcgemm.fits(512, 520, 1024, **knobs)  # N not a multiple of 128

@@ -55,7 +55,7 @@ class SmallBatchMatmul(dl.ScheduleRule):
 
 class TensorCoreGemm(dl.ScheduleRule):
     """tvmfuse's tensor-core GEMM schedule (tvmfuse.spaces.tcgemm) with its measured default tile, for fp16 matmuls
-    whose sizes the 128x128x64 tile divides; dlight's Matmul (padding) takes the others."""
+    read K-innermost whose sizes the 128x128x64 tile divides; dlight's Matmul (padding) takes the others."""
 
     def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
         from .spaces import tcgemm  # pylint: disable=import-outside-toplevel

@@ -67,8 +67,9 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
     backend = relax.backend.cuda.pipeline if cuda else relax.backend.cpu_generic.pipeline
     passes = backend.dataflow_lower_passes(target) + backend.finalize_passes(target)
     pipeline = tvm.transform.Sequential(passes)
-    # CUDA: cp.async for the software-pipelined shared-memory copies, as the tuning builds (tvmfuse.builder) had
-    # them: without it the tensor-core GEMM's 3-deep ring ran as synchronous copies, 2.5x slower in the models
+    # CUDA: cp.async for the software-pipelined shared-memory copies, as the tuning builds (tvmfuse.builder) have
+    # them: without it the tensor-core GEMM's 3-deep ring ran as plain loads and stores, and the kernel that was
+    # 1.2x faster than dlight's alone made the Llama prefill slower (bench/results/models_run7.json)
     config = {"tirx.use_async_copy": True} if cuda else {}
     if cuda_graph and cuda:
         config["relax.backend.use_cuda_graph"] = True

@@ -47,7 +47,7 @@ def schedule_vectorized(sch: s_tir.Schedule) -> bool:
         return False  # bool (no CUDA vector type: "Cannot convert type T.boolx16"), 64-bit or vector elements
     vec = 128 // max(d.bits for d in dtypes)  # 16 bytes of the widest type accessed
     total = math.prod(doms)
-    if vec == 0 or doms[-1] % vec != 0 or total < vec * THREADS:
+    if doms[-1] % vec != 0 or total < vec * THREADS:
         return False
     loops = sch.get_loops(block)
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]

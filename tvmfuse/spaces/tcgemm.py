@@ -22,7 +22,7 @@ MICRO = 16  # the wmma fragment is 16x16x16
 KNOBS = ("wm", "wn", "fm", "fn", "kc", "vec", "stages")
 
 
-def default_knobs(m: int, n: int) -> dict:  # pylint: disable=unused-argument
+def default_knobs() -> dict:
     """A 128x128 block of 2x2 warps, each a 64x64 tile (4x4 fragments), K staged 64 at a time through a 3-deep
     cp.async ring, 16-byte loads. Measured on the H200 (bench/results/tcgemm_run1.json, 55 knob sets per shape):
     the fastest set at the Llama prefill projections 512x4096x4096 (56.3 µs; dlight 68.8), 512x4096x11008 (180.3;
@@ -77,7 +77,8 @@ def _normalize(sch: s_tir.Schedule):
 def schedule_tc_gemm(sch: s_tir.Schedule, wm=None, wn=None, fm=None, fn=None, kc=None, vec=None, stages=0) -> bool:
     """Schedule in place; False if the kernel is not an fp16 matmul (fp32 accumulation) whose sizes the tile
     divides. Knobs: wm x wn warps per block, each warp fm x fn 16x16 fragments, K staged kc x 16 at a time, global
-    loads `vec` halves wide; None: `default_knobs`."""
+    loads `vec` halves wide, `stages`: the depth of the cp.async ring (0: dlight's register-staged double buffer);
+    wm None: `default_knobs`."""
     from tvm.s_tir.tensor_intrin.cuda import get_wmma_intrin_group  # pylint: disable=import-outside-toplevel
 
     got = _normalize(sch)
@@ -85,7 +86,7 @@ def schedule_tc_gemm(sch: s_tir.Schedule, wm=None, wn=None, fm=None, fn=None, kc
         return False
     main, (_, m, n, k) = got
     if wm is None:
-        wm, wn, fm, fn, kc, vec, stages = (default_knobs(m, n)[key] for key in KNOBS)
+        wm, wn, fm, fn, kc, vec, stages = (default_knobs()[key] for key in KNOBS)
     if not fits(m, n, k, wm, wn, fm, fn, kc, vec, stages):
         return False
     num_ty = wm * wn
