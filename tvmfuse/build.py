@@ -8,8 +8,36 @@ from tvm.s_tir import meta_schedule as ms
 
 from .baseline import default_kind, default_rule
 from .errors import TvmfuseError
+from .spaces.wgmma import TIRX_ATTR
 
-TUNED, DEFAULT = "tuned", "default"
+TUNED, DEFAULT, WGMMA = "tuned", "default", "wgmma (TIRx kernel)"
+TIR_PIPELINE = "tvmfuse"  # registered below: TVM's s_tir pipeline, and its tirx pipeline for TIRx kernels
+
+
+def _is_tirx(func) -> bool:
+    return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and TIRX_ATTR in func.attrs
+
+
+def _mixed_tir_pipeline():
+    """TVM lowers a module through one TIR pipeline; the wgmma kernels (tvmfuse.hopper) need the tirx one and
+    every scheduled kernel the s_tir one, so this runs each on its own functions and merges the results."""
+    s_pass, host, device = tvm.tirx.get_tir_pipeline("s_tir")
+    x_pass = tvm.tirx.get_tir_pipeline("tirx")[0]
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmfuse.MixedTIRPipeline")
+    def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        ours = {gv: f for gv, f in mod.functions.items() if _is_tirx(f)}
+        if not ours:
+            return s_pass(mod)
+        merged = s_pass(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in ours}, attrs=mod.attrs))
+        for gv, func in x_pass(tvm.IRModule(ours, attrs=mod.attrs)).functions.items():
+            merged[gv] = func
+        return merged
+
+    return run, host, device
+
+
+tvm.tirx.register_tir_pipeline(TIR_PIPELINE, _mixed_tir_pipeline)
 
 
 def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None,
@@ -22,6 +50,9 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
         tuned = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
     for name in keep_default:
         tuned[name] = mod[name]
+    for gv, func in mod.functions.items():  # TIRx kernels are never scheduled from records
+        if _is_tirx(func):
+            tuned[gv] = func
     return tuned
 
 
@@ -50,7 +81,7 @@ def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target, stock:
 def schedule_kinds(mod: tvm.IRModule, target: tvm.target.Target | None = None) -> dict[str, str]:
     """Which kernels carry a tuned schedule (after `apply_database`) and which do not; with `target`, the
     untuned ones that get tvmfuse's row-reduction default say so (baseline.ROW_DEFAULT)."""
-    return {gv.name_hint: TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False)
+    return {gv.name_hint: WGMMA if _is_tirx(fn) else TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False)
             else default_kind(fn, target) if target is not None else DEFAULT
             for gv, fn in mod.functions.items() if isinstance(fn, tirx.PrimFunc)}
 
@@ -79,7 +110,7 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
     with target, tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
                                            disabled_pass=list(outer.disabled_pass),
                                            config={**dict(outer.config), **config}):
-        return tvm.compile(mod, target=target, relax_pipeline=pipeline)
+        return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
 
 
 def build(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None = None):

@@ -1,0 +1,97 @@
+"""tvmfuse.hopper and tvmfuse.spaces.wgmma: fused GEMMs become the TIRx wgmma kernel on sm_90a, epilogue included."""
+
+import numpy as np
+import pytest
+import tvm
+from checks import cuda_sources
+from test_smallm import _kernel, _projection
+from tvm import relax
+
+from tvmfuse.build import WGMMA, apply_default_schedules, compile_module, schedule_kinds
+from tvmfuse.fuse import lower
+from tvmfuse.hopper import (
+    analyze_gemm,
+    apply_hopper_gemms,
+    choose_tile,
+    wgmma_from_fused,
+)
+from tvmfuse.spaces.wgmma import TIRX_ATTR, WgmmaTile, check_wgmma_shape
+from tvmfuse.targets import resolve_target
+
+
+def _gelu_projection(rows, k, n):
+    """y = gelu(x @ W^T + b), fp16, fp32 accumulation, W [N, K]: the issue-5 GEMM at small sizes."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, rows, k), "float16"))
+    w = relax.Var("w", relax.TensorType((n, k), "float16"))
+    b = relax.Var("b", relax.TensorType((n,), "float16"))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            mm = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)),
+                                                                   out_dtype="float32")), "float16"))
+            out = bb.emit_output(relax.op.nn.gelu(bb.emit(relax.op.add(mm, b))))
+        bb.emit_func_output(out)
+    return lower(bb.get()).mod
+
+
+def test_analysis_finds_the_gemm_and_its_sizes():
+    info, why = analyze_gemm(_kernel(_projection(256, 512, 384)))
+    assert why == "" and (info["m"], info["n"], info["k"]) == (256, 384, 512)
+
+
+@pytest.mark.parametrize("rows,k,n,transposed,reason", [
+    (256, 512, 384, False, "K innermost"),  # W read [K, N]: TMA boxes are K-innermost rows
+    (100, 512, 384, True, "does not fit"),  # M not a multiple of 128
+    (256, 192, 384, True, "does not fit"),  # 3 K chunks cannot fill the 4-deep ring
+    (256, 512, 384, True, None)])
+def test_kernels_the_wgmma_tile_cannot_take_keep_their_schedule(rows, k, n, transposed, reason):
+    got, why = wgmma_from_fused(_kernel(_projection(rows, k, n, transposed=transposed)), "main")
+    if reason is None:
+        assert got is not None and got.attrs[TIRX_ATTR] == 1, why
+    else:
+        assert got is None and reason in why, why
+
+
+def test_tile_choice_and_shape_checks():
+    assert choose_tile(4096, 11008, 4096).bn == 256  # 1376 blocks of 128x256
+    assert choose_tile(512, 4096, 4096).bn == 128  # 64 blocks of 128x256 would leave half the SMs idle
+    assert choose_tile(512, 4096, 11008).bn == 128
+    assert check_wgmma_shape(512, 4096, 4096, WgmmaTile(256, 4)) is None
+    assert "multiple" in check_wgmma_shape(512, 4000, 4096, WgmmaTile(128, 4))
+
+
+def test_only_sm_90a_targets_get_the_kernel():
+    mod = _projection(256, 512, 384)
+    logged = []
+    assert apply_hopper_gemms(mod, resolve_target('{"kind": "cuda", "arch": "sm_80"}'), logged.append) is mod
+    assert apply_hopper_gemms(mod, resolve_target("llvm"), logged.append) is mod
+    assert not logged
+
+
+def test_hopper_build_is_one_wgmma_kernel_with_tma_loads_and_the_epilogue():
+    cuda = resolve_target("cuda")
+    logged = []
+    mod = apply_hopper_gemms(_gelu_projection(256, 512, 384), cuda, logged.append)
+    assert len(logged) == 1 and "wgmma 256x384x512, tile 128x128" in logged[0], logged
+    assert set(schedule_kinds(mod, cuda).values()) == {WGMMA}
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    assert src.count("__global__") == 2  # declaration + definition: GEMM, bias and GELU in one kernel
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in src
+    assert "cp.async.bulk.tensor.2d" in src and "mbarrier" in src
+    assert "erff(" in src and "tvmfuse_store_half2" in src  # the graph's GELU, written two halves at a time
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k,n", [(256, 512, 384), (512, 1024, 1024)])
+def test_wgmma_kernel_matches_numpy_on_the_gpu(rows, k, n):
+    cuda = resolve_target("cuda")
+    mod = apply_hopper_gemms(_gelu_projection(rows, k, n), cuda, lambda s: None)
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, rows, k)).astype("float16")
+    w = (rng.standard_normal((n, k)) * 0.05).astype("float16")
+    b = (rng.standard_normal(n) * 0.1).astype("float16")
+    got = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w, b)]).numpy().astype("float32")
+    pre = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    want = 0.5 * pre * (1 + np.vectorize(__import__("math").erf)(pre / np.sqrt(2)))
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)

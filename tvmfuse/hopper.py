@@ -1,0 +1,180 @@
+"""Hopper stage (sm_90a): fused GEMM kernels whose shapes fit become the TIRx wgmma kernel, epilogue included."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import get_root_block
+from tvm.s_tir.dlight.gpu.matmul import get_reduction_blocks
+
+from .spaces.wgmma import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
+
+_LOAD = type(tirx.BufferLoad(tirx.decl_buffer((1,), "float32"), [0]))
+_CALL = type(tirx.op.exp(tirx.const(0.0, "float32")))
+
+#: a GEMM fills the H200's 132 SMs with 128x256 tiles from about this many blocks on (bench/results/wgmma_run2.json:
+#: 128x256 was faster at 4096x11008 (1376 blocks) and 2048x4096 (128), 128x128 at 512x4096 (64 blocks of 128x256))
+WIDE_TILE_BLOCKS = 96
+
+
+def is_hopper(target: tvm.target.Target) -> bool:
+    """True for CUDA targets with wgmma and TMA (arch sm_90a)."""
+    return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) == "sm_90a"
+
+
+def choose_tile(m: int, n: int, k: int) -> WgmmaTile | None:
+    """128x256 tiles when they make enough blocks, else 128x128; 4 stages; None when neither fits."""
+    wide, narrow = WgmmaTile(bn=256, stages=4), WgmmaTile(bn=128, stages=4)
+    if check_wgmma_shape(m, n, k, wide) is None and (m // 128) * (n // 256) >= WIDE_TILE_BLOCKS:
+        return wide
+    return narrow if check_wgmma_shape(m, n, k, narrow) is None else None
+
+
+def _block_store(stmt):
+    body = stmt.body
+    return body if isinstance(body, tirx.BufferStore) else None
+
+
+def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
+    """({a, b, out, acc, batch, m, n, k, out_block}, "") for a fused kernel that is exactly one fp16 matmul
+    out[.., i, j] = f(sum_k A[.., i, k] * W[j, k]) with an elementwise epilogue f over its parameters, else
+    (None, why not)."""
+    sch = s_tir.Schedule(func)
+    root = get_root_block(sch)
+    mains = get_reduction_blocks(sch, sch.get_child_blocks(root)) or []
+    if len(mains) != 1:
+        return None, "not a single reduction"
+    main = mains[0]
+    for producer in sch.get_producers(main):  # the weight's permute: read W [N, K] in place
+        try:
+            sch.compute_inline(producer)
+        except Exception:  # noqa: BLE001
+            return None, "a producer of the matmul cannot be inlined"
+    blocks = list(sch.get_child_blocks(root))
+    if not sch.get(blocks[0]).same_as(sch.get(main)):
+        return None, "work before the matmul"
+    for blk in blocks[1:-1]:  # the epilogue chain, inlined into the output block
+        try:
+            sch.compute_inline(blk)
+        except Exception:  # noqa: BLE001
+            return None, "the epilogue is not elementwise"
+    blocks = list(sch.get_child_blocks(root))
+    if len(blocks) != 2:
+        return None, "the epilogue is not elementwise"
+    mstmt, ostmt = sch.get(blocks[0]), sch.get(blocks[1])
+    upd, store = _block_store(mstmt), _block_store(ostmt)
+    if upd is None or store is None or len(mstmt.reads) != 2:
+        return None, "unexpected block structure"
+    acc = upd.buffer
+    a_reg, b_reg = mstmt.reads
+    a, b, out = a_reg.source, b_reg.source, store.buffer
+    if (acc.dtype, a.dtype, b.dtype, out.dtype) != ("float32", "float16", "float16", "float16"):
+        return None, f"dtypes {a.dtype} x {b.dtype} -> {acc.dtype} -> {out.dtype} (needs fp16 x fp16 -> fp32 -> fp16)"
+    if not all(any(buf.same_as(p) for p in func.params) for buf in (a, b, out)):
+        return None, "operands are not kernel parameters"
+    ivars = [iv.var for iv in mstmt.iter_vars]
+    kinds = [iv.iter_type for iv in mstmt.iter_vars]
+    if kinds[-1] != tirx.IterVar.CommReduce or tirx.IterVar.CommReduce in kinds[:-1]:
+        return None, "reduction is not the innermost block axis"
+    *batch, i, j, kv = ivars
+    a_idx, b_idx = [r.min for r in a_reg.region], [r.min for r in b_reg.region]
+    same = lambda xs, ys: len(xs) == len(ys) and all(x.same_as(y) for x, y in zip(xs, ys))
+    if not (same(a_idx, [*batch, i, kv]) and same(b_idx, [j, kv]) and same(list(upd.indices), [*batch, i, j])):
+        return None, "operands are not A[.., i, k] and W[j, k] (K innermost)"
+    doms = [iv.dom.extent for iv in mstmt.iter_vars]
+    if not all(isinstance(d, tirx.IntImm) for d in doms) or any(int(d) != 1 for d in doms[:-3]):
+        return None, "symbolic sizes or a batch dimension"
+    m, n, k = (int(d) for d in doms[-3:])
+    ovars = [iv.var for iv in ostmt.iter_vars]
+    if not same(list(store.indices), ovars) or len(ovars) != len(upd.indices):
+        return None, "the output is not written elementwise"
+    return {"a": a, "b": b, "out": out, "acc": acc, "rank": len(ovars), "m": m, "n": n, "k": k,
+            "value": store.value, "out_vars": ovars}, ""
+
+
+def _epilogue(info: dict, fresh: dict) -> Callable:
+    """finish(acc, row, col) for wgmma_kernel: the output block's value with the accumulator substituted and the
+    parameters read through their `fresh` buffers."""
+    acc_buf, value, ovars = info["acc"], info["value"], info["out_vars"]
+
+    def finish(acc, row, col):
+        dt = [str(v.ty.dtype) for v in ovars]
+        idx = [tirx.const(0, d) for d in dt[:-2]] + [tirx.Cast(dt[-2], row), tirx.Cast(dt[-1], col)]
+        return tirx.Cast("float32", _rebuild(value, dict(zip(ovars, idx)), acc_buf, acc, fresh)), idx
+
+    return finish
+
+
+_BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Max, tirx.Min, tirx.FloorDiv, tirx.FloorMod, tirx.Mod,
+           tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
+
+
+def _rebuild(expr, var_map: dict, acc_buf, acc, fresh: dict):
+    """`expr` with the block vars replaced (var_map) and loads of the accumulator buffer replaced by `acc`;
+    raises ValueError on an expression kind it does not know (the kernel then keeps its generic schedule)."""
+    def go(e):
+        if isinstance(e, tirx.Var):
+            return next((v for k, v in var_map.items() if k.same_as(e)), e)
+        if isinstance(e, (tirx.IntImm, tirx.FloatImm)):
+            return e
+        if isinstance(e, _LOAD):
+            if e.source.same_as(acc_buf):
+                return acc
+            src = next((new for old, new in fresh.items() if old.same_as(e.source)), None)
+            if src is None:
+                raise ValueError("the epilogue reads a buffer that is not a parameter")
+            return tirx.BufferLoad(src, [go(i) for i in e.indices])
+        if isinstance(e, tirx.Cast):
+            return tirx.Cast(str(e.ty.dtype), go(e.value))
+        if isinstance(e, _BINARY):
+            return type(e)(go(e.a), go(e.b))
+        if isinstance(e, tirx.Select):
+            return tirx.Select(go(e.condition), go(e.true_value), go(e.false_value))
+        if isinstance(e, tirx.Not):
+            return tirx.Not(go(e.a))
+        if isinstance(e, _CALL):
+            return _CALL(e.op, [go(a) for a in e.args], attrs=e.attrs, ty_args=e.ty_args, ret_ty=e.ty)
+        raise ValueError(f"epilogue expression {type(e).__name__} not supported")
+    return go(expr)
+
+
+def wgmma_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | None, str]:
+    """The TIRx wgmma kernel computing what `func` computes (same parameters), or (None, why not)."""
+    info, why = analyze_gemm(func)
+    if info is None:
+        return None, why
+    tile = choose_tile(info["m"], info["n"], info["k"])
+    if tile is None:
+        return None, f"{info['m']}x{info['n']}x{info['k']} does not fit the 128x128x64 wgmma tile"
+    # the kernel declares its own parameter buffers (same names, shapes, dtypes): the TIRx pipeline's FlattenBuffer
+    # does not see an s_tir function's parameters as definitions ("used before its definition")
+    fresh = {p: tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=16) for p in func.params}
+    new = lambda buf: next(v for k, v in fresh.items() if k.same_as(buf))
+    kernel = wgmma_kernel(info["m"], info["n"], info["k"], tile, new(info["a"]), new(info["b"]), new(info["out"]),
+                          _epilogue(info, fresh), list(fresh.values()), name)
+    return kernel, f"wgmma {info['m']}x{info['n']}x{info['k']}, tile 128x{tile.bn}, {tile.stages} stages"
+
+
+def apply_hopper_gemms(mod: tvm.IRModule, target: tvm.target.Target, log: Callable[[str], None]) -> tvm.IRModule:
+    """On sm_90a, replace each fused GEMM kernel the wgmma kernel takes; the rest is untouched."""
+    if not is_hopper(target):
+        return mod
+    out = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc) or TIRX_ATTR in (func.attrs or {}):
+            continue
+        try:
+            new, why = wgmma_from_fused(func, gv.name_hint)
+        except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
+            new, why = None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
+        if new is not None:
+            out[gv] = new
+            log(f"{gv.name_hint}: {why}")
+    if not out:
+        return mod
+    mod = mod.shallow_copy() if hasattr(mod, "shallow_copy") else tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    for gv, func in out.items():
+        mod[gv] = func
+    return mod

@@ -1,0 +1,186 @@
+"""Hopper GEMM kernel (TMA loads, mbarrier ring, wgmma) written in TIRx, for static K-innermost operands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+# keeps the compiler from moving accumulator registers across an in-flight wgmma (CUTLASS's warpgroup_fence_operand)
+FENCE_SRC = '__device__ __forceinline__ void tvmfuse_fence_acc(float& r) { asm volatile("" : "+f"(r) :: "memory"); }'
+STORE_SRC = ("__device__ __forceinline__ void tvmfuse_store_half2(half* p, float a, float b) "
+             "{ *reinterpret_cast<half2*>(p) = __floats2half2_rn(a, b); }")
+
+#: attribute marking a PrimFunc written in TIRx (compiled by TVM's tirx pipeline, never scheduled)
+TIRX_ATTR = "tvmfuse.tirx"
+
+#: epilogues the benchmark kernel applies to each fp32 accumulator before the fp16 store
+EPILOGUES = ("none", "bias", "bias_gelu")
+
+
+@dataclass(frozen=True)
+class WgmmaTile:
+    """One kernel configuration: a CTA of one loading and two computing warpgroups makes bm x bn (bm=128), K in 64s."""
+
+    bn: int = 128
+    stages: int = 4
+    inflight: int = 0  # wgmma groups left in flight when a stage is released (0 or 1; 1 gave wrong rows, see below)
+
+    @property
+    def bm(self) -> int:
+        return 128
+
+    @property
+    def bk(self) -> int:
+        return 64
+
+    def smem_bytes(self) -> int:
+        return self.stages * (self.bm + self.bn) * self.bk * 2
+
+
+def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
+    """Why this kernel cannot compute an m x n x k GEMM with `tile`, or None when it can."""
+    if m % tile.bm or n % tile.bn or k % tile.bk:
+        return f"{m}x{n}x{k} is not a multiple of the {tile.bm}x{tile.bn}x{tile.bk} tile"
+    if k // tile.bk < tile.stages:
+        return f"K={k} gives fewer than {tile.stages} chunks of {tile.bk}"
+    if tile.bn not in (64, 128, 256) or tile.stages < 2:
+        return f"unsupported tile {tile}"
+    return None
+
+
+def _tma_args(inner: int, outer: int, box_outer: int) -> list[int]:
+    # cuTensorMapEncodeTiled: dims, byte stride of the outer dim, box, element strides,
+    # interleave none, swizzle 128B (3), L2 promotion 256B (3), OOB fill none
+    return [inner, outer, inner * 2, 64, box_outer, 1, 1, 0, 3, 3, 0]
+
+
+def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, params, name: str):
+    """The TIRx PrimFunc computing out = finish(a @ b^T): `a` holds [m, k] rows and `b` is [n, k] (fp16, K
+    innermost, contiguous); `finish(acc, row, col)` gives (fp32 value, indices into `out`) of element (row, col)
+    from its fp32 accumulator; `params` (buffers) are the PrimFunc's signature: a, b, out and whatever else
+    finish reads."""
+    why = check_wgmma_shape(m, n, k, tile)
+    if why:
+        raise ValueError(why)
+    bm, bn, bk, stages = tile.bm, tile.bn, tile.bk, tile.stages
+    k_tiles = k // bk
+    acc_n = bn // 2  # fp32 accumulators per thread for m64 x bn
+    a_stage, b_stage = bm * bk, bn * bk  # elements per stage
+    stage_bytes = (a_stage + b_stage) * 2
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16"
+    tma = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+    a_args, b_args = _tma_args(k, m, bm), _tma_args(k, n, bn)
+    A, B = a, b
+
+    def store(acc0, acc1, row, col):  # two neighbouring outputs, one 4-byte store
+        v0, idx = finish(acc0, row, col)
+        v1, _ = finish(acc1, row, col + 1)
+        return T.cuda.func_call("tvmfuse_store_half2", T.address_of(out[tuple(idx)]), v0, v1, source_code=STORE_SRC)
+
+    # fmt: off
+    @T.prim_func(check_well_formed=False)
+    def gemm():
+        a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", a_map, "float16", 2, A.data, *a_args)
+        b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", b_map, "float16", 2, B.data, *b_args)
+
+        T.device_entry()
+        bx, by = T.cta_id([n // bn, m // bm])
+        tx = T.thread_id([384])
+        arena = T.alloc_buffer((stages * (a_stage + b_stage),), "float16", scope="shared.dyn", align=1024)
+        As = T.decl_buffer((stages, a_stage), "float16", data=arena.data, scope="shared.dyn")
+        Bs = T.decl_buffer((stages, b_stage), "float16", data=arena.data, elem_offset=stages * a_stage, scope="shared.dyn")
+        full = T.alloc_shared((stages,), "uint64")
+        empty = T.alloc_shared((stages,), "uint64")
+        acc = T.alloc_local((acc_n,), "float32")
+        desc_a: T.uint64
+        desc_b: T.uint64
+        cw = T.meta_var(tx // 128 - 1)  # consumer warpgroup 0 or 1 (warpgroup 0 loads)
+        lane = T.meta_var(tx % 32)
+        warp = T.meta_var((tx % 128) // 32)
+
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(8))
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+        if tx < 128:
+            if tx == 0:
+                for kt in T.serial(k_tiles):
+                    if kt >= stages:
+                        T.cuda.mbarrier_wait(T.address_of(empty[kt % stages]), (kt // stages + 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[kt % stages]), T.uint32(stage_bytes))
+                    T.ptx[tma](T.address_of(As[kt % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[kt % stages]))
+                    T.ptx[tma](T.address_of(Bs[kt % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[kt % stages]))
+        else:
+            for i in T.unroll(acc_n):
+                acc[i] = T.float32(0)
+            for kt in T.serial(k_tiles):
+                T.cuda.mbarrier_wait(T.address_of(full[kt % stages]), (kt // stages) % 2)
+                for i in T.unroll(acc_n):
+                    T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
+                T.ptx.wgmma.fence.sync.aligned()
+                for kk in T.unroll(bk // 16):
+                    T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[kt % stages, cw * 64 * bk + kk * 16]), 1, 64, 3)  # noqa: F821
+                    T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, kk * 16]), 1, 64, 3)  # noqa: F821
+                    T.ptx[mma](*[acc[i] for i in range(acc_n)], desc_a, desc_b, T.bool(True), 1, 1, 0, 0)  # noqa: F821
+                T.ptx.wgmma.commit_group.sync.aligned()
+                T.ptx.wgmma.wait_group.sync.aligned(tile.inflight)
+                for i in T.unroll(acc_n):
+                    T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
+                # every consumer warp releases the stage after its own wait: warp 0 alone (one arrival per warpgroup)
+                # let the loader overwrite a stage that warps 1-3 were still reading (on the H200: wrong rows 16-63
+                # of each 64 behind a GELU epilogue); with one group left in flight (inflight=1) a few such rows
+                # remained (bench/results/COMMANDS.md), so the default waits for the stage's own group
+                if tile.inflight == 0:
+                    if tx % 32 == 0:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[kt % stages]))
+                else:
+                    if kt > 0 and tx % 32 == 0:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(kt + stages - 1) % stages]))
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            for i in T.unroll(acc_n):
+                T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
+            for j in T.unroll(bn // 8):
+                for h in T.unroll(2):
+                    row = T.meta_var(by * bm + cw * 64 + warp * 16 + lane // 4 + h * 8)
+                    col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2)
+                    store(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], row, col)
+    # fmt: on
+    return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True, TIRX_ATTR: 1,
+                                                      "tirx.is_scheduled": True})
+
+
+def make_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilogue: str = "none"):
+    """C[m, n] = epilogue(A[m, k] @ B[n, k]^T (+ bias[n])) in fp16, fp32 accumulation: the benchmark's kernel,
+    parameters (A, B, bias, C)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue {epilogue!r} is not one of {EPILOGUES}")
+    names, shapes = ("a", "b", "bias", "c"), ((m, k), (n, k), (n,), (m, n))
+    bufs = [tirx.decl_buffer(shp, "float16", nm, data_alignment=16) for nm, shp in zip(names, shapes)]
+    half, one, rsqrt2 = (tirx.const(v, "float32") for v in (0.5, 1.0, 0.7071067811865476))
+
+    def finish(acc, row, col):
+        v = acc if epilogue == "none" else acc + tirx.Cast("float32", bufs[2][col])
+        if epilogue == "bias_gelu":
+            v = v * half * (one + tirx.erf(v * rsqrt2))
+        return v, (row, col)
+
+    return wgmma_kernel(m, n, k, tile, bufs[0], bufs[1], bufs[3], finish, bufs,
+                        f"wgmma_gemm_{m}x{n}x{k}_{tile.bn}_{tile.stages}_{epilogue}")
+
+
+def hopper_target() -> tvm.target.Target:
+    """The sm_90a target wgmma and TMA need (the nvidia/nvidia-h100 tag)."""
+    return tvm.target.Target("nvidia/nvidia-h100")
+
+
+def build_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilogue: str = "none"):
+    """Compile the kernel alone through TVM's TIRx pipeline; returns the executable."""
+    func = make_wgmma_gemm(m, n, k, tile, epilogue)
+    return tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx")
