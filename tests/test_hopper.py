@@ -41,9 +41,10 @@ def test_analysis_finds_the_gemm_and_its_sizes():
 
 @pytest.mark.parametrize("rows,k,n,transposed,reason", [
     (256, 512, 384, False, "K innermost"),  # W read [K, N]: TMA boxes are K-innermost rows
-    (100, 512, 384, True, "does not fit"),  # M not a multiple of 128
-    (256, 192, 384, True, "does not fit"),  # 3 K chunks cannot fill the 4-deep ring
-    (256, 512, 384, True, None)])
+    (64, 512, 384, True, "below one 128-row tile"),  # small M stays with the GEMV schedules
+    (256, 100, 384, True, "not a multiple of 8"),  # TMA needs 16-byte row strides
+    (256, 512, 384, True, None),
+    (300, 200, 1000, True, None)])  # ragged M, N and K: TMA zero-fills past the ends, the stores are guarded
 def test_kernels_the_wgmma_tile_cannot_take_keep_their_schedule(rows, k, n, transposed, reason):
     got, why = wgmma_from_fused(_kernel(_projection(rows, k, n, transposed=transposed)), "main")
     if reason is None:
@@ -57,7 +58,8 @@ def test_tile_choice_and_shape_checks():
     assert choose_tile(512, 4096, 4096).bn == 128  # 64 blocks of 128x256 would leave half the SMs idle
     assert choose_tile(512, 4096, 11008).bn == 128
     assert check_wgmma_shape(512, 4096, 4096, WgmmaTile(256, 4)) is None
-    assert "multiple" in check_wgmma_shape(512, 4000, 4096, WgmmaTile(128, 4))
+    assert check_wgmma_shape(2048, 50257, 768, WgmmaTile(128, 4)) is None  # GPT-2's LM head: ragged N
+    assert "multiple of 8" in check_wgmma_shape(512, 4096, 4100, WgmmaTile(128, 4))
 
 
 def test_only_sm_90a_targets_get_the_kernel():
@@ -81,8 +83,20 @@ def test_hopper_build_is_one_wgmma_kernel_with_tma_loads_and_the_epilogue():
     assert "erff(" in src and "tvmfuse_store_half2" in src  # the graph's GELU, written two halves at a time
 
 
+def test_ragged_sizes_guard_the_stores():
+    """M = 300, N = 1001: the last row and column tiles are partial; N odd: no 4-byte stores (misaligned)."""
+    cuda = resolve_target("cuda")
+    def kernel_source(rows, k, n):
+        mod = apply_hopper_gemms(_gelu_projection(rows, k, n), cuda, lambda s: None)
+        (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+        return src.split("__global__")[-1]  # the kernel's definition
+    ragged, even = kernel_source(300, 200, 1001), kernel_source(256, 256, 1024)
+    assert "wgmma_f16_ss_mma_async" in ragged and "tvmfuse_store_half2(" not in ragged
+    assert ragged.count("if (") >= even.count("if (") + 32  # stores guarded (those TVM cannot prove safe); none where the tile divides
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,k,n", [(256, 512, 384), (512, 1024, 1024)])
+@pytest.mark.parametrize("rows,k,n", [(256, 512, 384), (512, 1024, 1024), (300, 200, 1001)])
 def test_wgmma_kernel_matches_numpy_on_the_gpu(rows, k, n):
     cuda = resolve_target("cuda")
     mod = apply_hopper_gemms(_gelu_projection(rows, k, n), cuda, lambda s: None)

@@ -27,7 +27,7 @@ def is_hopper(target: tvm.target.Target) -> bool:
 def choose_tile(m: int, n: int, k: int) -> WgmmaTile | None:
     """128x256 tiles when they make enough blocks, else 128x128; 4 stages; None when neither fits."""
     wide, narrow = WgmmaTile(bn=256, stages=4), WgmmaTile(bn=128, stages=4)
-    if check_wgmma_shape(m, n, k, wide) is None and (m // 128) * (n // 256) >= WIDE_TILE_BLOCKS:
+    if check_wgmma_shape(m, n, k, wide) is None and -(-m // 128) * -(-n // 256) >= WIDE_TILE_BLOCKS:
         return wide
     return narrow if check_wgmma_shape(m, n, k, narrow) is None else None
 
@@ -147,7 +147,7 @@ def wgmma_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | No
         return None, why
     tile = choose_tile(info["m"], info["n"], info["k"])
     if tile is None:
-        return None, f"{info['m']}x{info['n']}x{info['k']} does not fit the 128x128x64 wgmma tile"
+        return None, f"{info['m']}x{info['n']}x{info['k']}: {check_wgmma_shape(info['m'], info['n'], info['k'], WgmmaTile())}"
     # the kernel declares its own parameter buffers (same names, shapes, dtypes): the TIRx pipeline's FlattenBuffer
     # does not see an s_tir function's parameters as definitions ("used before its definition")
     fresh = {p: tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=16) for p in func.params}

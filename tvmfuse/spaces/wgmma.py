@@ -41,11 +41,12 @@ class WgmmaTile:
 
 
 def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
-    """Why this kernel cannot compute an m x n x k GEMM with `tile`, or None when it can."""
-    if m % tile.bm or n % tile.bn or k % tile.bk:
-        return f"{m}x{n}x{k} is not a multiple of the {tile.bm}x{tile.bn}x{tile.bk} tile"
-    if k // tile.bk < tile.stages:
-        return f"K={k} gives fewer than {tile.stages} chunks of {tile.bk}"
+    """Why this kernel cannot compute an m x n x k GEMM with `tile`, or None when it can. Sizes need not be
+    multiples of the tile: TMA fills rows and columns past the end with zeros and the stores are guarded."""
+    if m < tile.bm:
+        return f"M={m} is below one {tile.bm}-row tile (small M: the GEMV schedules)"
+    if k % 8:
+        return f"K={k} is not a multiple of 8 (TMA needs 16-byte row strides)"
     if tile.bn not in (64, 128, 256) or tile.stages < 2:
         return f"unsupported tile {tile}"
     return None
@@ -66,7 +67,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
     if why:
         raise ValueError(why)
     bm, bn, bk, stages = tile.bm, tile.bn, tile.bk, tile.stages
-    k_tiles = k // bk
+    k_tiles = -(-k // bk)
     acc_n = bn // 2  # fp32 accumulators per thread for m64 x bn
     a_stage, b_stage = bm * bk, bn * bk  # elements per stage
     stage_bytes = (a_stage + b_stage) * 2
@@ -75,10 +76,13 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
     a_args, b_args = _tma_args(k, m, bm), _tma_args(k, n, bn)
     A, B = a, b
 
-    def store(acc0, acc1, row, col):  # two neighbouring outputs, one 4-byte store
-        v0, idx = finish(acc0, row, col)
-        v1, _ = finish(acc1, row, col + 1)
-        return T.cuda.func_call("tvmfuse_store_half2", T.address_of(out[tuple(idx)]), v0, v1, source_code=STORE_SRC)
+    even_n = n % 2 == 0  # two neighbouring outputs (col even) in one 4-byte store; one by one where N is odd
+    value = lambda acc, row, col: finish(acc, row, col)[0]  # noqa: E731
+    index = lambda acc, row, col: tuple(finish(acc, row, col)[1])  # noqa: E731
+
+    def store(acc0, acc1, row, col):
+        return T.cuda.func_call("tvmfuse_store_half2", T.address_of(out[index(acc0, row, col)]),
+                                value(acc0, row, col), value(acc1, row, col + 1), source_code=STORE_SRC)
 
     # fmt: off
     @T.prim_func(check_well_formed=False)
@@ -89,7 +93,11 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
         T.call_packed("runtime.cuTensorMapEncodeTiled", b_map, "float16", 2, B.data, *b_args)
 
         T.device_entry()
-        bx, by = T.cta_id([n // bn, m // bm])
+        # one grid dimension: with T.cta_id([x, y]) TVM's simplifier took the y extent as x's bound and dropped
+        # the column guards of ragged N as always true
+        bid = T.cta_id([-(-n // bn) * -(-m // bm)])
+        bx = T.meta_var(bid % -(-n // bn))
+        by = T.meta_var(bid // -(-n // bn))
         tx = T.thread_id([384])
         arena = T.alloc_buffer((stages * (a_stage + b_stage),), "float16", scope="shared.dyn", align=1024)
         As = T.decl_buffer((stages, a_stage), "float16", data=arena.data, scope="shared.dyn")
@@ -150,7 +158,15 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
                 for h in T.unroll(2):
                     row = T.meta_var(by * bm + cw * 64 + warp * 16 + lane // 4 + h * 8)
                     col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2)
-                    store(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], row, col)
+                    if row < m:  # the guards are proven true (and dropped) where the tile divides M and N
+                        if col < n:
+                            if even_n:
+                                store(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], row, col)
+                            else:
+                                out[index(acc[0], row, col)] = T.Cast("float16", value(acc[j * 4 + h * 2], row, col))
+                                if col + 1 < n:
+                                    out[index(acc[0], row, col + 1)] = T.Cast(
+                                        "float16", value(acc[j * 4 + h * 2 + 1], row, col + 1))
     # fmt: on
     return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True, TIRX_ATTR: 1,
                                                       "tirx.is_scheduled": True})
