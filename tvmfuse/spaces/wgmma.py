@@ -77,8 +77,12 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
     A, B = a, b
 
     even_n = n % 2 == 0  # two neighbouring outputs (col even) in one 4-byte store; one by one where N is odd
-    value = lambda acc, row, col: finish(acc, row, col)[0]  # noqa: E731
-    index = lambda acc, row, col: tuple(finish(acc, row, col)[1])  # noqa: E731
+
+    def value(acc, row, col):
+        return finish(acc, row, col)[0]
+
+    def index(acc, row, col):
+        return tuple(finish(acc, row, col)[1])
 
     def store(acc0, acc1, row, col):
         return T.cuda.func_call("tvmfuse_store_half2", T.address_of(out[index(acc0, row, col)]),
@@ -158,15 +162,14 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
                 for h in T.unroll(2):
                     row = T.meta_var(by * bm + cw * 64 + warp * 16 + lane // 4 + h * 8)
                     col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2)
-                    if row < m:  # the guards are proven true (and dropped) where the tile divides M and N
-                        if col < n:
-                            if even_n:
-                                store(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], row, col)
-                            else:
-                                out[index(acc[0], row, col)] = T.Cast("float16", value(acc[j * 4 + h * 2], row, col))
-                                if col + 1 < n:
-                                    out[index(acc[0], row, col + 1)] = T.Cast(
-                                        "float16", value(acc[j * 4 + h * 2 + 1], row, col + 1))
+                    if row < m and col < n:  # TVM drops the guards where the tile divides M and N
+                        if even_n:
+                            store(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], row, col)
+                        else:
+                            out[index(acc[0], row, col)] = T.Cast("float16", value(acc[j * 4 + h * 2], row, col))
+                            if col + 1 < n:
+                                out[index(acc[0], row, col + 1)] = T.Cast(
+                                    "float16", value(acc[j * 4 + h * 2 + 1], row, col + 1))
     # fmt: on
     return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True, TIRX_ATTR: 1,
                                                       "tirx.is_scheduled": True})
