@@ -102,7 +102,7 @@ def _epilogue(info: dict, fresh: dict) -> Callable:
     def finish(acc, row, col):
         dt = [str(v.ty.dtype) for v in ovars]
         idx = [tirx.const(0, d) for d in dt[:-2]] + [tirx.Cast(dt[-2], row), tirx.Cast(dt[-1], col)]
-        return tirx.Cast("float32", _rebuild(value, dict(zip(ovars, idx)), acc_buf, acc, fresh)), idx
+        return tirx.Cast("float32", _rebuild(value, ovars, idx, acc_buf, acc, fresh)), idx
 
     return finish
 
@@ -111,9 +111,12 @@ _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Max, tirx.Min, tirx.Floo
            tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
 
 
-def _rebuild(expr, var_map: dict, acc_buf, acc, fresh: dict):
-    """`expr` with the block vars replaced (var_map) and loads of the accumulator buffer replaced by `acc`;
-    raises ValueError on an expression kind it does not know (the kernel then keeps its generic schedule)."""
+def _rebuild(expr, ovars: list, idx: list, acc_buf, acc, fresh: dict):
+    """`expr` with the output block's vars `ovars` replaced by `idx` and loads of the accumulator buffer (which
+    must read it at exactly those vars: elementwise) replaced by `acc`; raises ValueError on anything else (the
+    kernel then keeps its generic schedule)."""
+    var_map = dict(zip(ovars, idx))
+
     def go(e):
         if isinstance(e, tirx.Var):
             return next((v for k, v in var_map.items() if k.same_as(e)), e)
@@ -121,6 +124,8 @@ def _rebuild(expr, var_map: dict, acc_buf, acc, fresh: dict):
             return e
         if isinstance(e, _LOAD):
             if e.source.same_as(acc_buf):
+                if len(e.indices) != len(ovars) or not all(i.same_as(v) for i, v in zip(e.indices, ovars)):
+                    raise ValueError("the epilogue reads the matmul result at other indices than it writes")
                 return acc
             src = next((new for old, new in fresh.items() if old.same_as(e.source)), None)
             if src is None:
@@ -147,13 +152,18 @@ def wgmma_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | No
         return None, why
     tile = choose_tile(info["m"], info["n"], info["k"])
     if tile is None:
-        return None, f"{info['m']}x{info['n']}x{info['k']}: {check_wgmma_shape(info['m'], info['n'], info['k'], WgmmaTile())}"
+        m, n, k = info["m"], info["n"], info["k"]
+        return None, f"{m}x{n}x{k}: {check_wgmma_shape(m, n, k, WgmmaTile())}"
     # the kernel declares its own parameter buffers (same names, shapes, dtypes): the TIRx pipeline's FlattenBuffer
     # does not see an s_tir function's parameters as definitions ("used before its definition")
     fresh = {p: tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=16) for p in func.params}
-    new = lambda buf: next(v for k, v in fresh.items() if k.same_as(buf))
-    kernel = wgmma_kernel(info["m"], info["n"], info["k"], tile, new(info["a"]), new(info["b"]), new(info["out"]),
-                          _epilogue(info, fresh), list(fresh.values()), name)
+    a, b, out = (next(v for k, v in fresh.items() if k.same_as(info[r])) for r in ("a", "b", "out"))
+    finish = _epilogue(info, fresh)
+    try:  # once outside the kernel's script, so an epilogue it cannot take is a reason, not a parse error
+        finish(tirx.const(0.0, "float32"), tirx.Var("row", "int32"), tirx.Var("col", "int32"))
+    except ValueError as err:
+        return None, str(err)
+    kernel = wgmma_kernel(info["m"], info["n"], info["k"], tile, a, b, out, finish, list(fresh.values()), name)
     return kernel, f"wgmma {info['m']}x{info['n']}x{info['k']}, tile 128x{tile.bn}, {tile.stages} stages"
 
 
