@@ -22,6 +22,16 @@ CASES = [  # name, M, K, N, epilogue (bias + GELU, the issue-5 case; none: a Lla
 ]
 
 
+def write_json(path, res, finished=False):
+    """Write the results so far (compact JSON); `finished` stamps the end time first."""
+    import json
+
+    if finished:
+        res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    with open(path, "w") as f:
+        json.dump(res, f, separators=(",", ":"))
+
+
 def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.smallm import copy_bandwidth, inputs, kernel, log, time_variants, torch_time  # noqa: E402
+from bench.smallm import copy_bandwidth, inputs, kernel, log, time_variants, torch_time, write_json  # noqa: E402
 
 CASES = [  # name, M, K, N, bias + GELU epilogue
     ("m512_k4096_n4096", 512, 4096, 4096, False),
@@ -108,11 +107,8 @@ def main():
         case["variants"] = rows
         log(name, f"torch {case['torch_us']:.1f} us, dlight {case['dlight_us']}, default {case['default_us']}, "
             f"best {case['best'] and case['best']['us']:.1f} {case['best'] and case['best']['knobs']}")
-        with open(opts.out, "w") as f:
-            json.dump(res, f, separators=(",", ":"))
-    res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    with open(opts.out, "w") as f:
-        json.dump(res, f, separators=(",", ":"))
+        write_json(opts.out, res)
+    write_json(opts.out, res, finished=True)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,13 @@ and the issue-5 GEMM, checked against torch (cuBLAS) and timed beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.smallm import copy_bandwidth, inputs, log, torch_time
+from bench.smallm import copy_bandwidth, inputs, log, torch_time, write_json
 from bench.tcgemm import CASES
 
 TILES = ("128x4", "128x5", "256x3", "256x4")  # bn x stages
@@ -87,11 +86,8 @@ def main():
         ok = [r for r in case["tiles"] if "us" in r and r["max_abs_err"] < 5e-2]
         case["best"] = min(ok, key=lambda r: r["us"]) if ok else None
         log(name, f"torch {case['torch_us']:.1f} us, best {case['best']}")
-        with open(opts.out, "w") as f:
-            json.dump(res, f, separators=(",", ":"))
-    res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    with open(opts.out, "w") as f:
-        json.dump(res, f, separators=(",", ":"))
+        write_json(opts.out, res)
+    write_json(opts.out, res, finished=True)
 
 
 if __name__ == "__main__":
