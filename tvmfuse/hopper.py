@@ -14,8 +14,9 @@ from .spaces.wgmma import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
 _LOAD = type(tirx.BufferLoad(tirx.decl_buffer((1,), "float32"), [0]))
 _CALL = type(tirx.op.exp(tirx.const(0.0, "float32")))
 
-#: a GEMM fills the H200's 132 SMs with 128x256 tiles from about this many blocks on (bench/results/wgmma_run2.json:
-#: 128x256 was faster at 4096x11008 (1376 blocks) and 2048x4096 (128), 128x128 at 512x4096 (64 blocks of 128x256))
+#: a GEMM fills the H200's 132 SMs with 128x256 tiles from about this many blocks on (bench/results/wgmma_run3.json,
+#: in blocks of 128x256: 128x256 was faster at MxN 4096x11008 (1376), 2048x4096 (256) and 512x11008 (172),
+#: 128x128 at 512x4096 (64))
 WIDE_TILE_BLOCKS = 96
 
 
