@@ -34,6 +34,18 @@ def _gelu_projection(rows, k, n):
     return lower(bb.get()).mod
 
 
+def _fp32_projection(rows, k, n):
+    """y = x @ W^T with the fp32 sums as the output (a model's last matmul with fp32 outputs)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, rows, k), "float16"))
+    w = relax.Var("w", relax.TensorType((n, k), "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)), out_dtype="float32"))
+        bb.emit_func_output(out)
+    return lower(bb.get()).mod
+
+
 def test_analysis_finds_the_gemm_and_its_sizes():
     info, why = analyze_gemm(_kernel(_projection(256, 512, 384)))
     assert why == "" and (info["m"], info["n"], info["k"]) == (256, 384, 512)
@@ -93,6 +105,16 @@ def test_hopper_build_is_one_wgmma_kernel_with_tma_loads_and_the_epilogue():
     assert "erff(" in src and "tvmfuse_store_half2" in src  # the graph's GELU, written two halves at a time
 
 
+def test_a_matmul_without_epilogue_writes_its_fp32_sums():
+    cuda = resolve_target("cuda")
+    logged = []
+    mod = apply_hopper_gemms(_fp32_projection(256, 512, 384), cuda, logged.append)
+    assert len(logged) == 1 and "wgmma 256x384x512" in logged[0], logged
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    kernel = src.split("__global__")[-1]
+    assert "float* __restrict__" in kernel and "tvmfuse_store_half2(" not in kernel
+
+
 def test_ragged_sizes_guard_the_stores():
     """M = 300, N = 1001: the last row and column tiles are partial; N odd: no 4-byte stores (misaligned)."""
     cuda = resolve_target("cuda")
@@ -103,6 +125,18 @@ def test_ragged_sizes_guard_the_stores():
     ragged, even = kernel_source(300, 200, 1001), kernel_source(256, 256, 1024)
     assert "wgmma_f16_ss_mma_async" in ragged and "tvmfuse_store_half2(" not in ragged
     assert ragged.count("if (") >= even.count("if (") + 32  # stores guarded (those TVM cannot prove safe); none where the tile divides
+
+
+@pytest.mark.gpu
+def test_fp32_output_matches_numpy_on_the_gpu():
+    cuda = resolve_target("cuda")
+    mod = apply_hopper_gemms(_fp32_projection(300, 256, 1000), cuda, lambda s: None)
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 300, 256)).astype("float16")
+    w = (rng.standard_normal((1000, 256)) * 0.05).astype("float16")
+    got = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w)]).numpy()
+    np.testing.assert_allclose(got, x.astype("float32") @ w.astype("float32").T, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.gpu
@@ -119,3 +153,26 @@ def test_wgmma_kernel_matches_numpy_on_the_gpu(rows, k, n):
     pre = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
     want = 0.5 * pre * (1 + np.vectorize(__import__("math").erf)(pre / np.sqrt(2)))
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(tmp_path, capsys):
+    """The product path on a machine without a GPU: `--target cuda --trials 0` builds, logs the kernel, names it in
+    the manifest and exports one library."""
+    import json
+
+    import onnx
+    import onnx_models
+
+    from tvmfuse.cli import main
+
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a GPU (the job would verify and time on it)")
+    onnx.save(onnx_models.projection(rows=256, k=512, n=384), tmp_path / "proj.onnx")
+    code = main(["--target", "cuda", "--trials", "0", "--dtype", "fp16", "--out", str(tmp_path / "o"),
+                 "--logs", str(tmp_path / "l"), str(tmp_path / "proj.onnx")])
+    assert code == 0
+    assert "wgmma 256x384x512, tile 128x128, 4 stages" in capsys.readouterr().out
+    export = tmp_path / "o" / "proj-cuda-sm_90a"
+    kernels = json.loads((export / "manifest.json").read_text())["kernels"]
+    assert [k["schedule"] for k in kernels if k["pattern"] == "tvmfuse.matmul"] == [WGMMA]
+    assert (export / "model.so").stat().st_size > 0

@@ -39,9 +39,9 @@ def _block_store(stmt):
 
 
 def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
-    """({a, b, out, acc, batch, m, n, k, out_block}, "") for a fused kernel that is exactly one fp16 matmul
-    out[.., i, j] = f(sum_k A[.., i, k] * W[j, k]) with an elementwise epilogue f over its parameters, else
-    (None, why not)."""
+    """({a, b, out, acc, m, n, k, value, out_vars}, "") for a fused kernel that is exactly one fp16 matmul
+    out[.., i, j] = f(sum_k A[.., i, k] * W[j, k]) (fp32 sums) with an elementwise epilogue f over its parameters
+    (or none: the sums are the fp32 output), else (None, why not)."""
     sch = s_tir.Schedule(func)
     root = get_root_block(sch)
     mains = get_reduction_blocks(sch, sch.get_child_blocks(root)) or []
@@ -62,17 +62,17 @@ def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
         except Exception:  # noqa: BLE001
             return None, "the epilogue is not elementwise"
     blocks = list(sch.get_child_blocks(root))
-    if len(blocks) != 2:
+    if len(blocks) > 2:
         return None, "the epilogue is not elementwise"
-    mstmt, ostmt = sch.get(blocks[0]), sch.get(blocks[1])
+    mstmt, ostmt = sch.get(blocks[0]), sch.get(blocks[-1])  # one block: the matmul writes the (fp32) output
     upd, store = _block_store(mstmt), _block_store(ostmt)
     if upd is None or store is None or len(mstmt.reads) != 2:
         return None, "unexpected block structure"
     acc = upd.buffer
     a_reg, b_reg = mstmt.reads
     a, b, out = a_reg.source, b_reg.source, store.buffer
-    if (acc.dtype, a.dtype, b.dtype, out.dtype) != ("float32", "float16", "float16", "float16"):
-        return None, f"dtypes {a.dtype} x {b.dtype} -> {acc.dtype} -> {out.dtype} (needs fp16 x fp16 -> fp32 -> fp16)"
+    if (acc.dtype, a.dtype, b.dtype) != ("float32", "float16", "float16") or out.dtype not in ("float16", "float32"):
+        return None, f"dtypes {a.dtype} x {b.dtype} -> {acc.dtype} -> {out.dtype} (needs fp16 x fp16 -> fp32 -> fp16/32)"
     if not all(any(buf.same_as(p) for p in func.params) for buf in (a, b, out)):
         return None, "operands are not kernel parameters"
     ivars = [iv.var for iv in mstmt.iter_vars]
@@ -88,10 +88,14 @@ def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
     if not all(isinstance(d, tirx.IntImm) for d in doms) or any(int(d) != 1 for d in doms[:-3]):
         return None, "symbolic sizes or a batch dimension"
     m, n, k = (int(d) for d in doms[-3:])
+    if len(blocks) == 1:  # out = the accumulator itself
+        ovars = [*batch, i, j]
+        return {"a": a, "b": b, "out": out, "acc": acc, "m": m, "n": n, "k": k,
+                "value": tirx.BufferLoad(acc, ovars), "out_vars": ovars}, ""
     ovars = [iv.var for iv in ostmt.iter_vars]
     if not same(list(store.indices), ovars) or len(ovars) != len(upd.indices):
         return None, "the output is not written elementwise"
-    return {"a": a, "b": b, "out": out, "acc": acc, "rank": len(ovars), "m": m, "n": n, "k": k,
+    return {"a": a, "b": b, "out": out, "acc": acc, "m": m, "n": n, "k": k,
             "value": store.value, "out_vars": ovars}, ""
 
 

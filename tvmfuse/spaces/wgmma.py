@@ -76,7 +76,9 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
     a_args, b_args = _tma_args(k, m, bm), _tma_args(k, n, bn)
     A, B = a, b
 
-    even_n = n % 2 == 0  # two neighbouring outputs (col even) in one 4-byte store; one by one where N is odd
+    out_dtype = str(out.dtype)
+    # two neighbouring fp16 outputs (col even) in one 4-byte store; one by one where N is odd or the output fp32
+    paired = n % 2 == 0 and out_dtype == "float16"
 
     def value(acc, row, col):
         return finish(acc, row, col)[0]
@@ -163,13 +165,13 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
                     row = T.meta_var(by * bm + cw * 64 + warp * 16 + lane // 4 + h * 8)
                     col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2)
                     if row < m and col < n:  # TVM drops the guards where the tile divides M and N
-                        if even_n:
+                        if paired:
                             store(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], row, col)
                         else:
-                            out[index(acc[0], row, col)] = T.Cast("float16", value(acc[j * 4 + h * 2], row, col))
+                            out[index(acc[0], row, col)] = T.Cast(out_dtype, value(acc[j * 4 + h * 2], row, col))
                             if col + 1 < n:
                                 out[index(acc[0], row, col + 1)] = T.Cast(
-                                    "float16", value(acc[j * 4 + h * 2 + 1], row, col + 1))
+                                    out_dtype, value(acc[j * 4 + h * 2 + 1], row, col + 1))
     # fmt: on
     return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True, TIRX_ATTR: 1,
                                                       "tirx.is_scheduled": True})
