@@ -1,4 +1,4 @@
-"""GPU benchmark of the Hopper GEMM kernel (tvmfuse/spaces/wgmma.py): each tile at the Llama prefill projections
+"""GPU benchmark of the Hopper GEMM kernel (tvmfuse/kernels/wgmma_gemm.py): each tile at the Llama prefill projections
 and the issue-5 GEMM, checked against torch (cuBLAS) and timed beside it.
 
     python3 bench/wgmma.py --out results.json [--cases NAME ...] [--tiles 128x4 256x3 ...]
@@ -20,7 +20,7 @@ TILES = ("128x4", "128x5", "256x3", "256x4")  # bn x stages
 
 
 def _tile(spec):
-    from tvmfuse.spaces.wgmma import WgmmaTile
+    from tvmfuse.kernels.wgmma_gemm import WgmmaTile
     bn, stages = (int(v) for v in spec.split("x"))
     return WgmmaTile(bn=bn, stages=stages)
 
@@ -28,7 +28,7 @@ def _tile(spec):
 def _build(job):
     """Compile one (case, tile); returns (runtime module, error)."""
     m, k, n, gelu, spec, _ = job
-    from tvmfuse.spaces.wgmma import build_wgmma_gemm, check_wgmma_shape
+    from tvmfuse.kernels.wgmma_gemm import build_wgmma_gemm, check_wgmma_shape
     why = check_wgmma_shape(m, n, k, _tile(spec))
     if why:
         return None, why

@@ -1,4 +1,4 @@
-"""tvmfuse.hopper and tvmfuse.spaces.wgmma: fused GEMMs become the TIRx wgmma kernel on sm_90a, epilogue included."""
+"""tvmfuse.hopper, tvmfuse.kernels.wgmma_gemm: fused GEMMs become the TIRx wgmma kernel on sm_90a, epilogue included."""
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from tvmfuse.hopper import (
     choose_tile,
     wgmma_from_fused,
 )
-from tvmfuse.spaces.wgmma import TIRX_ATTR, WgmmaTile, check_wgmma_shape
+from tvmfuse.kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape
 from tvmfuse.targets import resolve_target
 
 

@@ -8,7 +8,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from .baseline import default_kind, default_rule
 from .errors import TvmfuseError
-from .spaces.wgmma import TIRX_ATTR
+from .kernels.wgmma_gemm import TIRX_ATTR
 
 TUNED, DEFAULT, WGMMA = "tuned", "default", "wgmma (TIRx kernel)"
 TIR_PIPELINE = "tvmfuse"  # registered below: TVM's s_tir pipeline, and its tirx pipeline for TIRx kernels

@@ -9,7 +9,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_reduction_blocks
 
-from .spaces.wgmma import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
+from .kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
 
 _LOAD = type(tirx.BufferLoad(tirx.decl_buffer((1,), "float32"), [0]))
 _CALL = type(tirx.op.exp(tirx.const(0.0, "float32")))
