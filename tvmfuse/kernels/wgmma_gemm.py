@@ -26,7 +26,6 @@ class WgmmaTile:
 
     bn: int = 128
     stages: int = 4
-    inflight: int = 0  # wgmma groups left in flight when a stage is released (0 or 1; 1 gave wrong rows, see below)
 
     @property
     def bm(self) -> int:
@@ -144,23 +143,16 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
                     T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, kk * 16]), 1, 64, 3)  # noqa: F821
                     T.ptx[mma](*[acc[i] for i in range(acc_n)], desc_a, desc_b, T.bool(True), 1, 1, 0, 0)  # noqa: F821
                 T.ptx.wgmma.commit_group.sync.aligned()
-                T.ptx.wgmma.wait_group.sync.aligned(tile.inflight)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
                 for i in T.unroll(acc_n):
                     T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
-                # every consumer warp releases the stage after its own wait: warp 0 alone (one arrival per warpgroup)
-                # let the loader overwrite a stage that warps 1-3 were still reading (on the H200: wrong rows 16-63
-                # of each 64 behind a GELU epilogue); with one group left in flight (inflight=1) a few such rows
-                # remained (bench/results/COMMANDS.md), so the default waits for the stage's own group
-                if tile.inflight == 0:
-                    if tx % 32 == 0:
-                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[kt % stages]))
-                else:
-                    if kt > 0 and tx % 32 == 0:
-                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(kt + stages - 1) % stages]))
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            for i in T.unroll(acc_n):
-                T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
-            for j in T.unroll(bn // 8):
+                # every consumer warp releases the stage once its own wgmma group is done: warp 0 alone (one arrival
+                # per warpgroup) let the loader overwrite a stage that warps 1-3 were still reading (on the H200:
+                # wrong rows 16-63 of each 64 behind a GELU epilogue), and releasing the previous stage with one
+                # group still in flight (wait_group 1) left a few such rows (bench/results/COMMANDS.md)
+                if tx % 32 == 0:
+                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[kt % stages]))
+            for j in T.unroll(bn // 8):  # the epilogue, from the registers (every group already waited for)
                 for h in T.unroll(2):
                     row = T.meta_var(by * bm + cw * 64 + warp * 16 + lane // 4 + h * 8)
                     col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2)
