@@ -84,6 +84,24 @@ def test_tile_choice_and_shape_checks():
     assert "multiple of 8" in check_wgmma_shape(512, 4096, 4100, WgmmaTile(128, 4))
 
 
+def test_the_log_says_why_a_gemm_keeps_its_generic_schedule():
+    """Decode-sized GEMMs stay with the GEMV schedules, and the log says so; kernels that are no GEMM are not named."""
+    cuda = resolve_target("cuda")
+    logged = []
+    mod = _projection(16, 512, 384)
+    assert apply_hopper_gemms(mod, cuda, logged.append) is mod
+    assert len(logged) == 1 and "generic GEMM schedule (16x384x512: M=16 is below one 128-row tile" in logged[0], logged
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((256, 384), "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.softmax(x))
+        bb.emit_func_output(out)
+    logged.clear()
+    apply_hopper_gemms(lower(bb.get()).mod, cuda, logged.append)
+    assert logged == []
+
+
 def test_only_sm_90a_targets_get_the_kernel():
     mod = _projection(256, 512, 384)
     logged = []

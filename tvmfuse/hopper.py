@@ -20,6 +20,10 @@ _CALL = type(tirx.op.exp(tirx.const(0.0, "float32")))
 WIDE_TILE_BLOCKS = 96
 
 
+#: analysis outcomes that mean "not a matmul kernel at all" (not logged)
+NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before")
+
+
 def is_hopper(target: tvm.target.Target) -> bool:
     """True for CUDA targets with wgmma and TMA (arch sm_90a)."""
     return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) == "sm_90a"
@@ -187,6 +191,8 @@ def apply_hopper_gemms(mod: tvm.IRModule, target: tvm.target.Target, log: Callab
         if new is not None:
             out[gv] = new
             log(f"{gv.name_hint}: {why}")
+        elif not why.startswith(NOT_A_GEMM):  # a GEMM the kernel does not take: say why
+            log(f"{gv.name_hint}: generic GEMM schedule ({why})")
     if not out:
         return mod
     mod = mod.shallow_copy() if hasattr(mod, "shallow_copy") else tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
