@@ -106,6 +106,20 @@ def test_layer_norm_gelu_fp16_end_to_end(tmp_path):
     assert check["max_abs_err"] > 1e-5  # it really computed in fp16
 
 
+def test_fp16_with_a_symbolic_input_builds_and_matches(tmp_path):
+    """A symbolic input dim with --dtype fp16 (TVM's ToMixedPrecision stopped on it: tvmfuse.precision leaves such
+    inputs fp32 and lets the matmul's cast take them to fp16); verified against onnxruntime at the given shape."""
+    model = onnx_models.layer_norm_gelu(dyn=True)
+    path = tmp_path / "dyn.onnx"
+    onnx.save(model, path)
+    out = tmp_path / "out"
+    assert main([str(path), "--target", "llvm", "--trials", "0", "--dtype", "fp16", "--out", str(out),
+                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
+    manifest = json.loads((out / "dyn-llvm" / "manifest.json").read_text())
+    assert manifest["inputs"][0]["shape"] == ["batch", 64] and manifest["precision"]["compute_dtype"] == "float16"
+    assert manifest["verification"]["status"] == "passed"
+
+
 def test_rms_norm_residual_fp16_builds_and_matches(tmp_path):
     manifest = _export(tmp_path, onnx_models.rms_norm_residual(rows=4, hidden=32), "rms", "fp16")
     assert manifest["verification"]["status"] == "passed"

@@ -194,3 +194,33 @@ def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(tmp_path, capsys):
     kernels = json.loads((export / "manifest.json").read_text())["kernels"]
     assert [k["schedule"] for k in kernels if k["pattern"] == "tvmfuse.matmul"] == [WGMMA]
     assert (export / "model.so").stat().st_size > 0
+
+
+def test_bucket_functions_get_the_wgmma_kernel_and_the_generic_one_does_not(tmp_path, capsys):
+    """--buckets with --dtype fp16: the static copy for seq=256 takes the kernel; main_generic (symbolic seq) keeps
+    the generic GEMM. (fp16 with a symbolic input used to stop in TVM's ToMixedPrecision: tvmfuse.precision.)"""
+    import json
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tvmfuse.cli import main
+
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a GPU (the job would verify and time on it)")
+    w = (np.random.default_rng(0).standard_normal((512, 384)) / 20).astype("float32")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "t",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", 512])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "seq", 384])],
+                              [helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.ravel().tolist())])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10), tmp_path / "d.onnx")
+    code = main(["--target", "cuda", "--trials", "0", "--dtype", "fp16", "--out", str(tmp_path / "o"),
+                 "--logs", str(tmp_path / "l"), str(tmp_path / "d.onnx"), "--buckets", "seq=256"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "main_seq256: " in out and "wgmma 256x384x512" in out
+    manifest = json.loads((tmp_path / "o" / "d-cuda-sm_90a" / "manifest.json").read_text())
+    kinds = {k["name"]: k["schedule"] for k in manifest["kernels"]}
+    assert WGMMA in {kinds[k] for f in manifest["buckets"]["functions"] for k in f["kernels"]}
+    assert WGMMA not in {kinds[k] for k in manifest["buckets"]["generic"]["kernels"]}
+    assert manifest["inputs"][0]["shape"] == [1, "seq", 512]  # fp16 compute, the interface still symbolic

@@ -8,7 +8,9 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
   fp16: everything downstream of an fp32 input (LayerNorm, GELU, RMSNorm, the residual stream) stays fp32. So
   the inputs are named: those params become float16, and `interface.fp32_interface` gives `main` float32 params
   again, each cast to fp16 as the first binding. The outputs stay float32 (the pass casts them back itself).
-  By default the exported module's interface is therefore float32 in and out, whatever the compute dtype;
+  By default the exported module's interface is therefore float32 in and out, whatever the compute dtype.
+  Inputs with symbolic dims are not named (the pass stops on them: "no block is being built"): they stay fp32,
+  a matmul reading one casts it to fp16, and only ops applied to them directly compute in fp32;
 - `relax.matmul` (policy "always") gets fp16 inputs and, with `out_dtype="float32"`, accumulates and returns
   fp32, followed by a cast to fp16;
 - "follow" ops (elementwise, `layer_norm`, `gelu`, reshapes) compute in fp16 when all inputs are fp16 (TVM's
@@ -60,7 +62,11 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None)
         return mod
     main = mod["main"]
     n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
-    inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32]
+    # inputs with symbolic dims are not named: TVM 0.27's pass fails on them ("no block is being built", in
+    # TypeMutator, when it re-types the parameter); they stay fp32 parameters, cast to fp16 where a matmul reads
+    # them, so only ops applied to them directly still compute in fp32
+    inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32
+              and _static_shape(p)]
     mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
     mod = opmath_fp32(mod)
     mod = fp32_interface(mod, inputs)
@@ -72,6 +78,12 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None)
         mod = low_interface(mod, io_dtype)
     mod = relax.transform.DeadCodeElimination(["main"])(relax.transform.CanonicalizeBindings()(mod))
     return unique_binding_names(mod)
+
+
+def _static_shape(param) -> bool:
+    shape = getattr(param.ty, "shape", None)
+    values = getattr(shape, "values", None)
+    return values is not None and all(isinstance(v, tvm.tirx.IntImm) for v in values)
 
 
 def interface_dtype(dtype: str, io_dtype: str | None) -> str:
