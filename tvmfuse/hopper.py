@@ -11,6 +11,7 @@ from tvm.s_tir.dlight.gpu.matmul import get_reduction_blocks
 
 from .kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
 
+# the node classes of a tensor load and of an intrinsic call in TVM 0.27 (tirx.BufferLoad builds a tvm.ir TensorLoad)
 _LOAD = type(tirx.BufferLoad(tirx.decl_buffer((1,), "float32"), [0]))
 _CALL = type(tirx.op.exp(tirx.const(0.0, "float32")))
 
@@ -18,7 +19,6 @@ _CALL = type(tirx.op.exp(tirx.const(0.0, "float32")))
 #: in blocks of 128x256: 128x256 was faster at MxN 4096x11008 (1376), 2048x4096 (256) and 512x11008 (172),
 #: 128x128 at 512x4096 (64))
 WIDE_TILE_BLOCKS = 96
-
 
 #: analysis outcomes that mean "not a matmul kernel at all" (not logged)
 NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before")
