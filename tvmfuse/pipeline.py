@@ -27,7 +27,6 @@ from .measure import compare_at_dims, latency_us
 from .layout import transpose_weights
 from .precision import to_compute_dtype
 from .jobs import Job
-from .hopper import apply_hopper_gemms
 from .spaces import space_for
 from .targets import device_for, has_device, target_name
 from .templates import apply_templates
@@ -98,7 +97,6 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"), fused.mod)
     apply_templates(fused, target, database, trials, rpc, _progress_printer(job.name, say),
                     lambda s: say(f"[{job.name}] {s}"))
-    fused.mod = apply_hopper_gemms(fused.mod, target, lambda s: say(f"[{job.name}] {s}"))
     bucketed = None
     if job.buckets:  # static copies of main for the named sizes (their kernels tune); main dispatches on the dims
         bucketed = lower_buckets(bound, fused, job.buckets, _fuse_static(job.name, target, database, trials, rpc, say))
@@ -186,7 +184,6 @@ def _fuse_static(job_name: str, target, database, trials: int, rpc, say: Callabl
         fused = lower(mod, plan=decide(mod, target))
         apply_templates(fused, target, database, trials, rpc, _progress_printer(job_name, say),
                         lambda s: say(f"[{job_name}] {name}: {s}"))
-        fused.mod = apply_hopper_gemms(fused.mod, target, lambda s: say(f"[{job_name}] {name}: {s}"))
         return fused
 
     return fuse
