@@ -103,17 +103,19 @@ def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
             "value": store.value, "out_vars": ovars}, ""
 
 
-def _epilogue(info: dict, fresh: dict) -> Callable:
-    """finish(acc, row, col) for wgmma_kernel: the output block's value with the accumulator substituted and the
-    parameters read through their `fresh` buffers."""
+def _epilogue(info: dict, fresh: dict) -> tuple[Callable, Callable]:
+    """(finish, place) for wgmma_kernel: the output block's value with the accumulator substituted and the
+    parameters read through their `fresh` buffers, and the output indices of (row, col)."""
     acc_buf, value, ovars = info["acc"], info["value"], info["out_vars"]
+    dtypes = [str(v.ty.dtype) for v in ovars]
+
+    def place(row, col):
+        return tuple([tirx.const(0, d) for d in dtypes[:-2]] + [tirx.Cast(dtypes[-2], row), tirx.Cast(dtypes[-1], col)])
 
     def finish(acc, row, col):
-        dt = [str(v.ty.dtype) for v in ovars]
-        idx = [tirx.const(0, d) for d in dt[:-2]] + [tirx.Cast(dt[-2], row), tirx.Cast(dt[-1], col)]
-        return tirx.Cast("float32", _rebuild(value, ovars, idx, acc_buf, acc, fresh)), idx
+        return tirx.Cast("float32", _rebuild(value, ovars, list(place(row, col)), acc_buf, acc, fresh))
 
-    return finish
+    return finish, place
 
 
 _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Max, tirx.Min, tirx.FloorDiv, tirx.FloorMod, tirx.Mod,
@@ -167,12 +169,13 @@ def wgmma_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | No
     # does not see an s_tir function's parameters as definitions ("used before its definition")
     fresh = {p: tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=16) for p in func.params}
     a, b, out = (next(v for k, v in fresh.items() if k.same_as(info[r])) for r in ("a", "b", "out"))
-    finish = _epilogue(info, fresh)
+    finish, place = _epilogue(info, fresh)
     try:  # once outside the kernel's script, so an epilogue it cannot take is a reason, not a parse error
         finish(tirx.const(0.0, "float32"), tirx.Var("row", "int32"), tirx.Var("col", "int32"))
     except ValueError as err:
         return None, str(err)
-    kernel = wgmma_kernel(info["m"], info["n"], info["k"], tile, a, b, out, finish, list(fresh.values()), name)
+    kernel = wgmma_kernel(info["m"], info["n"], info["k"], tile, a, b, out, finish, place, list(fresh.values()),
+                          name)
     return kernel, f"wgmma {info['m']}x{info['n']}x{info['k']}, tile 128x{tile.bn}, {tile.stages} stages"
 
 

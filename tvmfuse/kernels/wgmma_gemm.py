@@ -35,9 +35,6 @@ class WgmmaTile:
     def bk(self) -> int:
         return 64
 
-    def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * self.bk * 2
-
 
 def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
     """Why this kernel cannot compute an m x n x k GEMM with `tile`, or None when it can. Sizes need not be
@@ -46,7 +43,7 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"M={m} is below one {tile.bm}-row tile (small M: the GEMV schedules)"
     if k % 8:
         return f"K={k} is not a multiple of 8 (TMA needs 16-byte row strides)"
-    if tile.bn not in (64, 128, 256) or tile.stages < 2:
+    if tile.bn not in (128, 256) or tile.stages < 2:  # the widths measured on the H200
         return f"unsupported tile {tile}"
     return None
 
@@ -57,11 +54,11 @@ def _tma_args(inner: int, outer: int, box_outer: int) -> list[int]:
     return [inner, outer, inner * 2, 64, box_outer, 1, 1, 0, 3, 3, 0]
 
 
-def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, params, name: str):
+def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, place, params, name: str):
     """The TIRx PrimFunc computing out = finish(a @ b^T): `a` holds [m, k] rows and `b` is [n, k] (fp16, K
-    innermost, contiguous); `finish(acc, row, col)` gives (fp32 value, indices into `out`) of element (row, col)
-    from its fp32 accumulator; `params` (buffers) are the PrimFunc's signature: a, b, out and whatever else
-    finish reads."""
+    innermost, contiguous); `finish(acc, row, col)` is the fp32 value of element (row, col) from its fp32
+    accumulator, `place(row, col)` its indices in `out`; `params` (buffers) are the PrimFunc's signature: a, b,
+    out and whatever else finish reads."""
     why = check_wgmma_shape(m, n, k, tile)
     if why:
         raise ValueError(why)
@@ -79,15 +76,9 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
     # two neighbouring fp16 outputs (col even) in one 4-byte store; one by one where N is odd or the output fp32
     paired = n % 2 == 0 and out_dtype == "float16"
 
-    def value(acc, row, col):
-        return finish(acc, row, col)[0]
-
-    def index(acc, row, col):
-        return tuple(finish(acc, row, col)[1])
-
     def store(acc0, acc1, row, col):
-        return T.cuda.func_call("tvmfuse_store_half2", T.address_of(out[index(acc0, row, col)]),
-                                value(acc0, row, col), value(acc1, row, col + 1), source_code=STORE_SRC)
+        return T.cuda.func_call("tvmfuse_store_half2", T.address_of(out[place(row, col)]),
+                                finish(acc0, row, col), finish(acc1, row, col + 1), source_code=STORE_SRC)
 
     # fmt: off
     @T.prim_func(check_well_formed=False)
@@ -160,10 +151,9 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, par
                         if paired:
                             store(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], row, col)
                         else:
-                            out[index(acc[0], row, col)] = T.Cast(out_dtype, value(acc[j * 4 + h * 2], row, col))
+                            out[place(row, col)] = T.Cast(out_dtype, finish(acc[j * 4 + h * 2], row, col))
                             if col + 1 < n:
-                                out[index(acc[0], row, col + 1)] = T.Cast(
-                                    out_dtype, value(acc[j * 4 + h * 2 + 1], row, col + 1))
+                                out[place(row, col + 1)] = T.Cast(out_dtype, finish(acc[j * 4 + h * 2 + 1], row, col + 1))
     # fmt: on
     return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True, TIRX_ATTR: 1,
                                                       "tirx.is_scheduled": True})
@@ -182,9 +172,9 @@ def make_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilo
         v = acc if epilogue == "none" else acc + tirx.Cast("float32", bufs[2][col])
         if epilogue == "bias_gelu":
             v = v * half * (one + tirx.erf(v * rsqrt2))
-        return v, (row, col)
+        return v
 
-    return wgmma_kernel(m, n, k, tile, bufs[0], bufs[1], bufs[3], finish, bufs,
+    return wgmma_kernel(m, n, k, tile, bufs[0], bufs[1], bufs[3], finish, lambda row, col: (row, col), bufs,
                         f"wgmma_gemm_{m}x{n}x{k}_{tile.bn}_{tile.stages}_{epilogue}")
 
 
