@@ -15,6 +15,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
 
+from .common import schedule_or_none
+
 THREADS = 256
 ALLOWED_CODES = {tvm_ffi.dtype("int32").type_code, tvm_ffi.dtype("uint8").type_code,
                  tvm_ffi.dtype("float16").type_code, tvm_ffi.dtype("bfloat16").type_code}
@@ -60,8 +62,4 @@ def schedule_vectorized(sch: s_tir.Schedule) -> bool:
 
 def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """The vectorized schedule, or None where it does not apply."""
-    try:
-        sch = s_tir.Schedule(func)
-        return sch if schedule_vectorized(sch) else None
-    except Exception:  # noqa: BLE001  (a kernel this schedule cannot take)
-        return None
+    return schedule_or_none(func, schedule_vectorized)

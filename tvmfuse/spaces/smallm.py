@@ -15,6 +15,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
+from .common import schedule_or_none
+
 MAX_M = 32
 LANES = 32
 
@@ -117,11 +119,7 @@ def schedule_small_m(sch: s_tir.Schedule, tn=None, warps=None, vec=None) -> bool
 
 def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """The schedule with `default_knobs`, or None where it does not apply."""
-    try:
-        sch = s_tir.Schedule(func)
-        return sch if schedule_small_m(sch) else None
-    except Exception:  # noqa: BLE001  (a fused kernel this schedule cannot take)
-        return None
+    return schedule_or_none(func, schedule_small_m)
 
 
 def space_fn(sch: s_tir.Schedule):

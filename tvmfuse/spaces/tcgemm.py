@@ -17,6 +17,8 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
                                           get_reduction_blocks)
 
+from .common import schedule_or_none
+
 WARP = 32
 MICRO = 16  # the wmma fragment is 16x16x16
 KNOBS = ("wm", "wn", "fm", "fn", "kc", "vec", "stages")
@@ -171,11 +173,7 @@ def schedule_tc_gemm(sch: s_tir.Schedule, wm=None, wn=None, fm=None, fn=None, kc
 
 def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """The schedule with `default_knobs`, or None where it does not apply."""
-    try:
-        sch = s_tir.Schedule(func)
-        return sch if schedule_tc_gemm(sch) else None
-    except Exception:  # noqa: BLE001  (a fused kernel this schedule cannot take)
-        return None
+    return schedule_or_none(func, schedule_tc_gemm)
 
 
 def applies(func: tirx.PrimFunc) -> bool:
