@@ -198,7 +198,5 @@ def apply_hopper_gemms(mod: tvm.IRModule, target: tvm.target.Target, log: Callab
             log(f"{gv.name_hint}: generic GEMM schedule ({why})")
     if not out:
         return mod
-    mod = mod.shallow_copy() if hasattr(mod, "shallow_copy") else tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
-    for gv, func in out.items():
-        mod[gv] = func
-    return mod
+    return tvm.IRModule({gv: out.get(gv, func) for gv, func in mod.functions.items()}, attrs=mod.attrs,
+                        global_infos=mod.global_infos)
