@@ -1,4 +1,5 @@
-"""tvmfuse.hopper, tvmfuse.kernels.wgmma_gemm: fused GEMMs become the TIRx wgmma kernel on sm_90a, epilogue included."""
+"""tvmfuse.hopper, tvmfuse.kernels.wgmma_gemm, tvmfuse.kernels.mma_smallm: fused GEMMs become a TIRx kernel on sm_90a
+(wgmma, or mma.sync for small M), epilogue included."""
 
 import numpy as np
 import pytest
@@ -7,14 +8,16 @@ from checks import cuda_sources
 from test_smallm import _kernel, _projection
 from tvm import relax
 
-from tvmfuse.build import WGMMA, apply_default_schedules, compile_module, schedule_kinds
+from tvmfuse.build import MMA_SMALLM, WGMMA, apply_default_schedules, compile_module, schedule_kinds
 from tvmfuse.fuse import lower
 from tvmfuse.hopper import (
     analyze_gemm,
     apply_hopper_gemms,
+    choose_smallm_tile,
     choose_tile,
-    wgmma_from_fused,
+    gemm_kernel_from_fused,
 )
+from tvmfuse.kernels.mma_smallm import SmallMTile, check_smallm_shape
 from tvmfuse.kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape
 from tvmfuse.targets import resolve_target
 
@@ -53,14 +56,15 @@ def test_analysis_finds_the_gemm_and_its_sizes():
 
 @pytest.mark.parametrize("rows,k,n,transposed,reason", [
     (256, 512, 384, False, "K innermost"),  # W read [K, N]: TMA boxes are K-innermost rows
-    (64, 512, 384, True, "below one 128-row tile"),  # small M stays with the GEMV schedules
+    (100, 512, 384, True, "below one 128-row tile"),  # between the small-M kernel (<= 64) and one wgmma tile
+    (64, 512, 384, True, None),  # small M: the mma.sync kernel
     (256, 100, 384, True, "not a multiple of 8"),  # TMA needs 16-byte row strides
     (256, 512, 384, True, None),
     (300, 200, 1000, True, None)])  # ragged M, N and K: TMA zero-fills past the ends, the stores are guarded
 def test_kernels_the_wgmma_tile_cannot_take_keep_their_schedule(rows, k, n, transposed, reason):
-    got, why = wgmma_from_fused(_kernel(_projection(rows, k, n, transposed=transposed)), "main")
+    got, why = gemm_kernel_from_fused(_kernel(_projection(rows, k, n, transposed=transposed)), "main")
     if reason is None:
-        assert got is not None and got.attrs[TIRX_ATTR] == 1, why
+        assert got is not None and got.attrs[TIRX_ATTR] == ("mma_smallm" if rows <= 64 else "wgmma"), why
     else:
         assert got is None and reason in why, why
 
@@ -71,7 +75,7 @@ def test_an_epilogue_that_reads_the_product_transposed_is_refused():
     moved = src.replace("compute_intermediate[v_ax0, v_ax1, v_ax2] + b[v_ax2]",
                         "compute_intermediate[v_ax0, v_ax2, v_ax1] + b[v_ax2]")
     assert moved != src
-    got, why = wgmma_from_fused(tvm.script.from_source(moved), "main")
+    got, why = gemm_kernel_from_fused(tvm.script.from_source(moved), "main")
     assert got is None and "other indices" in why, why
 
 
@@ -85,12 +89,13 @@ def test_tile_choice_and_shape_checks():
 
 
 def test_the_log_says_why_a_gemm_keeps_its_generic_schedule():
-    """Decode-sized GEMMs stay with the GEMV schedules, and the log says so; kernels that are no GEMM are not named."""
+    """A GEMM neither kernel takes keeps its generic schedule, and the log says so; kernels that are no GEMM are
+    not named."""
     cuda = resolve_target("cuda")
     logged = []
-    mod = _projection(16, 512, 384)
+    mod = _projection(100, 512, 384)
     assert apply_hopper_gemms(mod, cuda, logged.append) is mod
-    assert len(logged) == 1 and "generic GEMM schedule (16x384x512: M=16 is below one 128-row tile" in logged[0], logged
+    assert len(logged) == 1 and "generic GEMM schedule (100x384x512: M=100 is below one 128-row tile" in logged[0], logged
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((256, 384), "float16"))
     with bb.function("main", [x]):
@@ -143,6 +148,61 @@ def test_ragged_sizes_guard_the_stores():
     ragged, even = kernel_source(300, 200, 1001), kernel_source(256, 256, 1024)
     assert "wgmma_f16_ss_mma_async" in ragged and "tvmfuse_store_half2(" not in ragged
     assert ragged.count("if (") >= even.count("if (") + 32  # stores guarded (those TVM cannot prove safe); none where the tile divides
+
+
+def test_small_m_build_is_one_mma_kernel_reading_the_weight_once():
+    """M = 16: one launch, the weight streamed with 16-byte loads past L1 into mma.sync fragments, GELU applied."""
+    cuda = resolve_target("cuda")
+    logged = []
+    mod = apply_hopper_gemms(_gelu_projection(16, 4096, 4096), cuda, logged.append)
+    assert len(logged) == 1 and "mma.sync small-M 16x4096x4096" in logged[0], logged
+    assert set(schedule_kinds(mod, cuda).values()) == {MMA_SMALLM}
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    kernel = src.split("__global__")[-1]
+    assert src.count("__global__") == 2 and "erff(" in kernel
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in src
+    assert "ld.global.nc.L1::no_allocate.v4.u32" in src
+    tile = choose_smallm_tile(16, 4096, 4096)  # the weight loads of one round of unrolled chunks, each one n8 tile
+    assert kernel.count("tvmfuse_ld_stream(") == tile.unroll * tile.n8 * tile.vec
+
+
+@pytest.mark.parametrize("m,n,k,tile", [(16, 11008, 4096, "4x8x1x4"), (16, 4096, 4096, "2x16x1x2"),
+                                        (16, 22016, 4096, "4x4x1x4"), (64, 11008, 4096, "4x4x1x4"),
+                                        (16, 3072, 768, "1x8x1x4")])
+def test_small_m_tile_rule_fills_the_gpu(m, n, k, tile):
+    """Wide column tiles where they still make 256 blocks, the K split across warps until ~2560 warps stream the
+    weight; 4 warps above M = 16 (registers): the tiles measured fastest (bench/results/smallm_tc_run1.json)."""
+    t = choose_smallm_tile(m, n, k)
+    assert f"{t.n8}x{t.warps}x{t.vec}x{t.unroll}" == tile
+
+
+def test_small_m_takes_batched_rows_and_ragged_sizes():
+    """Rows from several leading dims (decode batch 8, sequence 1) flatten to M = 8; K = 200 (not a multiple of
+    the 32-wide chunks) zero-fills the loads past K; N = 1001 guards the stores."""
+    info, why = analyze_gemm(_kernel(_projection(1, 512, 384, batch=8)))
+    assert why == "" and (info["m"], info["rows"]) == (8, [8, 1])
+    got, why = gemm_kernel_from_fused(_kernel(_projection(3, 200, 1001)), "main")
+    assert got is not None and "mma.sync small-M 3x1001x200" in why, why
+    assert "T.uint32(0)" in got.script()  # the zero-filled tail
+    assert check_smallm_shape(65, 256, 256, SmallMTile()) is not None
+    assert "multiple of 8" in check_smallm_shape(16, 256, 100, SmallMTile())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,batch,k,n", [(16, 1, 512, 384), (3, 1, 200, 1001), (1, 8, 1024, 256), (64, 1, 1024, 1024),
+                                            (1, 1, 4096, 4096)])
+def test_small_m_kernel_matches_numpy_on_the_gpu(rows, batch, k, n):
+    cuda = resolve_target("cuda")
+    mod = apply_hopper_gemms(_projection(rows, k, n, batch=batch), cuda, lambda s: None)
+    assert set(schedule_kinds(mod, cuda).values()) == {MMA_SMALLM}
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((batch, rows, k)).astype("float16")
+    w = (rng.standard_normal((n, k)) * 0.05).astype("float16")
+    b = (rng.standard_normal(n) * 0.1).astype("float16")
+    got = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w, b)]).numpy().astype("float32")
+    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -10,7 +10,15 @@ from .baseline import default_kind, default_rule
 from .errors import TvmfuseError
 from .kernels.wgmma_gemm import TIRX_ATTR
 
-TUNED, DEFAULT, WGMMA = "tuned", "default", "wgmma (TIRx kernel)"
+TUNED, DEFAULT = "tuned", "default"
+
+
+def tirx_kind(kernel: str) -> str:
+    """The manifest's schedule kind of a TIRx kernel named `kernel` (the value of its TIRX_ATTR)."""
+    return f"{kernel} (TIRx kernel)"
+
+
+WGMMA, MMA_SMALLM = tirx_kind("wgmma"), tirx_kind("mma_smallm")
 TIR_PIPELINE = "tvmfuse"  # registered below: TVM's s_tir pipeline, and its tirx pipeline for TIRx kernels
 
 
@@ -81,7 +89,8 @@ def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target, stock:
 def schedule_kinds(mod: tvm.IRModule, target: tvm.target.Target | None = None) -> dict[str, str]:
     """Which kernels carry a tuned schedule (after `apply_database`) and which do not; with `target`, the
     untuned ones that get tvmfuse's row-reduction default say so (baseline.ROW_DEFAULT)."""
-    return {gv.name_hint: WGMMA if _is_tirx(fn) else TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False)
+    return {gv.name_hint: tirx_kind(str(fn.attrs[TIRX_ATTR])) if _is_tirx(fn)
+            else TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False)
             else default_kind(fn, target) if target is not None else DEFAULT
             for gv, fn in mod.functions.items() if isinstance(fn, tirx.PrimFunc)}
 

@@ -1,7 +1,8 @@
-"""Hopper stage (sm_90a): fused GEMM kernels whose shapes fit become the TIRx wgmma kernel, epilogue included."""
+"""Hopper stage (sm_90a): fused GEMM kernels whose shapes fit become a TIRx kernel (wgmma, or mma.sync for small M), epilogue included."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import tvm
@@ -9,6 +10,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_reduction_blocks
 
+from .kernels.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, smallm_kernel
 from .kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
 
 # the node classes of a tensor load and of an intrinsic call in TVM 0.27 (tirx.BufferLoad builds a tvm.ir TensorLoad)
@@ -43,9 +45,10 @@ def _block_store(stmt):
 
 
 def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
-    """({a, b, out, acc, m, n, k, value, out_vars}, "") for a fused kernel that is exactly one fp16 matmul
+    """({a, b, out, acc, m, n, k, rows, value, out_vars}, "") for a fused kernel that is exactly one fp16 matmul
     out[.., i, j] = f(sum_k A[.., i, k] * W[j, k]) (fp32 sums) with an elementwise epilogue f over its parameters
-    (or none: the sums are the fp32 output), else (None, why not)."""
+    (or none: the sums are the fp32 output), else (None, why not). The leading dims of A and out are rows: M is
+    their product (`rows` their extents), A and out being contiguous."""
     sch = s_tir.Schedule(func)
     root = get_root_block(sch)
     mains = get_reduction_blocks(sch, sch.get_child_blocks(root)) or []
@@ -89,28 +92,31 @@ def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
     if not (same(a_idx, [*batch, i, kv]) and same(b_idx, [j, kv]) and same(list(upd.indices), [*batch, i, j])):
         return None, "operands are not A[.., i, k] and W[j, k] (K innermost)"
     doms = [iv.dom.extent for iv in mstmt.iter_vars]
-    if not all(isinstance(d, tirx.IntImm) for d in doms) or any(int(d) != 1 for d in doms[:-3]):
-        return None, "symbolic sizes or a batch dimension"
-    m, n, k = (int(d) for d in doms[-3:])
+    if not all(isinstance(d, tirx.IntImm) for d in doms):
+        return None, "symbolic sizes"
+    rows = [int(d) for d in doms[:-2]]
+    n, k = int(doms[-2]), int(doms[-1])
+    info = {"a": a, "b": b, "out": out, "acc": acc, "m": math.prod(rows), "n": n, "k": k, "rows": rows}
     if len(blocks) == 1:  # out = the accumulator itself
         ovars = [*batch, i, j]
-        return {"a": a, "b": b, "out": out, "acc": acc, "m": m, "n": n, "k": k,
-                "value": tirx.BufferLoad(acc, ovars), "out_vars": ovars}, ""
+        return {**info, "value": tirx.BufferLoad(acc, ovars), "out_vars": ovars}, ""
     ovars = [iv.var for iv in ostmt.iter_vars]
     if not same(list(store.indices), ovars) or len(ovars) != len(upd.indices):
         return None, "the output is not written elementwise"
-    return {"a": a, "b": b, "out": out, "acc": acc, "m": m, "n": n, "k": k,
-            "value": store.value, "out_vars": ovars}, ""
+    return {**info, "value": store.value, "out_vars": ovars}, ""
 
 
 def _epilogue(info: dict, fresh: dict) -> tuple[Callable, Callable]:
     """(finish, place) for wgmma_kernel: the output block's value with the accumulator substituted and the
     parameters read through their `fresh` buffers, and the output indices of (row, col)."""
-    acc_buf, value, ovars = info["acc"], info["value"], info["out_vars"]
+    acc_buf, value, ovars, rows = info["acc"], info["value"], info["out_vars"], info["rows"]
     dtypes = [str(v.ty.dtype) for v in ovars]
 
-    def place(row, col):
-        return tuple([tirx.const(0, d) for d in dtypes[:-2]] + [tirx.Cast(dtypes[-2], row), tirx.Cast(dtypes[-1], col)])
+    def place(row, col):  # the flat row unflattened over the leading dims (unit dims: 0)
+        lead = [tirx.const(0, d) if ext == 1 else tirx.Cast(d, row // math.prod(rows[r + 1:]) % ext)
+                for r, (ext, d) in enumerate(zip(rows[:-1], dtypes))]
+        return tuple(lead + [tirx.Cast(dtypes[-2], row % rows[-1] if len(rows) > 1 else row),
+                             tirx.Cast(dtypes[-1], col)])
 
     def finish(acc, row, col):
         return tirx.Cast("float32", _rebuild(value, ovars, list(place(row, col)), acc_buf, acc, fresh))
@@ -156,15 +162,36 @@ def _rebuild(expr, ovars: list, idx: list, acc_buf, acc, fresh: dict):
     return go(expr)
 
 
-def wgmma_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | None, str]:
-    """The TIRx wgmma kernel computing what `func` computes (same parameters), or (None, why not)."""
+def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
+    """Columns per block: 32, else 16, else 8, the widest that still makes 256 blocks; warps (K split): the
+    fewest of 4, 8, 16 that make 2560 in all (more weight bytes in flight), 4 above M = 16 (4 m16 tiles of
+    accumulators per warp). On the H200 (bench/results/smallm_tc_run1.json, 10 tiles per shape) this picks the
+    measured best, or a tile within 3% of it, at 8 of the 10 shapes; at M = 4 one 13% slower; at M x K x N =
+    16x3072x768 a tile not measured (1x16: the 2x16 tile was the best)."""
+    n8 = next((c for c in (4, 2) if -(-n // (8 * c)) >= 256), 1)
+    blocks = -(-n // (8 * n8))
+    warps = 4 if m > 16 else next((w for w in (4, 8) if blocks * w >= 2560), 16)
+    return SmallMTile(n8=n8, warps=warps, vec=1, unroll=2 if warps == 16 else 4)
+
+
+def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | None, str]:
+    """The TIRx kernel computing what `func` computes (same parameters): wgmma for M >= 128, mma.sync for
+    M <= 64; or (None, why not)."""
     info, why = analyze_gemm(func)
     if info is None:
         return None, why
-    tile = choose_tile(info["m"], info["n"], info["k"])
-    if tile is None:
-        m, n, k = info["m"], info["n"], info["k"]
-        return None, f"{m}x{n}x{k}: {check_wgmma_shape(m, n, k, WgmmaTile())}"
+    m, n, k = info["m"], info["n"], info["k"]
+    if m <= MAX_M:
+        small = choose_smallm_tile(m, n, k)
+        why = check_smallm_shape(m, n, k, small)
+        tile, make, desc = small, smallm_kernel, f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns"
+    else:
+        tile = choose_tile(m, n, k)
+        why = None if tile else check_wgmma_shape(m, n, k, WgmmaTile())
+        make = wgmma_kernel
+        desc = tile and f"wgmma {m}x{n}x{k}, tile 128x{tile.bn}, {tile.stages} stages"
+    if why:
+        return None, f"{m}x{n}x{k}: {why}"
     # the kernel declares its own parameter buffers (same names, shapes, dtypes): the TIRx pipeline's FlattenBuffer
     # does not see an s_tir function's parameters as definitions ("used before its definition")
     fresh = {p: tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=16) for p in func.params}
@@ -174,9 +201,7 @@ def wgmma_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | No
         finish(tirx.const(0.0, "float32"), tirx.Var("row", "int32"), tirx.Var("col", "int32"))
     except ValueError as err:
         return None, str(err)
-    kernel = wgmma_kernel(info["m"], info["n"], info["k"], tile, a, b, out, finish, place, list(fresh.values()),
-                          name)
-    return kernel, f"wgmma {info['m']}x{info['n']}x{info['k']}, tile 128x{tile.bn}, {tile.stages} stages"
+    return make(m, n, k, tile, a, b, out, finish, place, list(fresh.values()), name), desc
 
 
 def apply_hopper_gemms(mod: tvm.IRModule, target: tvm.target.Target, log: Callable[[str], None]) -> tvm.IRModule:
@@ -188,7 +213,7 @@ def apply_hopper_gemms(mod: tvm.IRModule, target: tvm.target.Target, log: Callab
         if not isinstance(func, tirx.PrimFunc) or TIRX_ATTR in (func.attrs or {}):
             continue
         try:
-            new, why = wgmma_from_fused(func, gv.name_hint)
+            new, why = gemm_kernel_from_fused(func, gv.name_hint)
         except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
             new, why = None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
         if new is not None:

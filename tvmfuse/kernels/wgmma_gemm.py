@@ -13,7 +13,8 @@ FENCE_SRC = '__device__ __forceinline__ void tvmfuse_fence_acc(float& r) { asm v
 STORE_SRC = ("__device__ __forceinline__ void tvmfuse_store_half2(half* p, float a, float b) "
              "{ *reinterpret_cast<half2*>(p) = __floats2half2_rn(a, b); }")
 
-#: attribute marking a PrimFunc written in TIRx (compiled by TVM's tirx pipeline, never scheduled)
+#: attribute marking a PrimFunc written in TIRx (compiled by TVM's tirx pipeline, never scheduled); its value names
+#: the kernel ("wgmma", "mma_smallm") for the manifest
 TIRX_ATTR = "tvmfuse.tirx"
 
 #: epilogues the benchmark kernel applies to each fp32 accumulator before the fp16 store
@@ -155,13 +156,14 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                             if col + 1 < n:
                                 out[place(row, col + 1)] = T.Cast(out_dtype, finish(acc[j * 4 + h * 2 + 1], row, col + 1))
     # fmt: on
-    return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True, TIRX_ATTR: 1,
+    return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True,
+                                                      TIRX_ATTR: "wgmma",
                                                       "tirx.is_scheduled": True})
 
 
-def make_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilogue: str = "none"):
-    """C[m, n] = epilogue(A[m, k] @ B[n, k]^T (+ bias[n])) in fp16, fp32 accumulation: the benchmark's kernel,
-    parameters (A, B, bias, C)."""
+def bench_operands(m: int, n: int, k: int, epilogue: str):
+    """The benchmark kernels' parameters (A [m, k], B [n, k], bias [n], C [m, n], fp16) and their epilogue
+    `finish(acc, row, col)`: none, + bias, or + bias then GELU (erf)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r} is not one of {EPILOGUES}")
     names, shapes = ("a", "b", "bias", "c"), ((m, k), (n, k), (n,), (m, n))
@@ -174,6 +176,13 @@ def make_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilo
             v = v * half * (one + tirx.erf(v * rsqrt2))
         return v
 
+    return bufs, finish
+
+
+def make_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilogue: str = "none"):
+    """C[m, n] = epilogue(A[m, k] @ B[n, k]^T (+ bias[n])) in fp16, fp32 accumulation: the benchmark's kernel,
+    parameters (A, B, bias, C)."""
+    bufs, finish = bench_operands(m, n, k, epilogue)
     return wgmma_kernel(m, n, k, tile, bufs[0], bufs[1], bufs[3], finish, lambda row, col: (row, col), bufs,
                         f"wgmma_gemm_{m}x{n}x{k}_{tile.bn}_{tile.stages}_{epilogue}")
 
@@ -181,9 +190,3 @@ def make_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilo
 def hopper_target() -> tvm.target.Target:
     """The sm_90a target wgmma and TMA need (the nvidia/nvidia-h100 tag)."""
     return tvm.target.Target("nvidia/nvidia-h100")
-
-
-def build_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilogue: str = "none"):
-    """Compile the kernel alone through TVM's TIRx pipeline; returns the executable."""
-    func = make_wgmma_gemm(m, n, k, tile, epilogue)
-    return tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx")
