@@ -1,5 +1,6 @@
 """Prefill template's CUDA kernel: mma.sync m16n8k16 tensor cores, ldmatrix fragments, fp32 online softmax,
-K/V tiles in shared memory (synchronous, or cp.async double-buffered), per-warp m-tiles."""
+K/V tiles in shared memory (synchronous, or cp.async double-buffered), per-warp m-tiles; with an additive mask,
+K/V tiles whose mask block is all -inf (a causal mask's upper triangle) skip their math."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from tvm.script import tirx as T
 
 from .common import NEG, at, dims, tshape
 from .prefill_knobs import STATIC_SMEM, smem_bytes
-from .prefill_logits import logit_rules
+from .prefill_logits import logit_rules, mask_index
 
 
 def gpu_kernel(s: dict, knobs: dict):
@@ -23,6 +24,7 @@ def gpu_kernel(s: dict, knobs: dict):
     SMEM = "shared" if smem_bytes(s, knobs) <= STATIC_SMEM else "shared.dyn"
     ab = "bf16" if dt == "bfloat16" else "fp16"
     _, visible, alive, logit, final = logit_rules(s)
+    masked, mi = s["mask"] == "additive", mask_index(s)
 
     def qoff(t, kk):
         """Where m-tile t's Q fragment for k-step kk sits in qa: all in registers, or the one just loaded."""
@@ -83,6 +85,7 @@ def gpu_kernel(s: dict, knobs: dict):
                             oa = T.sblock_alloc_buffer((MT * D // 2,), "float32", scope="local")
                             fb = T.sblock_alloc_buffer((8,), dt, scope="local")
                             st = T.sblock_alloc_buffer((MT * 10,), "float32", scope="local")  # per m-tile: m0 m1 l0 l1 mx0 mx1 a0 a1 f0 f1
+                            fl = T.sblock_alloc_buffer((1,), "int32", scope="local")  # this K/V tile has a visible key
                             b: T.let[T.int32] = by // HQ
                             h: T.let[T.int32] = by % HQ
                             qt: T.let[T.int32] = SQ // BM - 1 - bx
@@ -136,40 +139,49 @@ def gpu_kernel(s: dict, knobs: dict):
                                             kv_sm[0, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
                                                 v[at(lv, b, h // GV, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
                                 T.tvm_storage_sync("shared")
-                                for i in T.unroll(MT * BN // 2):
-                                    sa[i] = T.float32(0)
-                                for kk in T.unroll(D // 16):
-                                    if QS:
-                                        for t in T.unroll(MT):
+                                if masked:  # a tile whose every mask value is -inf adds nothing: the CTA skips it
+                                    fl[0] = 0
+                                    for it in T.serial(BM * BN // NT):
+                                        fl[0] = fl[0] | T.Cast("int32", T.Not(T.isinf(T.Cast("float32", mask[mi(
+                                            b, h, qt * BM + (it * NT + ty * 32 + tx) // BN, jt * BN + (it * NT + ty * 32 + tx) % BN)]))))
+                                    fl[0] = T.call_extern("int32", "__syncthreads_or", fl[0])
+                                else:
+                                    fl[0] = 1
+                                if fl[0] != 0:
+                                    for i in T.unroll(MT * BN // 2):
+                                        sa[i] = T.float32(0)
+                                    for kk in T.unroll(D // 16):
+                                        if QS:
+                                            for t in T.unroll(MT):
+                                                T.evaluate(T.ptx_legacy.ldmatrix(
+                                                    False, 4, ".b16", qa.data, t * 8, q_sm.access_ptr("r"),
+                                                    (t * 16 * W + ty * 16 + tx % 16) * (D + PAD) + kk * 16 + tx // 16 * 8, dtype=dt))
+                                        for jp in T.unroll(BN // 16):
                                             T.evaluate(T.ptx_legacy.ldmatrix(
-                                                False, 4, ".b16", qa.data, t * 8, q_sm.access_ptr("r"),
-                                                (t * 16 * W + ty * 16 + tx % 16) * (D + PAD) + kk * 16 + tx // 16 * 8, dtype=dt))
-                                    for jp in T.unroll(BN // 16):
-                                        T.evaluate(T.ptx_legacy.ldmatrix(
-                                            False, 4, ".b16", fb.data, 0, kv_sm.access_ptr("r"),
-                                            ((jt % S * 2) * BN + jp * 16 + tx // 16 * 8 + tx % 8) * (D + PAD) + kk * 16 + tx // 8 % 2 * 8, dtype=dt))
-                                        for t in T.unroll(MT):  # the K fragment serves every m-tile of the warp
-                                            for n in T.unroll(2):
-                                                T.evaluate(T.ptx_legacy.mma(
-                                                    "m16n8k16", "row", "col", ab, ab, "fp32", qa.data, qoff(t, kk), fb.data, n * 4,
-                                                    sa.data, t * (BN // 2) + (jp * 2 + n) * 4, False, dtype="float32"))
-                                if causal:  # only the tiles that cross the diagonal test every score against it
-                                    if (jt + 1) * BN - 1 > qt * BM:
-                                        softmax_tile(True, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                                False, 4, ".b16", fb.data, 0, kv_sm.access_ptr("r"),
+                                                ((jt % S * 2) * BN + jp * 16 + tx // 16 * 8 + tx % 8) * (D + PAD) + kk * 16 + tx // 8 % 2 * 8, dtype=dt))
+                                            for t in T.unroll(MT):  # the K fragment serves every m-tile of the warp
+                                                for n in T.unroll(2):
+                                                    T.evaluate(T.ptx_legacy.mma(
+                                                        "m16n8k16", "row", "col", ab, ab, "fp32", qa.data, qoff(t, kk), fb.data, n * 4,
+                                                        sa.data, t * (BN // 2) + (jp * 2 + n) * 4, False, dtype="float32"))
+                                    if causal:  # only the tiles that cross the diagonal test every score against it
+                                        if (jt + 1) * BN - 1 > qt * BM:
+                                            softmax_tile(True, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                        else:
+                                            softmax_tile(False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
                                     else:
                                         softmax_tile(False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
-                                else:
-                                    softmax_tile(False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
-                                for kk in T.unroll(BN // 16):
-                                    for np_ in T.unroll(D // 16):
-                                        T.evaluate(T.ptx_legacy.ldmatrix(
-                                            True, 4, ".b16", fb.data, 0, kv_sm.access_ptr("r"),
-                                            ((jt % S * 2 + 1) * BN + kk * 16 + tx // 8 % 2 * 8 + tx % 8) * (D + PAD) + np_ * 16 + tx // 16 * 8, dtype=dt))
-                                        for t in T.unroll(MT):  # the V fragment serves every m-tile of the warp
-                                            for n in T.unroll(2):
-                                                T.evaluate(T.ptx_legacy.mma(
-                                                    "m16n8k16", "row", "col", ab, ab, "fp32", pa.data, t * (BN // 2) + kk * 8, fb.data, n * 4,
-                                                    oa.data, t * (D // 2) + (np_ * 2 + n) * 4, False, dtype="float32"))
+                                    for kk in T.unroll(BN // 16):
+                                        for np_ in T.unroll(D // 16):
+                                            T.evaluate(T.ptx_legacy.ldmatrix(
+                                                True, 4, ".b16", fb.data, 0, kv_sm.access_ptr("r"),
+                                                ((jt % S * 2 + 1) * BN + kk * 16 + tx // 8 % 2 * 8 + tx % 8) * (D + PAD) + np_ * 16 + tx // 16 * 8, dtype=dt))
+                                            for t in T.unroll(MT):  # the V fragment serves every m-tile of the warp
+                                                for n in T.unroll(2):
+                                                    T.evaluate(T.ptx_legacy.mma(
+                                                        "m16n8k16", "row", "col", ab, ab, "fp32", pa.data, t * (BN // 2) + kk * 8, fb.data, n * 4,
+                                                        oa.data, t * (D // 2) + (np_ * 2 + n) * 4, False, dtype="float32"))
                                 T.tvm_storage_sync("shared")  # every warp is done with this stage before it is refilled
                             for t in T.unroll(MT):
                                 for i in T.unroll(2):
