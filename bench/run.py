@@ -1,5 +1,6 @@
-"""Issue 5 bench: per case, tvmfuse-tuned vs TVM default (dlight) vs torch eager vs torch.compile, with the
-same-run copy bandwidth / matmul peak, ideal time and % of ideal. Writes JSON (after every step) and a PNG.
+"""Issue 5 bench: per case, tvmfuse's TIRx kernel (what the product runs on sm_90a), tvmfuse-tuned (MetaSchedule
+over tvmfuse's spaces) vs TVM default (dlight) vs torch eager vs torch.compile, with the same-run copy bandwidth /
+matmul peak, ideal time and % of ideal. Writes JSON (after every step) and a PNG.
 
     python3 bench/run.py --out DIR [--cases ln_gelu,rms_res,gemv_m16,gemm_m4096] [--trials 64] [--budget-s 420]
 """
@@ -63,12 +64,12 @@ def relerr(out, ref):
     return float((out - ref).norm() / ref.norm())
 
 
-def tvm_runner(mod, target, dev, args_t, outs_t):
+def tvm_runner(mod, target, dev, args_t, outs_t, tir_pipeline="default"):
     """Compile a scheduled TIR module; return a no-arg callable over torch-owned buffers (DLPack)."""
     import tvm
     from tvmfuse.spaces.gemm import BUILD_CONFIG
     with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):  # cp.async for pipelined tensor-core kernels
-        ex = tvm.compile(mod, target=target)
+        ex = tvm.compile(mod, target=target, tir_pipeline=tir_pipeline)
     f = ex.jit()["main"] if hasattr(ex, "jit") else ex["main"]
     targs = [tvm.runtime.from_dlpack(t) for t in list(args_t) + list(outs_t)]
     return lambda: f(*targs)
@@ -184,6 +185,19 @@ def run_case(case, args, target, dev, bw, peak):
     except Exception as e:  # pylint: disable=broad-except
         r["tvm_dlight"] = {"error": repr(e)[:2000]}
         log(case, "dlight FAILED", repr(e)[:300])
+    kern, why = cases.product_kernel(case)  # what the product runs on sm_90a: a TIRx kernel, no tuning
+    r["tvmfuse_kernel_is"] = why
+    if kern is not None:
+        try:  # inputs by name; the GEMM kernels read the weight [N, K] (the product's layout stage transposes it once)
+            by_name = {str(prm.name): t for prm, t in zip(pf.params, xs)}
+            if case.startswith("gem"):
+                by_name["W"] = by_name["W"].t().contiguous()
+            kargs = [by_name[str(prm.name)] for prm in kern.params[:len(xs)]]
+            fk = tvm_runner(tvm.IRModule({"main": kern}), target, dev, kargs, outs, tir_pipeline="tirx")
+            rec("tvmfuse_kernel", fk, lambda: (fk(), outs)[1])
+        except Exception as e:  # pylint: disable=broad-except
+            r["tvmfuse_kernel"] = {"error": repr(e)[:2000]}
+            log(case, "kernel FAILED", repr(e)[:300])
     if args.trials > 0 and time.time() - T0 < args.budget_s:
         try:
             wd = os.path.join(args.work, case)
@@ -200,7 +214,7 @@ def run_case(case, args, target, dev, bw, peak):
             log(case, "tuning FAILED", repr(e)[:300])
     else:
         r["tuning"] = {"skipped": "budget"}
-    cand = {k: r[k]["us"] for k in ("tvm_dlight", "tvmfuse_tuned")
+    cand = {k: r[k]["us"] for k in ("tvm_dlight", "tvmfuse_tuned", "tvmfuse_kernel")
             if isinstance(r.get(k), dict) and "us" in r[k] and r[k]["relerr"] < 5e-2}
     if cand:
         r["kept"] = min(cand, key=cand.get)
@@ -212,14 +226,15 @@ def chart(out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    keys = ["tvmfuse_tuned", "tvm_dlight", "torch_eager", "torch_compile", "ideal"]
+    keys = ["tvmfuse_kernel", "tvmfuse_tuned", "tvm_dlight", "torch_eager", "torch_compile", "ideal"]
     cs = list(RES["cases"])
     fig, axs = plt.subplots(1, len(cs), figsize=(3.2 * len(cs), 3.2))
     for ax, c in zip(np.atleast_1d(axs), cs):
         r = RES["cases"][c]
         vals = [r.get("ideal_us") if k == "ideal" else (r.get(k) or {}).get("us") for k in keys]
-        ax.bar(range(len(keys)), [v or 0 for v in vals], color=["C2", "C0", "C1", "C3", "0.6"])
-        ax.set_xticks(range(len(keys)), ["tuned", "dlight", "eager", "compile", "ideal"], rotation=45, fontsize=7)
+        ax.bar(range(len(keys)), [v or 0 for v in vals], color=["C4", "C2", "C0", "C1", "C3", "0.6"])
+        ax.set_xticks(range(len(keys)), ["kernel", "tuned", "dlight", "eager", "compile", "ideal"], rotation=45,
+                      fontsize=7)
         ax.set_title(c, fontsize=8)
         ax.set_ylabel("us (median)", fontsize=7)
         top = 3 * (r.get("ideal_us") or 1)
@@ -264,7 +279,8 @@ def main():
         log("chart failed", traceback.format_exc()[-500:])
     log("summary")
     for c, r in RES["cases"].items():
-        row = [f"{k}={r[k]['us']:.1f}" for k in ("tvmfuse_tuned", "tvm_dlight", "torch_eager", "torch_compile")
+        row = [f"{k}={r[k]['us']:.1f}" for k in ("tvmfuse_kernel", "tvmfuse_tuned", "tvm_dlight", "torch_eager",
+                                                  "torch_compile")
                if isinstance(r.get(k), dict) and "us" in r[k]]
         print(c, f"ideal={r.get('ideal_us', 0):.1f}", *row, "kept=" + str(r.get("kept")),
               {k: r.get("tuning", {}).get(k) for k in ("trials", "valid", "tune_s", "trials_to_5pct")}, flush=True)
