@@ -25,6 +25,8 @@ def gpu_kernel(s: dict, knobs: dict):
     ab = "bf16" if dt == "bfloat16" else "fp16"
     _, visible, alive, logit, final = logit_rules(s)
     masked, mi = s["mask"] == "additive", mask_index(s)
+    _, _, alive0, logit0, _ = logit_rules(dict(s, mask="none"))  # for a tile whose mask block is all 0
+    MV = 4 if mdt == "float32" else 8  # mask values per 16-byte load
 
     def qoff(t, kk):
         """Where m-tile t's Q fragment for k-step kk sits in qa: all in registers, or the one just loaded."""
@@ -34,9 +36,9 @@ def gpu_kernel(s: dict, knobs: dict):
         return visible(r, c) if diag else True
 
     @T.macro
-    def softmax_tile(diag, sa, pa, oa, st, mask, b, h, r0, c0, jt):
+    def softmax_tile(diag, plain, sa, pa, oa, st, mask, b, h, r0, c0, jt):
         """Scores -> running max, rescale, probabilities of one K/V tile; `diag`: the tile crosses the causal
-        diagonal (only then is each score tested against it)."""
+        diagonal (only then is each score tested against it); `plain`: its mask block is all 0 (not read)."""
         for t in T.unroll(MT):
             for i in T.unroll(2):
                 st[t * 10 + 4 + i] = st[t * 10 + i]
@@ -44,11 +46,11 @@ def gpu_kernel(s: dict, knobs: dict):
                 for c in T.unroll(4):
                     st[t * 10 + 8 + c // 2] = T.max(st[t * 10 + 8 + c // 2], T.if_then_else(
                         seen(diag, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                        alive(sa[t * (BN // 2) + j * 4 + c], mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                        (alive0 if plain else alive)(sa[t * (BN // 2) + j * 4 + c], mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
                         T.float32(0)))
                     sa[t * (BN // 2) + j * 4 + c] = T.if_then_else(
                         seen(diag, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
-                        logit(sa[t * (BN // 2) + j * 4 + c], mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
+                        (logit0 if plain else logit)(sa[t * (BN // 2) + j * 4 + c], mask, b, h, r0 + t * 16 * W + c // 2 * 8, jt * BN + j * 8 + c0 + c % 2),
                         T.float32(NEG))
                     st[t * 10 + 4 + c // 2] = T.max(st[t * 10 + 4 + c // 2], sa[t * (BN // 2) + j * 4 + c])
             for i in T.unroll(2):
@@ -85,7 +87,8 @@ def gpu_kernel(s: dict, knobs: dict):
                             oa = T.sblock_alloc_buffer((MT * D // 2,), "float32", scope="local")
                             fb = T.sblock_alloc_buffer((8,), dt, scope="local")
                             st = T.sblock_alloc_buffer((MT * 10,), "float32", scope="local")  # per m-tile: m0 m1 l0 l1 mx0 mx1 a0 a1 f0 f1
-                            fl = T.sblock_alloc_buffer((1,), "int32", scope="local")  # this K/V tile has a visible key
+                            fl = T.sblock_alloc_buffer((2,), "int32", scope="local")  # the tile: a visible key, a nonzero mask value
+                            mv = T.sblock_alloc_buffer((MV,), mdt, scope="local")
                             b: T.let[T.int32] = by // HQ
                             h: T.let[T.int32] = by % HQ
                             qt: T.let[T.int32] = SQ // BM - 1 - bx
@@ -139,12 +142,18 @@ def gpu_kernel(s: dict, knobs: dict):
                                             kv_sm[0, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
                                                 v[at(lv, b, h // GV, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
                                 T.tvm_storage_sync("shared")
-                                if masked:  # a tile whose every mask value is -inf adds nothing: the CTA skips it
-                                    fl[0] = 0
-                                    for it in T.serial(BM * BN // NT):
-                                        fl[0] = fl[0] | T.Cast("int32", T.Not(T.isinf(T.Cast("float32", mask[mi(
-                                            b, h, qt * BM + (it * NT + ty * 32 + tx) // BN, jt * BN + (it * NT + ty * 32 + tx) % BN)]))))
+                                if masked:  # the CTA votes on the tile's mask block (16-byte loads): all -inf
+                                    fl[0] = 0  # adds nothing (skip the tile), all 0 needs no mask (plain softmax)
+                                    fl[1] = 0
+                                    for it in T.serial(BM * BN // MV // NT):
+                                        for e in T.vectorized(MV):
+                                            mv[e] = mask[mi(b, h, qt * BM + (it * NT + ty * 32 + tx) // (BN // MV),
+                                                            jt * BN + (it * NT + ty * 32 + tx) % (BN // MV) * MV + e)]
+                                        for e in T.unroll(MV):
+                                            fl[0] = fl[0] | T.Cast("int32", T.Not(T.isinf(T.Cast("float32", mv[e]))))
+                                            fl[1] = fl[1] | T.Cast("int32", T.Cast("float32", mv[e]) != T.float32(0))
                                     fl[0] = T.call_extern("int32", "__syncthreads_or", fl[0])
+                                    fl[1] = T.call_extern("int32", "__syncthreads_or", fl[1])
                                 else:
                                     fl[0] = 1
                                 if fl[0] != 0:
@@ -167,11 +176,16 @@ def gpu_kernel(s: dict, knobs: dict):
                                                         sa.data, t * (BN // 2) + (jp * 2 + n) * 4, False, dtype="float32"))
                                     if causal:  # only the tiles that cross the diagonal test every score against it
                                         if (jt + 1) * BN - 1 > qt * BM:
-                                            softmax_tile(True, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                            softmax_tile(True, False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
                                         else:
-                                            softmax_tile(False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                            softmax_tile(False, False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                    elif masked:
+                                        if fl[1] != 0:
+                                            softmax_tile(False, False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                        else:
+                                            softmax_tile(False, True, sa, pa, oa, st, mask, b, h, r0, c0, jt)
                                     else:
-                                        softmax_tile(False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
+                                        softmax_tile(False, False, sa, pa, oa, st, mask, b, h, r0, c0, jt)
                                     for kk in T.unroll(BN // 16):
                                         for np_ in T.unroll(D // 16):
                                             T.evaluate(T.ptx_legacy.ldmatrix(
