@@ -12,7 +12,7 @@ from tvmfuse.build import MMA_SMALLM, WGMMA, apply_default_schedules, compile_mo
 from tvmfuse.fuse import lower
 from tvmfuse.hopper import (
     analyze_gemm,
-    apply_hopper_gemms,
+    apply_hopper_kernels,
     choose_smallm_tile,
     choose_tile,
     gemm_kernel_from_fused,
@@ -94,7 +94,7 @@ def test_the_log_says_why_a_gemm_keeps_its_generic_schedule():
     cuda = resolve_target("cuda")
     logged = []
     mod = _projection(100, 512, 384)
-    assert apply_hopper_gemms(mod, cuda, logged.append) is mod
+    assert apply_hopper_kernels(mod, cuda, logged.append) is mod
     assert len(logged) == 1 and "generic GEMM schedule (100x384x512: M=100 is below one 128-row tile" in logged[0], logged
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((256, 384), "float16"))
@@ -103,22 +103,22 @@ def test_the_log_says_why_a_gemm_keeps_its_generic_schedule():
             out = bb.emit_output(relax.op.nn.softmax(x))
         bb.emit_func_output(out)
     logged.clear()
-    apply_hopper_gemms(lower(bb.get()).mod, cuda, logged.append)
+    apply_hopper_kernels(lower(bb.get()).mod, cuda, logged.append)
     assert logged == []
 
 
 def test_only_sm_90a_targets_get_the_kernel():
     mod = _projection(256, 512, 384)
     logged = []
-    assert apply_hopper_gemms(mod, resolve_target('{"kind": "cuda", "arch": "sm_80"}'), logged.append) is mod
-    assert apply_hopper_gemms(mod, resolve_target("llvm"), logged.append) is mod
+    assert apply_hopper_kernels(mod, resolve_target('{"kind": "cuda", "arch": "sm_80"}'), logged.append) is mod
+    assert apply_hopper_kernels(mod, resolve_target("llvm"), logged.append) is mod
     assert not logged
 
 
 def test_hopper_build_is_one_wgmma_kernel_with_tma_loads_and_the_epilogue():
     cuda = resolve_target("cuda")
     logged = []
-    mod = apply_hopper_gemms(_gelu_projection(256, 512, 384), cuda, logged.append)
+    mod = apply_hopper_kernels(_gelu_projection(256, 512, 384), cuda, logged.append)
     assert len(logged) == 1 and "wgmma 256x384x512, tile 128x128" in logged[0], logged
     assert set(schedule_kinds(mod, cuda).values()) == {WGMMA}
     (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
@@ -131,7 +131,7 @@ def test_hopper_build_is_one_wgmma_kernel_with_tma_loads_and_the_epilogue():
 def test_a_matmul_without_epilogue_writes_its_fp32_sums():
     cuda = resolve_target("cuda")
     logged = []
-    mod = apply_hopper_gemms(_fp32_projection(256, 512, 384), cuda, logged.append)
+    mod = apply_hopper_kernels(_fp32_projection(256, 512, 384), cuda, logged.append)
     assert len(logged) == 1 and "wgmma 256x384x512" in logged[0], logged
     (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
     kernel = src.split("__global__")[-1]
@@ -142,7 +142,7 @@ def test_ragged_sizes_guard_the_stores():
     """M = 300, N = 1001: the last row and column tiles are partial; N odd: no 4-byte stores (misaligned)."""
     cuda = resolve_target("cuda")
     def kernel_source(rows, k, n):
-        mod = apply_hopper_gemms(_gelu_projection(rows, k, n), cuda, lambda s: None)
+        mod = apply_hopper_kernels(_gelu_projection(rows, k, n), cuda, lambda s: None)
         (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
         return src.split("__global__")[-1]  # the kernel's definition
     ragged, even = kernel_source(300, 200, 1001), kernel_source(256, 256, 1024)
@@ -154,7 +154,7 @@ def test_small_m_build_is_one_mma_kernel_reading_the_weight_once():
     """M = 16: one launch, the weight streamed with 16-byte loads past L1 into mma.sync fragments, GELU applied."""
     cuda = resolve_target("cuda")
     logged = []
-    mod = apply_hopper_gemms(_gelu_projection(16, 4096, 4096), cuda, logged.append)
+    mod = apply_hopper_kernels(_gelu_projection(16, 4096, 4096), cuda, logged.append)
     assert len(logged) == 1 and "mma.sync small-M 16x4096x4096" in logged[0], logged
     assert set(schedule_kinds(mod, cuda).values()) == {MMA_SMALLM}
     (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
@@ -193,7 +193,7 @@ def test_small_m_takes_batched_rows_and_ragged_sizes():
                                             (1, 1, 4096, 4096)])
 def test_small_m_kernel_matches_numpy_on_the_gpu(rows, batch, k, n):
     cuda = resolve_target("cuda")
-    mod = apply_hopper_gemms(_projection(rows, k, n, batch=batch), cuda, lambda s: None)
+    mod = apply_hopper_kernels(_projection(rows, k, n, batch=batch), cuda, lambda s: None)
     assert set(schedule_kinds(mod, cuda).values()) == {MMA_SMALLM}
     vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
     rng = np.random.default_rng(2)
@@ -208,7 +208,7 @@ def test_small_m_kernel_matches_numpy_on_the_gpu(rows, batch, k, n):
 @pytest.mark.gpu
 def test_fp32_output_matches_numpy_on_the_gpu():
     cuda = resolve_target("cuda")
-    mod = apply_hopper_gemms(_fp32_projection(300, 256, 1000), cuda, lambda s: None)
+    mod = apply_hopper_kernels(_fp32_projection(300, 256, 1000), cuda, lambda s: None)
     vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, 300, 256)).astype("float16")
@@ -221,7 +221,7 @@ def test_fp32_output_matches_numpy_on_the_gpu():
 @pytest.mark.parametrize("rows,k,n", [(256, 512, 384), (512, 1024, 1024), (300, 200, 1001)])
 def test_wgmma_kernel_matches_numpy_on_the_gpu(rows, k, n):
     cuda = resolve_target("cuda")
-    mod = apply_hopper_gemms(_gelu_projection(rows, k, n), cuda, lambda s: None)
+    mod = apply_hopper_kernels(_gelu_projection(rows, k, n), cuda, lambda s: None)
     vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, rows, k)).astype("float16")

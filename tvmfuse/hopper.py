@@ -1,4 +1,4 @@
-"""Hopper stage (sm_90a): fused GEMM kernels whose shapes fit become a TIRx kernel (wgmma, or mma.sync for small M), epilogue included."""
+"""Hopper stage (sm_90a): fused GEMMs become a TIRx kernel (wgmma, or mma.sync for small M), epilogue included, and fused row reductions the row kernel."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_reduction_blocks
 
 from .kernels.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, smallm_kernel
+from .kernels.row_kernel import row_kernel_from_fused
 from .kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
 
 # the node classes of a tensor load and of an intrinsic call in TVM 0.27 (tirx.BufferLoad builds a tvm.ir TensorLoad)
@@ -204,23 +205,27 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFun
     return make(m, n, k, tile, a, b, out, finish, place, list(fresh.values()), name), desc
 
 
-def apply_hopper_gemms(mod: tvm.IRModule, target: tvm.target.Target, log: Callable[[str], None]) -> tvm.IRModule:
-    """On sm_90a, replace each fused GEMM kernel the wgmma kernel takes; the rest is untouched."""
+def apply_hopper_kernels(mod: tvm.IRModule, target: tvm.target.Target, log: Callable[[str], None]) -> tvm.IRModule:
+    """On sm_90a, replace each fused GEMM kernel a GEMM kernel takes, and each fused row reduction (LayerNorm,
+    RMSNorm, their epilogues) the row kernel takes; the rest is untouched."""
     if not is_hopper(target):
         return mod
     out = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or TIRX_ATTR in (func.attrs or {}):
             continue
-        try:
-            new, why = gemm_kernel_from_fused(func, gv.name_hint)
-        except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
-            new, why = None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
-        if new is not None:
-            out[gv] = new
-            log(f"{gv.name_hint}: {why}")
-        elif not why.startswith(NOT_A_GEMM):  # a GEMM the kernel does not take: say why
-            log(f"{gv.name_hint}: generic GEMM schedule ({why})")
+        for make in (gemm_kernel_from_fused, row_kernel_from_fused):
+            try:
+                new, why = make(func, gv.name_hint)
+            except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
+                new, why = None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
+            if new is not None:
+                out[gv] = new
+                log(f"{gv.name_hint}: {why}")
+                break
+            if make is gemm_kernel_from_fused and not why.startswith(NOT_A_GEMM):  # a GEMM left alone: say why
+                log(f"{gv.name_hint}: generic GEMM schedule ({why})")
+                break
     if not out:
         return mod
     return tvm.IRModule({gv: out.get(gv, func) for gv, func in mod.functions.items()}, attrs=mod.attrs,

@@ -308,5 +308,5 @@ def row_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc
     if info is None:
         return None, why
     knobs = default_knobs(info)
-    desc = f"row kernel {info['r']}x{info['h']}, {knobs.warps_per_row} warps per row, {knobs.rows_per_cta} rows per CTA"
+    desc = f"row kernel {info['r']}x{info['h']}, {knobs.warps_per_row} warp(s) per row, {knobs.rows_per_cta} row(s) per CTA"
     return row_kernel(info, knobs, name), desc
