@@ -182,6 +182,8 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFun
     if info is None:
         return None, why
     m, n, k = info["m"], info["n"], info["k"]
+    if m == 1:  # measured in the models (decode b1); this kernel at M = 1 only alone (smallm_tc_run1.json)
+        return None, f"1x{n}x{k}: M=1 stays with the GEMV schedule"
     if m <= MAX_M:
         small = choose_smallm_tile(m, n, k)
         why = check_smallm_shape(m, n, k, small)
