@@ -50,7 +50,11 @@ def _build(kernel, job):
     import tvm
 
     from tvmfuse.kernels.mma_smallm import check_smallm_shape, make_smallm_gemm
-    from tvmfuse.kernels.wgmma_gemm import check_wgmma_shape, hopper_target, make_wgmma_gemm
+    from tvmfuse.kernels.wgmma_gemm import (
+        check_wgmma_shape,
+        hopper_target,
+        make_wgmma_gemm,
+    )
     check, make = (check_smallm_shape, make_smallm_gemm) if kernel == "smallm" else (check_wgmma_shape, make_wgmma_gemm)
     tile = _tile(kernel, spec)
     why = check(m, n, k, tile)

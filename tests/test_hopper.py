@@ -1,4 +1,4 @@
-"""tvmfuse.hopper, tvmfuse.kernels.wgmma_gemm, tvmfuse.kernels.mma_smallm: fused GEMMs become a TIRx kernel on sm_90a
+"""tvmfuse.hopper, tvmfuse.gemm_analysis, tvmfuse.kernels.wgmma_gemm, tvmfuse.kernels.mma_smallm: fused GEMMs become a TIRx kernel on sm_90a
 (wgmma, or mma.sync for small M), epilogue included."""
 
 import numpy as np
@@ -8,10 +8,16 @@ from checks import cuda_sources
 from test_smallm import _kernel, _projection
 from tvm import relax
 
-from tvmfuse.build import MMA_SMALLM, WGMMA, apply_default_schedules, compile_module, schedule_kinds
+from tvmfuse.build import (
+    MMA_SMALLM,
+    WGMMA,
+    apply_default_schedules,
+    compile_module,
+    schedule_kinds,
+)
 from tvmfuse.fuse import lower
+from tvmfuse.gemm_analysis import analyze_gemm
 from tvmfuse.hopper import (
-    analyze_gemm,
     apply_hopper_kernels,
     choose_smallm_tile,
     choose_tile,

@@ -15,9 +15,9 @@ from tvm import relax, tirx
 
 from tvmfuse.fuse import bind_params, lower
 from tvmfuse.importer import import_model
+from tvmfuse.kernels.row_analysis import analyze_rows
 from tvmfuse.kernels.row_kernel import (
     RowKnobs,
-    analyze_rows,
     default_knobs,
     row_kernel,
     row_kernel_from_fused,

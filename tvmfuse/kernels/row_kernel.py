@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import get_root_block
+from tvm import tirx
 from tvm.script import tirx as T
 
+from .row_analysis import analyze_rows, conv, find
 from .wgmma_gemm import TIRX_ATTR
 
-_LOAD = type(tirx.BufferLoad(tirx.decl_buffer((1,), "float32"), [0]))
-_CALL = type(tirx.op.exp(tirx.const(0.0, "float32")))
-_BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Max, tirx.Min, tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT,
-           tirx.GE, tirx.And, tirx.Or)
-_F32, _DTYPES, _REDUCE = "float32", ("float16", "float32"), tirx.IterVar.CommReduce
+_F32 = "float32"
 _CVT = {  # the body of a helper moving 8 elements between a uint4 `v` (8 fp16) and 8 registers a0..a7
     ("ld", _F32): "".join(f"float2 f{j} = __half22float2(reinterpret_cast<const half2*>(&v)[{j}]); "
                           f"a{2 * j} = f{j}.x; a{2 * j + 1} = f{j}.y; " for j in range(4)),
@@ -47,147 +42,6 @@ class RowKnobs:
 
     warps_per_row: int = 2
     rows_per_cta: int = 4
-
-
-def _ext(iv) -> int:
-    return int(iv.dom.extent)
-
-
-def _find(pairs, key, default=None):
-    return next((v for k, v in pairs if k.same_as(key)), default)
-
-
-def analyze_rows(func: tirx.PrimFunc) -> tuple[dict | None, str]:
-    """({rows, r, h, params, steps, inputs, outputs, n_red}, "") when `func` (static shapes) sums elementwise
-    expressions over rows of h elements and writes its outputs elementwise over the same rows, from inputs at
-    [row.., k], per-column parameters [k], constants and the sums at [row..]; else (None, why not)."""
-    params = list(func.params)
-    if any(not isinstance(d, tirx.IntImm) for p in params for d in p.shape):
-        return None, "symbolic shapes"
-    is_param = lambda buf: any(buf.same_as(p) for p in params)
-    is_red = lambda st: any(iv.iter_type == _REDUCE for iv in st.iter_vars)
-    sch = s_tir.Schedule(func)
-    for blk in sch.get_child_blocks(get_root_block(sch)):  # inline what is neither a sum nor an output
-        if not is_red(sch.get(blk)) and not any(is_param(w.source) for w in sch.get(blk).writes):
-            with contextlib.suppress(Exception):  # such a block stays and is refused below
-                sch.compute_inline(blk)
-    blocks = [sch.get(b) for b in sch.get_child_blocks(get_root_block(sch))]
-    first = next((b for b in blocks if is_red(b)), None)
-    if first is None:
-        return None, "not a row reduction (no reduction block)"
-    if any(not isinstance(iv.dom.extent, tirx.IntImm) for b in blocks for iv in b.iter_vars):
-        return None, "symbolic sizes"
-    rows, h = [_ext(iv) for iv in first.iter_vars[:-1] if _ext(iv) != 1], _ext(first.iter_vars[-1])
-    if not rows:
-        return None, "a single row (decode): the generic schedule spreads it over a whole block"
-    if h % 256:
-        return None, f"row length {h} is not a multiple of 256 (8 elements x 32 lanes)"
-    info = {"rows": rows, "r": math.prod(rows), "h": h, "params": params, "steps": [], "inputs": [], "outputs": []}
-    known = []  # (buffer, "row" | "red") for what earlier steps made
-    for st in blocks:
-        red, kinds = is_red(st), [iv.iter_type for iv in st.iter_vars]
-        if red and (kinds[-1] != _REDUCE or sum(k != tirx.IterVar.DataPar for k in kinds) > 1):
-            return None, "a reduction over more than the innermost axis"
-        nonunit = [iv for iv in st.iter_vars if _ext(iv) != 1]
-        if [_ext(iv) for iv in nonunit] != rows + [h]:
-            return None, "rows differ" if red else "a per-row step that is not a sum (a per-row output?)"
-        roles = [(iv.var, i if i < len(rows) else "k") for i, iv in enumerate(nonunit)]
-        roles += [(iv.var, None) for iv in st.iter_vars if _ext(iv) == 1]
-        stores = list(st.body) if isinstance(st.body, tirx.SeqStmt) else [st.body]  # a tuple sum: several
-        made = []
-        for s in stores:
-            if not isinstance(s, tirx.BufferStore) or (not red and len(stores) > 1):
-                return None, "unexpected block structure"
-            buf, v = s.buffer, s.value
-            if red and not (isinstance(v, tirx.Add) and isinstance(v.a, _LOAD) and v.a.source.same_as(buf)):
-                return None, "a reduction that is not a sum"
-            loads = []
-
-            def look(ld, want32, loads=loads, roles=roles, known=known):
-                if want32 is not None:  # a load, not a block var
-                    loads.append((ld, _classify(ld, roles, rows, h, known, is_param)))
-                return tirx.const(0, _F32 if want32 else ld.ty.dtype)
-            try:  # every load classified, every node one the kernel rebuilds
-                at = _index_roles(s.indices, roles, buf)
-                _conv(v.b if red else v, look)
-            except ValueError as err:
-                return None, str(err)
-            if at != list(range(len(rows))) + ([] if red else ["k"]) or (red and is_param(buf)):
-                return None, "a sum not written at [row] or an output" if red else "an output not written at [row, k]"
-            if str(buf.dtype) not in _DTYPES:
-                return None, f"dtype {buf.dtype} (fp16 or fp32 only)"
-            info["inputs"] += [b for i, (_, (k, b)) in enumerate(loads) if k == "row" and _find(known, b) is None
-                               and not any(b.same_as(x) for x in info["inputs"] + [y for _, (_, y) in loads[:i]])]
-            made.append({"kind": "red" if red else "row", "buf": buf, "expr": v.b if red else v, "roles": roles,
-                         "loads": loads, "out": is_param(buf), "red": None})
-        info["steps"] += made
-        known += [(m["buf"], m["kind"]) for m in made]
-    info["outputs"] = [s["buf"] for s in info["steps"] if s["out"]]
-    sums = [s for s in info["steps"] if s["kind"] == "red"]
-    for j, s in enumerate(sums):
-        s["red"] = j
-    info["n_red"] = len(sums)
-    if not info["outputs"] or info["steps"][-1]["kind"] != "row":
-        return None, "no elementwise output after the sums"
-    return info, ""
-
-
-def _index_roles(indices, roles, buf) -> list:
-    """The roles (row dim i, "k") of a block's `indices` into `buf`, constants into unit dims left out and others
-    "const"; ValueError where an index is computed."""
-    out = []
-    for idx, ext in zip(indices, buf.shape):
-        role = _find(roles, idx, "?") if isinstance(idx, tirx.Var) else None if isinstance(idx, tirx.IntImm) else "?"
-        if role == "?":
-            raise ValueError("an index that is not a block variable")
-        if role is not None or int(ext) != 1:
-            out.append("const" if role is None else role)
-    return out
-
-
-def _classify(load, roles, rows, h, known, is_param) -> tuple[str, object]:
-    """("row" | "col" | "red" | "scalar", buffer) for a load in a block with these (var, role) pairs: a row
-    tensor [rows.., h] at [row.., k], a column parameter [h] at [k], a row sum at [row..], a parameter at
-    constant indices."""
-    buf = load.source
-    pos, made, dims = _index_roles(load.indices, roles, buf), _find(known, buf), list(range(len(rows)))
-    sizes = [int(d) for d in buf.shape if int(d) != 1]
-    if pos == dims + ["k"] and sizes == rows + [h] and (made == "row" or (made is None and is_param(buf))):
-        kind = "row"
-    elif pos == dims and made == "red":
-        kind = "red"
-    elif pos == ["k"] and sizes == [h] and made is None and is_param(buf):
-        kind = "col"
-    elif all(p == "const" for p in pos) and made is None and is_param(buf):
-        return "scalar", buf
-    else:
-        raise ValueError(f"reads {buf.name} at other indices than [row, k], [k], [row] or constants")
-    if str(buf.dtype) not in _DTYPES:
-        raise ValueError(f"dtype {buf.dtype} (fp16 or fp32 only)")
-    return kind, buf
-
-
-def _conv(e, look):
-    """`e` with loads replaced by look(load, want_fp32) (Cast(float32, load) asks for the fp32 register itself)
-    and block vars by look(var, None); ValueError on nodes the kernel does not rebuild."""
-    go = lambda x: _conv(x, look)
-    if isinstance(e, tirx.Var):
-        return look(e, None)
-    if isinstance(e, (tirx.IntImm, tirx.FloatImm)):
-        return e
-    if isinstance(e, _LOAD):
-        return look(e, False)
-    if isinstance(e, tirx.Cast):
-        if str(e.ty.dtype) == _F32 and isinstance(e.value, _LOAD):
-            return look(e.value, True)
-        return tirx.Cast(str(e.ty.dtype), go(e.value))
-    if isinstance(e, _BINARY):
-        return type(e)(go(e.a), go(e.b))
-    if isinstance(e, tirx.Select):
-        return tirx.Select(go(e.condition), go(e.true_value), go(e.false_value))
-    if isinstance(e, _CALL):
-        return _CALL(e.op, [go(a) for a in e.args], attrs=e.attrs, ty_args=e.ty_args, ret_ty=e.ty)
-    raise ValueError(f"expression {type(e).__name__} not supported")
 
 
 def default_knobs(info: dict) -> RowKnobs:
@@ -236,35 +90,35 @@ def row_kernel(info: dict, knobs: RowKnobs, name: str) -> tirx.PrimFunc:
         def vec(op, buf, c, vals, kind="row", reg=_F32):  # 8 elements from/to registers of dtype `reg`
             name, src = _vec_src(op, str(buf.dtype), reg)
             at = (row * h if kind == "row" else 0) + col(c, 0)
-            T.evaluate(T.cuda.func_call(name, T.address_of(_find(flat, buf)[at]), *vals, source_code=src))
+            T.evaluate(T.cuda.func_call(name, T.address_of(find(flat, buf)[at]), *vals, source_code=src))
 
         def value(step, c, i):  # the step's expression for element (chunk c, i) of the lane
             def look(x, want32):
                 if want32 is None:  # a block var
-                    role = _find(step["roles"], x)
+                    role = find(step["roles"], x)
                     return tirx.Cast(str(x.ty.dtype), 0 if role is None else col(c, i) if role == "k" else digit(role))
-                kind, buf = _find(step["loads"], x)
+                kind, buf = find(step["loads"], x)
                 if kind == "scalar":
                     strides = [math.prod(int(d) for d in buf.shape[k + 1:]) for k in range(len(buf.shape))]
-                    return _find(flat, buf)[sum(int(i) * s for i, s in zip(x.indices, strides)
+                    return find(flat, buf)[sum(int(i) * s for i, s in zip(x.indices, strides)
                                                 if isinstance(i, tirx.IntImm))]  # unit block vars: 0
-                reg = (_find(regs, buf)[c * 8 + i] if kind == "row" else _find(colr, buf)[i] if kind == "col"
-                       else acc[_find(sums, buf)])
+                reg = (find(regs, buf)[c * 8 + i] if kind == "row" else find(colr, buf)[i] if kind == "col"
+                       else acc[find(sums, buf)])
                 want = _F32 if want32 else str(buf.dtype)
                 return reg if want == (str(buf.dtype) if kind == "col" else _F32) else tirx.Cast(want, reg)
-            return _conv(step["expr"], look)
+            return conv(step["expr"], look)
 
         for buf in info["inputs"]:  # every input row once, all loads in flight together
             with T.unroll(chunks) as c:
-                vec("ld", buf, c, [_find(regs, buf)[c * 8 + i] for i in range(8)])
+                vec("ld", buf, c, [find(regs, buf)[c * 8 + i] for i in range(8)])
         for step in steps:
-            buf, j, keep = step["buf"], step["red"], _find(regs, step["buf"])
+            buf, j, keep = step["buf"], step["red"], find(regs, step["buf"])
             if j is not None:
                 T.buffer_store(acc, tirx.const(0.0, _F32), [j])
             with T.unroll(chunks) as c:
                 for cb in cols:
                     if any(k == "col" and b.same_as(cb) for _, (k, b) in step["loads"]):
-                        vec("ld", cb, c, [_find(colr, cb)[i] for i in range(8)], "col", str(cb.dtype))
+                        vec("ld", cb, c, [find(colr, cb)[i] for i in range(8)], "col", str(cb.dtype))
                 vals = [value(step, c, i) for i in range(8)]
                 if j is not None or keep is not None or str(buf.dtype) == _F32:
                     vals = [tirx.Cast(_F32, v) for v in vals]
