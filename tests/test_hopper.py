@@ -291,3 +291,53 @@ def test_bucket_functions_get_the_wgmma_kernel_and_the_generic_one_does_not(tmp_
     assert WGMMA in {kinds[k] for f in manifest["buckets"]["functions"] for k in f["kernels"]}
     assert WGMMA not in {kinds[k] for k in manifest["buckets"]["generic"]["kernels"]}
     assert manifest["inputs"][0]["shape"] == [1, "seq", 512]  # fp16 compute, the interface still symbolic
+
+
+def _epilogue_on_cpu(func):
+    """A CPU function computing, for every (row, col), what the GEMM kernels store: `finish` of a given fp32
+    product at `place` (the epilogue as rebuilt from the fused kernel, without the GEMM)."""
+    from tvmfuse.gemm_analysis import epilogue
+
+    info, why = analyze_gemm(func)
+    assert info is not None, why
+    fresh = {p: tvm.tirx.decl_buffer(p.shape, p.dtype, p.name) for p in func.params}
+    finish, place, _ = epilogue(info, fresh)
+    acc = tvm.tirx.decl_buffer((info["m"], info["n"]), "float32", "acc")
+    r, c = tvm.tirx.Var("r", "int32"), tvm.tirx.Var("c", "int32")
+    out = next(v for k, v in fresh.items() if k.same_as(info["out"]))
+    store = tvm.tirx.BufferStore(out, tvm.tirx.Cast(str(out.dtype), finish(tvm.tirx.BufferLoad(acc, [r, c]), r, c)),
+                                 list(place(r, c)))
+    loops = tvm.tirx.For(r, 0, info["m"], tvm.tirx.ForKind.SERIAL,
+                         tvm.tirx.For(c, 0, info["n"], tvm.tirx.ForKind.SERIAL, store))
+    return tvm.tirx.PrimFunc([*fresh.values(), acc], loops).with_attr("global_symbol", "main")
+
+
+def test_a_reshaped_output_and_scalar_parameters_keep_the_fused_epilogue():
+    """GPT-2's MLP-up kernel (tests/data/gelu_new_gemm.py): gelu_new over the product reshaped [M, N] -> [1, M, N],
+    its constants 0-d parameters. The kernel takes it (it used to say "the output is not written elementwise"),
+    compiles for sm_90a (the 0-d parameters read through views), and its epilogue, run on the CPU from the same
+    fp32 product, matches the fused kernel itself."""
+    from pathlib import Path
+
+    func = tvm.script.from_source((Path(__file__).parent / "data" / "gelu_new_gemm.py").read_text())
+    kernel, why = gemm_kernel_from_fused(func, "main")
+    assert kernel is not None and why.startswith("wgmma 128x96x64"), why
+    cuda = resolve_target("cuda")
+    tvm.compile(tvm.IRModule({"main": kernel}), target=cuda, tir_pipeline="tirx")
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((96, 64)) * 0.1).astype("float16")
+    x = rng.standard_normal((128, 64)).astype("float16")
+    bias = (rng.standard_normal(96) * 0.1).astype("float16")
+    consts = [np.array(3.0, "float32")] + [np.array(v, "float16") for v in (0.044715, 0.7978846, 0.5, 1.0)]
+    ins = [w, x, bias, *consts]
+    cpu = tvm.cpu()
+    fused = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    want = tvm.runtime.tensor(np.zeros((1, 128, 96), "float16"), cpu)
+    fused["main"](*[tvm.runtime.tensor(a, cpu) for a in ins], want)
+    product = x.astype("float32") @ w.astype("float32").T
+    epi = tvm.compile(tvm.IRModule({"main": _epilogue_on_cpu(func)}), target="llvm")
+    got = tvm.runtime.tensor(np.zeros((1, 128, 96), "float16"), cpu)
+    epi["main"](*[tvm.runtime.tensor(a, cpu) for a in ins], got, tvm.runtime.tensor(product, cpu))
+    ref = want.numpy().astype("float32")
+    assert np.abs(ref).max() > 0.1  # gelu_new of a real product, not zeros
+    np.testing.assert_allclose(got.numpy().astype("float32"), ref, atol=2e-3, rtol=2e-3)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_reduction_blocks
+from tvm.script import tirx as T
+from tvm.sym import Analyzer
 
 from .kernels.expr_nodes import BINARY as _BINARY
 from .kernels.expr_nodes import CALL as _CALL
@@ -74,36 +77,66 @@ def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
     info = {"a": a, "b": b, "out": out, "acc": acc, "m": math.prod(rows), "n": n, "k": k, "rows": rows}
     if len(blocks) == 1:  # out = the accumulator itself
         ovars = [*batch, i, j]
-        return {**info, "value": tirx.BufferLoad(acc, ovars), "out_vars": ovars}, ""
+        return {**info, "value": tirx.BufferLoad(acc, ovars), "out_vars": ovars, "out_extents": rows + [n]}, ""
     ovars = [iv.var for iv in ostmt.iter_vars]
-    if not same(list(store.indices), ovars) or len(ovars) != len(upd.indices):
+    extents = [iv.dom.extent for iv in ostmt.iter_vars]
+    if not same(list(store.indices), ovars) or not all(isinstance(d, tirx.IntImm) for d in extents) \
+            or math.prod(int(d) for d in extents) != info["m"] * n:
         return None, "the output is not written elementwise"
-    return {**info, "value": store.value, "out_vars": ovars}, ""
+    # the output may be the product reshaped ([512, 3072] -> [1, 512, 3072]): same elements, same row-major order
+    # (checked where the epilogue reads the product: _rebuild)
+    return {**info, "value": store.value, "out_vars": ovars, "out_extents": [int(d) for d in extents]}, ""
 
 
-def epilogue(info: dict, fresh: dict) -> tuple[Callable, Callable]:
-    """(finish, place) for wgmma_kernel: the output block's value with the accumulator substituted and the
-    parameters read through their `fresh` buffers, and the output indices of (row, col)."""
+def epilogue(info: dict, fresh: dict) -> tuple[Callable, Callable, Callable]:
+    """(finish, place, setup) for the GEMM kernels: the output block's value with the accumulator substituted and
+    the parameters read through their `fresh` buffers, the output indices of (row, col), and what the kernel runs
+    first: 1-element views of the 0-d parameters (scalar constants such as gelu_new's 0.044715), which TVM's TIRx
+    pipeline cannot read in place ("used before its definition")."""
+    views: dict = {}
+
+    def setup():
+        for buf in fresh.values():
+            if len(buf.shape) == 0:
+                views[buf] = T.decl_buffer((1,), buf.dtype, data=buf.data)
     acc_buf, value, ovars, rows = info["acc"], info["value"], info["out_vars"], info["rows"]
-    dtypes = [str(v.ty.dtype) for v in ovars]
+    dtypes, shape, n = [str(v.ty.dtype) for v in ovars], info["out_extents"], info["n"]
 
-    def place(row, col):  # the flat row unflattened over the leading dims (unit dims: 0)
-        lead = [tirx.const(0, d) if ext == 1 else tirx.Cast(d, row // math.prod(rows[r + 1:]) % ext)
-                for r, (ext, d) in enumerate(zip(rows[:-1], dtypes))]
-        return tuple(lead + [tirx.Cast(dtypes[-2], row % rows[-1] if len(rows) > 1 else row),
-                             tirx.Cast(dtypes[-1], col)])
+    def place(row, col):
+        if shape == rows + [n]:  # the flat row unflattened over the leading dims (unit dims: 0)
+            lead = [tirx.const(0, d) if ext == 1 else tirx.Cast(d, row // math.prod(rows[r + 1:]) % ext)
+                    for r, (ext, d) in enumerate(zip(rows[:-1], dtypes))]
+            return tuple(lead + [tirx.Cast(dtypes[-2], row % rows[-1] if len(rows) > 1 else row),
+                                 tirx.Cast(dtypes[-1], col)])
+        flat = row * n + col  # a reshaped output: element row * n + col of its row-major order
+        return tuple(tirx.const(0, d) if ext == 1 else tirx.Cast(d, flat // math.prod(shape[r + 1:]) % ext)
+                     for r, (ext, d) in enumerate(zip(shape, dtypes)))
 
     def finish(acc, row, col):
-        return tirx.Cast("float32", _rebuild(value, ovars, list(place(row, col)), acc_buf, acc, fresh))
+        return tirx.Cast("float32", _rebuild(value, ovars, list(place(row, col)), acc_buf, acc, fresh, shape, views))
 
-    return finish, place
+    return finish, place, setup
 
 
-def _rebuild(expr, ovars: list, idx: list, acc_buf, acc, fresh: dict):
-    """`expr` with the output block's vars `ovars` replaced by `idx` and loads of the accumulator buffer (which
-    must read it at exactly those vars: elementwise) replaced by `acc`; raises ValueError on anything else (the
-    kernel then keeps its generic schedule)."""
+def _flat(indices, shape) -> tirx.PrimExpr:
+    return sum((i * math.prod(int(d) for d in shape[r + 1:]) for r, i in enumerate(indices)), tirx.const(0, "int64"))
+
+
+def _rebuild(expr, ovars: list, idx: list, acc_buf, acc, fresh: dict, shape: list, views: dict):
+    """`expr` with the output block's vars `ovars` (extents `shape`) replaced by `idx` and loads of the accumulator
+    buffer replaced by `acc`, where they read the element the block writes (at those vars, or through a reshape:
+    the same row-major position, proven over the vars' ranges), 0-d parameters read through their `views` once
+    declared; raises ValueError on anything else (the kernel then keeps its generic schedule)."""
     var_map = dict(zip(ovars, idx))
+    ana = Analyzer()
+    for v, ext in zip(ovars, shape):
+        ana.bind(v, tvm.ir.Range(tirx.const(0, v.ty.dtype), tirx.const(ext, v.ty.dtype)))
+
+    def elementwise(indices) -> bool:
+        if len(indices) == len(ovars) and all(i.same_as(v) for i, v in zip(indices, ovars)):
+            return True
+        here = tirx.Cast("int64", _flat([tirx.Cast("int64", i) for i in indices], acc_buf.shape))
+        return ana.can_prove_equal(here, _flat([tirx.Cast("int64", v) for v in ovars], shape))
 
     def go(e):
         if isinstance(e, tirx.Var):
@@ -112,12 +145,14 @@ def _rebuild(expr, ovars: list, idx: list, acc_buf, acc, fresh: dict):
             return e
         if isinstance(e, _LOAD):
             if e.source.same_as(acc_buf):
-                if len(e.indices) != len(ovars) or not all(i.same_as(v) for i, v in zip(e.indices, ovars)):
+                if not elementwise(e.indices):
                     raise ValueError("the epilogue reads the matmul result at other indices than it writes")
                 return acc
             src = next((new for old, new in fresh.items() if old.same_as(e.source)), None)
             if src is None:
                 raise ValueError("the epilogue reads a buffer that is not a parameter")
+            if src in views:
+                return tirx.BufferLoad(views[src], [tirx.const(0, "int32")])
             return tirx.BufferLoad(src, [go(i) for i in e.indices])
         if isinstance(e, tirx.Cast):
             return tirx.Cast(str(e.ty.dtype), go(e.value))

@@ -70,12 +70,12 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFun
     # does not see an s_tir function's parameters as definitions ("used before its definition")
     fresh = {p: tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=16) for p in func.params}
     a, b, out = (next(v for k, v in fresh.items() if k.same_as(info[r])) for r in ("a", "b", "out"))
-    finish, place = epilogue(info, fresh)
+    finish, place, setup = epilogue(info, fresh)
     try:  # once outside the kernel's script, so an epilogue it cannot take is a reason, not a parse error
         finish(tirx.const(0.0, "float32"), tirx.Var("row", "int32"), tirx.Var("col", "int32"))
     except ValueError as err:
         return None, str(err)
-    return make(m, n, k, tile, a, b, out, finish, place, list(fresh.values()), name), desc
+    return make(m, n, k, tile, a, b, out, finish, place, list(fresh.values()), name, setup=setup), desc
 
 
 def apply_hopper_kernels(mod: tvm.IRModule, target: tvm.target.Target, log: Callable[[str], None]) -> tvm.IRModule:

@@ -49,10 +49,12 @@ def check_smallm_shape(m: int, n: int, k: int, tile: SmallMTile) -> str | None:
     return None
 
 
-def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, place, params, name: str):
+def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, place, params, name: str,
+                  setup=lambda: None):
     """The TIRx PrimFunc computing out = finish(a @ b^T) for small m: `a` holds [m, k] rows (any leading dims, K
     innermost, contiguous), `b` is [n, k] (fp16); `finish(acc, row, col)` is the fp32 value of element (row, col)
-    from its fp32 sum, `place(row, col)` its indices in `out`; `params` (buffers) the PrimFunc's signature.
+    from its fp32 sum, `place(row, col)` its indices in `out`; `params` (buffers) the PrimFunc's signature; `setup()`
+    runs first in the kernel (declares the views the epilogue reads).
 
     Lane (g, q) of a warp (g = lane / 4, q = lane % 4) loads 8*vec consecutive k of weight row g and of activation
     rows g and g + 8 with 16-byte loads; the k order inside a chunk is permuted the same way for both operands, so
@@ -76,6 +78,7 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     @T.prim_func(check_well_formed=False)
     def gemm():
         T.device_entry()
+        setup()  # what the epilogue reads declared first (views of 0-d parameters)
         bid = T.cta_id([-(-n // tile.bn)])
         tx = T.thread_id([threads])
         A2 = T.decl_buffer((m, k), "float16", data=A.data)

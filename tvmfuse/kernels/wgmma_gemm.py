@@ -55,7 +55,8 @@ def _tma_args(inner: int, outer: int, box_outer: int) -> list[int]:
     return [inner, outer, inner * 2, 64, box_outer, 1, 1, 0, 3, 3, 0]
 
 
-def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, place, params, name: str):
+def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, place, params, name: str,
+                 setup=lambda: None):
     """The TIRx PrimFunc computing out = finish(a @ b^T): `a` holds [m, k] rows and `b` is [n, k] (fp16, K
     innermost, contiguous); `finish(acc, row, col)` is the fp32 value of element (row, col) from its fp32
     accumulator, `place(row, col)` its indices in `out`; `params` (buffers) are the PrimFunc's signature: a, b,
@@ -90,6 +91,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         T.call_packed("runtime.cuTensorMapEncodeTiled", b_map, "float16", 2, B.data, *b_args)
 
         T.device_entry()
+        setup()  # what the epilogue reads declared first (views of 0-d parameters)
         # one grid dimension: with T.cta_id([x, y]) TVM's simplifier took the y extent as x's bound and dropped
         # the column guards of ragged N as always true
         bid = T.cta_id([-(-n // bn) * -(-m // bm)])
