@@ -313,8 +313,8 @@ def _epilogue_on_cpu(func):
 
 
 def test_a_reshaped_output_and_scalar_parameters_keep_the_fused_epilogue():
-    """GPT-2's MLP-up kernel (tests/data/gelu_new_gemm.tvmscript): gelu_new over the product reshaped [M, N] -> [1, M, N],
-    its constants 0-d parameters. The kernel takes it (it used to say "the output is not written elementwise"),
+    """GPT-2's MLP-up kernel (tests/data/gelu_new_gemm.tvmscript): gelu_new over the product reshaped [M, N] ->
+    [1, M, N], its constants 0-d parameters. The kernel takes it (it used to say "the output is not written elementwise"),
     compiles for sm_90a (the 0-d parameters read through views), and its epilogue, run on the CPU from the same
     fp32 product, matches the fused kernel itself."""
     from pathlib import Path
