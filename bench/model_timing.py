@@ -47,7 +47,36 @@ def measure_vm(vm, dtypes: list[str], ctx: dict) -> dict:
     row = _measured(outs, time_vm(vm, dev, args), io, ctx)
     if ctx.get("profile"):
         row["kernels_profile"] = kernel_profile(vm, dev, args)
+        if ctx["cuda"]:
+            row["gpu_kernels"] = gpu_kernels(lambda: vm["main"](*args))
     return row
+
+
+def gpu_kernels(fn, calls: int = 3, top: int = 16) -> dict:
+    """The device's own record of what `fn` ran (CUPTI through torch.profiler; sees TVM's launches and the
+    kernels inside CUDA graphs): per kernel name, launches and microseconds per call, and the sum against the
+    busy span (first start to last end per call), whose difference is the idle time between kernels."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    agg: dict[str, list] = {}
+    for e in evs:
+        a = agg.setdefault(e.name, [0, 0.0])
+        a[0], a[1] = a[0] + 1, a[1] + e.time_range.elapsed_us()
+    busy = sum(a[1] for a in agg.values()) / calls
+    span = (max(e.time_range.end for e in evs) - min(e.time_range.start for e in evs)) / calls if evs else 0.0
+    ranked = sorted(agg.items(), key=lambda kv: -kv[1][1])
+    return {"kernels_per_call": round(sum(a[0] for a in agg.values()) / calls, 1), "busy_us": round(busy, 1),
+            "span_us": round(span, 1),
+            "top": [{"name": k[:120], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1)}
+                    for k, v in ranked[:top]]}
 
 
 def kernel_profile(vm, dev, args, top: int = 8) -> dict:
@@ -107,6 +136,8 @@ def run_torch(ctx: dict, mode: str | None) -> dict:
     outs = fn(*ctx["torch_in"])
     outs = [o.detach().float().cpu().numpy() for o in (outs if isinstance(outs, tuple) else (outs,))]
     us = time_torch(lambda: fn(*ctx["torch_in"]), ctx["cuda"])
+    if ctx.get("profile") and ctx["cuda"]:
+        info["gpu_kernels"] = gpu_kernels(lambda: fn(*ctx["torch_in"]))
     name = "torch_eager" if mode is None else "torch_compile" + ("_reduce_overhead" if mode == "reduce-overhead" else "")
     return dict(info, contender=name, mode=mode or "eager",
                 **_measured(outs, us, {"dtype": str(ctx["torch_dtype"]).replace("torch.", "")}, ctx))

@@ -180,7 +180,8 @@ def main(argv=None) -> dict:
     p.add_argument("--overlap", action="store_true", help="measure while later builds still run (faster, but "
                    "the CPU load slows launch-bound contenders); default: all builds first, then measurements")
     p.add_argument("--profile", action="store_true", help="per-kernel times and where non-finite values appear "
-                   "(one instrumented call of each TVM contender)")
+                   "(one instrumented call of each TVM contender) and, on CUDA, every contender's kernels as the "
+                   "device recorded them (CUPTI via torch.profiler)")
     p.add_argument("--jobs", type=int, default=None, help="worker processes that export and build ahead of the "
                    "measurements (GPU hidden from them; --trials 0 only); 0: build in this process (default: 4, "
                    "smoke 0)")
