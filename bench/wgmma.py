@@ -4,7 +4,8 @@ at decode shapes; checked against torch (cuBLAS) and timed beside it.
 
     python3 bench/wgmma.py --out results.json [--kernel smallm] [--cases NAME ...] [--tiles 128x4 256x3 ...]
 
-Tiles: `bn x stages` (wgmma), `n8 x warps x vec x unroll` (smallm). Weights of 32 MiB or less stay in the H200's
+Tiles: `bn x stages` or `bm x bn x stages`, `d` at the end for two accumulator sets (wgmma), `n8 x warps x vec x
+unroll` (smallm). Weights of 32 MiB or less stay in the H200's
 L2 between timed runs (time_evaluator), so those cases time L2-resident weights, torch's too.
 """
 
@@ -37,11 +38,53 @@ SMALL_CASES = [  # name, M, K, N, bias + GELU: the issue-5 GEMV, Llama and GPT-2
 ]
 
 
+PREFILL_CASES = [  # the GPT-2 and Llama prefill projections (M = 512, 2048), as the models run them
+    (f"m{m}_k{k}_n{n}" + ("_bias_gelu" if g else ""), m, k, n, g)
+    for m in (512, 2048)
+    for k, n, g in ((768, 2304, False), (768, 768, False), (768, 3072, True), (3072, 768, False), (768, 50257, False),
+                    (4096, 4096, False), (4096, 11008, False), (11008, 4096, False), (4096, 256, False))
+    if not (m == 2048 and n == 256)]
+PREFILL_TILES = ("128x256x4", "128x192x4", "128x176x4", "128x160x4", "128x144x4", "128x128x4", "64x256x4",
+                 "64x192x4", "64x128x6", "64x64x8", "128x64x6")  # bm x bn x stages
+
+
 def _tile(kernel, spec):
     from tvmfuse.kernels.mma_smallm import SmallMTile
     from tvmfuse.kernels.wgmma_gemm import WgmmaTile
-    vals = [int(v) for v in spec.split("x")]
-    return SmallMTile(*vals) if kernel == "smallm" else WgmmaTile(bn=vals[0], stages=vals[1])
+    vals = [int(v) for v in spec.rstrip("d").split("x")]
+    if kernel == "smallm":
+        return SmallMTile(*vals)
+    return WgmmaTile(bn=vals[-2], stages=vals[-1], bm=vals[0] if len(vals) == 3 else 128, dual=spec.endswith("d"))
+
+
+def _case_tiles(kernel, tiles, m, k, n):
+    """The tiles to measure at one shape: the given ones, and with --tiles auto the product's choice too."""
+    if tiles != ["auto"]:
+        return tiles
+    from tvmfuse.hopper import choose_tile
+    t = choose_tile(m, n, k)
+    return list(dict.fromkeys(PREFILL_TILES + ((f"{t.bm}x{t.bn}x{t.stages}",) if t else ())))
+
+
+def precompile(mods) -> float:
+    """Compile every module's CUDA source with nvcc in parallel threads and answer TVM's load-time compile callback
+    from that cache (one nvcc per kernel in turn took ~3 s each on the first launch)."""
+    import tvm_ffi
+    from tvm.support import nvcc
+    from concurrent.futures import ThreadPoolExecutor
+    from tvmfuse.kernels.wgmma_gemm import hopper_target
+
+    def compile_one(code):
+        with hopper_target():  # nvcc's arch comes from the current target (sm_90a: wgmma, TMA)
+            return nvcc.compile_cuda(code, "fatbin", compiler="nvcc")
+    t = time.time()
+    srcs = list(dict.fromkeys(m.imports[0].inspect_source() for m in mods if m is not None and m.imports))
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+        bins = dict(zip(srcs, pool.map(compile_one, srcs)))
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile",
+                                 lambda code: bins.get(code) or compile_one(code),
+                                 override=True)
+    return time.time() - t
 
 
 def _build(kernel, job):
@@ -72,7 +115,9 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--cases", nargs="*", help="case names (default: all)")
     p.add_argument("--kernel", choices=("wgmma", "smallm"), default="wgmma")
-    p.add_argument("--tiles", nargs="*", help=f"tiles (default: {TILES} / {SMALL_TILES})")
+    p.add_argument("--tiles", nargs="*", help=f"tiles (default: {TILES} / {SMALL_TILES}); auto: {PREFILL_TILES} "
+                   "and the product's choice (tvmfuse.hopper.choose_tile) per shape")
+    p.add_argument("--prefill", action="store_true", help="the GPT-2 / Llama prefill projections (PREFILL_CASES)")
     opts = p.parse_args()
     tiles = opts.tiles or list(SMALL_TILES if opts.kernel == "smallm" else TILES)
     import numpy as np
@@ -80,11 +125,13 @@ def main():
     import torch.nn.functional as F
     import tvm
 
-    cases = [c for c in (SMALL_CASES if opts.kernel == "smallm" else CASES) if not opts.cases or c[0] in opts.cases]
-    jobs = [(m, k, n, gelu, spec, None) for name, m, k, n, gelu in cases for spec in tiles]
+    table = SMALL_CASES if opts.kernel == "smallm" else PREFILL_CASES if opts.prefill else CASES
+    cases = [c for c in table if not opts.cases or c[0] in opts.cases]
+    jobs = [(m, k, n, gelu, spec, None) for name, m, k, n, gelu in cases
+            for spec in _case_tiles(opts.kernel, tiles, m, k, n)]
     t = time.time()
     built = [_build(opts.kernel, job) for job in jobs]  # in this process: a forked build pool broke CUDA init (run 1)
-    log(f"{len(jobs)} kernels built in {time.time() - t:.0f} s")
+    log(f"{len(jobs)} kernels built in {time.time() - t:.0f} s; nvcc {precompile([b[0] for b in built]):.0f} s")
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(),
            "copy_bw_TBps": copy_bandwidth() / 1e12, "cases": {}}
     dev = tvm.cuda(0)
@@ -94,6 +141,7 @@ def main():
         ref_fn = (lambda x2=x2, w=w, b=b: F.gelu(F.linear(x2, w, b))) if gelu else (lambda x2=x2, w=w: F.linear(x2, w))
         ref = ref_fn().float()
         case = res["cases"][name] = {"m": m, "k": k, "n": n, "epilogue": "bias+gelu" if gelu else "none",
+                                     "chosen": _case_tiles(opts.kernel, tiles, m, k, n)[-1] if tiles == ["auto"] else None,
                                      "gflop": 2 * m * n * k / 1e9, "torch_us": torch_time(ref_fn), "tiles": []}
         for (jm, jk, jn, _, spec, _), (lib, err) in zip(jobs, built):
             if (jm, jk, jn) != (m, k, n):

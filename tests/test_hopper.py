@@ -21,6 +21,7 @@ from tvmfuse.hopper import (
     apply_hopper_kernels,
     choose_smallm_tile,
     choose_tile,
+    estimate_us,
     gemm_kernel_from_fused,
 )
 from tvmfuse.kernels.mma_smallm import SmallMTile, check_smallm_shape
@@ -86,9 +87,16 @@ def test_an_epilogue_that_reads_the_product_transposed_is_refused():
 
 
 def test_tile_choice_and_shape_checks():
-    assert choose_tile(4096, 11008, 4096).bn == 256  # 1376 blocks of 128x256
-    assert choose_tile(512, 4096, 4096).bn == 128  # 64 blocks of 128x256 would leave half the SMs idle
-    assert choose_tile(512, 4096, 11008).bn == 128
+    # the measured best tiles (bench/results/wgmma_run4.json, wgmma_run5.json)
+    assert choose_tile(4096, 11008, 4096) == WgmmaTile(256, 4)  # 1376 tiles of 128x256
+    assert choose_tile(512, 4096, 4096) == WgmmaTile(128, 4, dual=True)  # 64 of 128x256 would leave SMs idle
+    assert choose_tile(512, 11008, 4096) == WgmmaTile(176, 4)  # 252 tiles: two full waves
+    assert choose_tile(512, 768, 3072) == WgmmaTile(64, 8, 64, dual=True)  # GPT-2's MLP down: 96 64x64 tiles
+    assert choose_tile(512, 50257, 768) == WgmmaTile(256, 4)
+    assert choose_tile(100, 512, 512).bm == 64  # 65 <= M < 128: the 64-row tiles only
+    assert estimate_us(512, 4096, 4096, WgmmaTile(256, 4)) > estimate_us(512, 4096, 4096, WgmmaTile(128, 4, dual=True))
+    assert "registers" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 4, dual=True))
+    assert "shared memory" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 8))
     assert check_wgmma_shape(512, 4096, 4096, WgmmaTile(256, 4)) is None
     assert check_wgmma_shape(2048, 50257, 768, WgmmaTile(128, 4)) is None  # GPT-2's LM head: ragged N
     assert "multiple of 8" in check_wgmma_shape(512, 4096, 4100, WgmmaTile(128, 4))

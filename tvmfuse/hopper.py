@@ -12,10 +12,14 @@ from .kernels.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, smallm_ke
 from .kernels.row_kernel import row_kernel_from_fused
 from .kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
 
-#: a GEMM fills the H200's 132 SMs with 128x256 tiles from about this many blocks on (bench/results/wgmma_run3.json,
-#: in blocks of 128x256: 128x256 was faster at MxN 4096x11008 (1376), 2048x4096 (256) and 512x11008 (172),
-#: 128x128 at 512x4096 (64))
-WIDE_TILE_BLOCKS = 96
+#: microseconds one CTA of each tile spends per 64-deep k-step on the H200, and per tile besides (pipeline fill,
+#: epilogue): fitted to bench/results/wgmma_run4.json and wgmma_run5.json (17 GPT-2 / Llama prefill projections,
+#: 6-11 tiles each), where the cheapest estimate is the measured best tile at 16 shapes and within 4% at the 17th
+TILE_COSTS = {WgmmaTile(256, 4): 0.83, WgmmaTile(192, 4): 0.70, WgmmaTile(176, 4): 0.62, WgmmaTile(144, 4): 0.55,
+              WgmmaTile(128, 4, dual=True): 0.47, WgmmaTile(128, 6, 64, dual=True): 0.35,
+              WgmmaTile(64, 8, 64, dual=True): 0.21}
+TILE_FIXED_US = 1.0
+SMS = 132  # the H200's streaming multiprocessors: one CTA of these tiles each at a time (shared memory)
 
 #: analysis outcomes that mean "not a matmul kernel at all" (not logged)
 NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before")
@@ -26,12 +30,16 @@ def is_hopper(target: tvm.target.Target) -> bool:
     return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) == "sm_90a"
 
 
+def estimate_us(m: int, n: int, k: int, tile: WgmmaTile) -> float:
+    """TILE_COSTS' estimate of an m x n x k GEMM with `tile`: waves of SMS CTAs, each k-steps x cost + fixed."""
+    waves = -(-(-(-m // tile.bm) * -(-n // tile.bn)) // SMS)
+    return waves * (-(-k // tile.bk) * TILE_COSTS[tile] + TILE_FIXED_US)
+
+
 def choose_tile(m: int, n: int, k: int) -> WgmmaTile | None:
-    """128x256 tiles when they make enough blocks, else 128x128; 4 stages; None when neither fits."""
-    wide, narrow = WgmmaTile(bn=256, stages=4), WgmmaTile(bn=128, stages=4)
-    if check_wgmma_shape(m, n, k, wide) is None and -(-m // 128) * -(-n // 256) >= WIDE_TILE_BLOCKS:
-        return wide
-    return narrow if check_wgmma_shape(m, n, k, narrow) is None else None
+    """The tile of TILE_COSTS with the lowest estimate (wave quantization included); None when none fits."""
+    fits = [t for t in TILE_COSTS if check_wgmma_shape(m, n, k, t) is None]
+    return min(fits, key=lambda t: estimate_us(m, n, k, t)) if fits else None
 
 
 def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
@@ -47,8 +55,8 @@ def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
 
 
 def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | None, str]:
-    """The TIRx kernel computing what `func` computes (same parameters): wgmma for M >= 128, mma.sync for
-    M <= 64; or (None, why not)."""
+    """The TIRx kernel computing what `func` computes (same parameters): mma.sync for 2 <= M <= 64, wgmma
+    above; or (None, why not)."""
     info, why = analyze_gemm(func)
     if info is None:
         return None, why
@@ -63,7 +71,8 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFun
         tile = choose_tile(m, n, k)
         why = None if tile else check_wgmma_shape(m, n, k, WgmmaTile())
         make = wgmma_kernel
-        desc = tile and f"wgmma {m}x{n}x{k}, tile 128x{tile.bn}, {tile.stages} stages"
+        desc = tile and (f"wgmma {m}x{n}x{k}, tile {tile.bm}x{tile.bn}, {tile.stages} stages"
+                        + (", two accumulator sets" if tile.dual else ""))
     if why:
         return None, f"{m}x{n}x{k}: {why}"
     # the kernel declares its own parameter buffers (same names, shapes, dtypes): the TIRx pipeline's FlattenBuffer
