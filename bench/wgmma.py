@@ -69,10 +69,12 @@ def _case_tiles(kernel, tiles, m, k, n):
 def precompile(mods) -> float:
     """Compile every module's CUDA source with nvcc in parallel threads and answer TVM's load-time compile callback
     from that cache (one nvcc per kernel in turn took ~3 s each on the first launch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import tvm_ffi
     from tvm.support import nvcc
-    from concurrent.futures import ThreadPoolExecutor
-    from tvmfuse.kernels.wgmma_gemm import hopper_target
+
+    from tvmfuse.kernels.gemm_bench import hopper_target
 
     def compile_one(code):
         with hopper_target():  # nvcc's arch comes from the current target (sm_90a: wgmma, TMA)
@@ -92,12 +94,9 @@ def _build(kernel, job):
     m, k, n, gelu, spec, _ = job
     import tvm
 
+    from tvmfuse.kernels.gemm_bench import hopper_target, make_wgmma_gemm
     from tvmfuse.kernels.mma_smallm import check_smallm_shape, make_smallm_gemm
-    from tvmfuse.kernels.wgmma_gemm import (
-        check_wgmma_shape,
-        hopper_target,
-        make_wgmma_gemm,
-    )
+    from tvmfuse.kernels.wgmma_gemm import check_wgmma_shape
     check, make = (check_smallm_shape, make_smallm_gemm) if kernel == "smallm" else (check_wgmma_shape, make_wgmma_gemm)
     tile = _tile(kernel, spec)
     why = check(m, n, k, tile)

@@ -153,7 +153,7 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
 def make_smallm_gemm(m: int, n: int, k: int, tile: SmallMTile = SmallMTile(), epilogue: str = "none"):
     """C[m, n] = epilogue(A[m, k] @ B[n, k]^T (+ bias[n])) in fp16, fp32 accumulation: the benchmark's kernel,
     parameters (A, B, bias, C)."""
-    from .wgmma_gemm import bench_operands
+    from .gemm_bench import bench_operands
 
     bufs, finish = bench_operands(m, n, k, epilogue)
     return smallm_kernel(m, n, k, tile, bufs[0], bufs[1], bufs[3], finish, lambda row, col: (row, col), bufs,
