@@ -82,3 +82,5 @@ def test_two_matmul_fusions_are_rejected_on_gpus_only():
     gpu = decide(bind_params(imp.mod, imp.params), resolve_target("cuda"))
     rejected = [c for c in gpu.candidates if c.match.pattern == "tvmfuse.swiglu"]
     assert [c.decision for c in rejected] == [REJECTED] and "two matmuls in one kernel" in rejected[0].reason
+    # instead: the gate GEMM with its SiLU, and the up GEMM with the multiply by that gate in its epilogue
+    assert sorted(c.match.pattern for c in gpu.kept()) == ["tvmfuse.matmul_multiply", "tvmfuse.matmul_silu"]

@@ -84,6 +84,13 @@ def swiglu(rows=8, k=32, inter=64, leak=None) -> onnx.ModelProto:
                   [_c("Wg", RNG.standard_normal((k, inter)) * 0.2), _c("Wu", RNG.standard_normal((k, inter)) * 0.2)])
 
 
+def matmul_multiply(rows=8, k=32, n=64, leak=None) -> onnx.ModelProto:
+    """y = (x @ W) * g, g an input of the product's shape (SwiGLU's up projection times a gate made elsewhere)."""
+    nodes = [_n("MatMul", ["x", "W"], "u"), _n("Mul", ["u", "g"], "y")]
+    outs = [_t("y", [rows, n])] + ([_t(leak, [rows, n])] if leak else [])
+    return _model(nodes, [_t("x", [rows, k]), _t("g", [rows, n])], outs, [_c("W", RNG.standard_normal((k, n)) * 0.2)])
+
+
 def rotary(b=2, h=4, s=8, d=16, split=None, leak=None) -> onnx.ModelProto:
     """y = x*cos + concat(-x[..., split:], x[..., :split])*sin (split = d/2: rotate-half)."""
     split = d // 2 if split is None else split
@@ -142,6 +149,7 @@ CASES = {  # pattern[/variant] -> (builder, name of an intermediate to leak)
     "tvmfuse.matmul_bias_tanh": (lambda leak=None: matmul_bias("tanh", leak=leak), "mm"),
     "tvmfuse.skip_layer_norm_bias": (lambda leak=None: skip_layer_norm(True, leak=leak), "xb"),
     "tvmfuse.swiglu": (lambda leak=None: swiglu(leak=leak), "g"),
+    "tvmfuse.matmul_multiply": (lambda leak=None: matmul_multiply(leak=leak), "u"),
     "tvmfuse.rotary_embedding": (lambda leak=None: rotary(leak=leak), "rot"),
     "tvmfuse.attention": (lambda leak=None: attention(leak=leak), "p"),
     "tvmfuse.attention/dynamo": (lambda leak=None: attention_dynamo(leak=leak), "kt"),

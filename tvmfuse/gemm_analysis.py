@@ -56,6 +56,8 @@ def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
     acc = upd.buffer
     a_reg, b_reg = mstmt.reads
     a, b, out = a_reg.source, b_reg.source, store.buffer
+    if len(a.shape) < 2 or len(b.shape) != 2:  # e.g. RMSNorm's sum of x ** p, the exponent a 0-d parameter
+        return None, "operands are not matrices"
     if (acc.dtype, a.dtype, b.dtype) != ("float32", "float16", "float16") or out.dtype not in ("float16", "float32"):
         return None, f"dtypes {a.dtype} x {b.dtype} -> {acc.dtype} -> {out.dtype} (needs fp16 x fp16 -> fp32 -> fp16/32)"
     if not all(any(buf.same_as(p) for p in func.params) for buf in (a, b, out)):

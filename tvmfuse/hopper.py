@@ -22,7 +22,8 @@ TILE_FIXED_US = 1.0
 SMS = 132  # the H200's streaming multiprocessors: one CTA of these tiles each at a time (shared memory)
 
 #: analysis outcomes that mean "not a matmul kernel at all" (not logged)
-NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before")
+NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before",
+              "operands are not matrices")
 
 
 def is_hopper(target: tvm.target.Target) -> bool:

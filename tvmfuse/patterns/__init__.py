@@ -14,8 +14,9 @@ from tvm.relax.transform import FusionPattern, PatternCheckContext
 from .attention import check_attention, check_rotary_embedding, make_attention_pattern, make_rotary_embedding_pattern
 from .builders import Annotated
 from .common import Match, Recorder, check_private_intermediates, current, reject, start, stop
-from .matmul import check_geglu, check_matmul, check_matmul_act, check_matmul_bias, check_swiglu, \
-    make_geglu_pattern, make_matmul_act_pattern, make_matmul_bias_pattern, make_matmul_pattern, make_swiglu_pattern
+from .matmul import check_geglu, check_matmul, check_matmul_act, check_matmul_bias, check_matmul_multiply, \
+    check_swiglu, make_geglu_pattern, make_matmul_act_pattern, make_matmul_bias_pattern, make_matmul_multiply_pattern, \
+    make_matmul_pattern, make_swiglu_pattern
 from .norms import (check_layer_norm_gelu, check_rms_norm, check_rms_norm_residual, check_skip_layer_norm,
                     check_skip_layer_norm_bias, make_layer_norm_gelu_pattern, make_rms_norm_pattern,
                     make_rms_norm_residual_pattern, make_skip_layer_norm_bias_pattern, make_skip_layer_norm_pattern)
@@ -39,6 +40,7 @@ PATTERN_TABLE: list[tuple[str, Callable[[], Annotated], Check]] = [
     *[(f"tvmfuse.matmul_{a}", make_matmul_act_pattern(a), check_matmul_act(a))
       for a in ("gelu", "gelu_tanh", "silu", "relu", "tanh")],
     ("tvmfuse.matmul_bias", make_matmul_bias_pattern(None), check_matmul_bias(None)),
+    ("tvmfuse.matmul_multiply", make_matmul_multiply_pattern, check_matmul_multiply),  # after matmul_silu's own
     ("tvmfuse.matmul", make_matmul_pattern, check_matmul),  # the layout stage's [N, K] weights, read in place
 ]
 

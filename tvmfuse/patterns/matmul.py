@@ -1,4 +1,4 @@
-"""MatMul entries: MatMul (+transposed weight) + bias + activation, the bare transposed-weight MatMul, SwiGLU and its gated-GELU variant."""
+"""MatMul entries: MatMul (+transposed weight) + bias + activation, times a gate, the bare transposed-weight MatMul, SwiGLU and its gated-GELU variant."""
 
 from __future__ import annotations
 
@@ -94,6 +94,24 @@ def check_matmul_act(activation: str) -> Callable[[PatternCheckContext], bool]:
         return finish(ctx, name, {**_linear_info(mm), "activation": activation, "bias": False})
     check.__name__ = f"check_matmul_{activation}"
     return check
+
+
+def make_matmul_multiply_pattern() -> Annotated:
+    """y = (x @ W [W transposed] [-> cast]) * g, g of the product's shape: SwiGLU's up projection times the gate
+    another GEMM made (silu(x @ Wg), a matmul_silu kernel) where the one-kernel SwiGLU is not chosen."""
+    mm, w = _linear(wildcard())
+    mm_out, g = cast(mm), wildcard()
+    y = is_op("relax.multiply")(mm_out, g) | is_op("relax.multiply")(g, mm_out)
+    return y, {"mm": mm, "w": w, "g": g, "y": y}
+
+
+def check_matmul_multiply(ctx: PatternCheckContext) -> bool:
+    name, mm, g = "tvmfuse.matmul_multiply", ctx.annotated_expr["mm"], ctx.annotated_expr["g"]
+    if ndim(ctx.annotated_expr["w"]) != 2:
+        return reject(ctx, name, f"weight has rank {ndim(ctx.annotated_expr['w'])}: not a linear layer")
+    if [dim_str(d) for d in shape_of(g)] != [dim_str(d) for d in shape_of(mm)]:
+        return reject(ctx, name, "the other factor does not have the product's shape")
+    return finish(ctx, name, {**_linear_info(mm), "activation": "multiply", "bias": False})
 
 
 def make_matmul_pattern() -> Annotated:
