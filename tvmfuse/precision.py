@@ -16,6 +16,10 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
 - "follow" ops (elementwise, `layer_norm`, `gelu`, reshapes) compute in fp16 when all inputs are fp16 (TVM's
   fp16 `layer_norm` lowering accumulates its mean/variance in fp32);
 - ops without a policy (`mean`, `sum`, `softmax`, ...) compute in fp32: their inputs are cast up first;
+- except `take` in fp16: an embedding lookup from a constant table fp16 holds computes in fp16 (`_lookups_in_fp16`),
+  so the hidden state after it, the residual stream with its adds and LayerNorms, is fp16 as in a torch fp16
+  model, with no casts between the LayerNorms and the matmuls (without it the lookup's fp32 result kept the
+  residual stream fp32: a cast to fp16 before each matmul and one back to fp32 after it);
 - weights feeding fp16 ops become `astype(const, "float16")`; FoldConstant makes them fp16 constants, except
   0-d ones (scalar operands: attention scales, GELU constants), which it leaves as casts: `_fold_scalar_casts`
   folds those, so the patterns see the same constants as in fp32.
@@ -32,6 +36,8 @@ fp32 between casts.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import tvm
@@ -67,7 +73,8 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None)
     # them, so only ops applied to them directly still compute in fp32
     inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32
               and _static_shape(p)]
-    mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
+    with _lookups_in_fp16(mod, dtype):
+        mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
     mod = opmath_fp32(mod)
     mod = fp32_interface(mod, inputs)
     if dtype == BFLOAT16:
@@ -78,6 +85,41 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None)
         mod = low_interface(mod, io_dtype)
     mod = relax.transform.DeadCodeElimination(["main"])(relax.transform.CanonicalizeBindings()(mod))
     return unique_binding_names(mod)
+
+
+@contextlib.contextmanager
+def _lookups_in_fp16(mod: tvm.IRModule, dtype: str):
+    """While ToMixedPrecision runs, `relax.take` has the policy "always" (its float table cast to fp16, an fp16
+    result) where every float `take` in `main` reads a constant table fp16 holds (finite, |x| <= 65504): an
+    embedding lookup. TVM registers no policy for take, which the pass reads as "never": the lookup returned
+    fp32, and every "follow" op after it stayed fp32 with it (the whole residual stream: adds and LayerNorms in
+    fp32, a cast to fp16 before each matmul, one to fp32 after it). ("follow" would not do: the int ids are not
+    fp16-castable.) The hidden state is then fp16 from the lookup on, as in a torch fp16 model. fp16 only: in
+    bf16 the fp32 residual stream keeps the row kernel (which reads and writes fp16/fp32 only) on the LayerNorms."""
+    op = tvm.ir.Op.get("relax.take")
+    if dtype != FLOAT16 or op.get_attr("TMixedPrecisionPolicy") is not None or not _fp16_tables(mod["main"]):
+        yield
+        return
+    op.set_attr("TMixedPrecisionPolicy", 0)  # kAlways
+    op.set_attr("FInferMixedPrecision", lambda call, out_dtype: call)  # nothing to adjust (no out_dtype)
+    try:
+        yield
+    finally:
+        op.reset_attr("TMixedPrecisionPolicy")
+        op.reset_attr("FInferMixedPrecision")
+
+
+def _fp16_tables(func: relax.Function) -> bool:
+    """Whether `func` has float32 `take`s and each reads a constant table within fp16's range."""
+    tables = []
+    relax.analysis.post_order_visit(func, lambda e: tables.append(e.args[0]) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.take"
+                                    and str(getattr(e.args[0].ty, "dtype", "")) == FLOAT32 else None)
+    for table in tables:
+        data = table.value.numpy() if isinstance(table, Const) else None
+        if data is None or not np.isfinite(data).all() or np.abs(data).max(initial=0.0) > 65504.0:
+            return False
+    return bool(tables)
 
 
 def _static_shape(param) -> bool:

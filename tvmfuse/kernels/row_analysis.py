@@ -6,6 +6,7 @@ import contextlib
 import math
 
 from tvm import s_tir, tirx
+from tvm.sym import Analyzer
 from tvm.s_tir.dlight.analysis import get_root_block
 
 from .expr_nodes import BINARY as _BINARY
@@ -60,6 +61,9 @@ def analyze_rows(func: tirx.PrimFunc) -> tuple[dict | None, str]:
             return None, "rows differ" if red else "a per-row step that is not a sum (a per-row output?)"
         roles = [(iv.var, i if i < len(rows) else "k") for i, iv in enumerate(nonunit)]
         roles += [(iv.var, None) for iv in st.iter_vars if _ext(iv) == 1]
+        ana = Analyzer()  # a reshape's index inlined here, e.g. [(k // h + i) % rows, k % h], is [i, k]
+        for iv in st.iter_vars:
+            ana.bind(iv.var, iv.dom)
         stores = list(st.body) if isinstance(st.body, tirx.SeqStmt) else [st.body]  # a tuple sum: several
         made = []
         for s in stores:
@@ -70,12 +74,12 @@ def analyze_rows(func: tirx.PrimFunc) -> tuple[dict | None, str]:
                 return None, "a reduction that is not a sum"
             loads = []
 
-            def look(ld, want32, loads=loads, roles=roles, known=known):
+            def look(ld, want32, loads=loads, roles=roles, known=known, ana=ana):
                 if want32 is not None:  # a load, not a block var
-                    loads.append((ld, _classify(ld, roles, rows, h, known, is_param)))
+                    loads.append((ld, _classify(ld, roles, rows, h, known, is_param, ana)))
                 return tirx.const(0, _F32 if want32 else ld.ty.dtype)
             try:  # every load classified, every node one the kernel rebuilds
-                at = _index_roles(s.indices, roles, buf)
+                at = _index_roles(s.indices, roles, buf, ana)
                 conv(v.b if red else v, look)
             except ValueError as err:
                 return None, str(err)
@@ -99,11 +103,12 @@ def analyze_rows(func: tirx.PrimFunc) -> tuple[dict | None, str]:
     return info, ""
 
 
-def _index_roles(indices, roles, buf) -> list:
+def _index_roles(indices, roles, buf, ana=None) -> list:
     """The roles (row dim i, "k") of a block's `indices` into `buf`, constants into unit dims left out and others
-    "const"; ValueError where an index is computed."""
+    "const"; ValueError where an index is computed (after simplifying with `ana`, which knows the block vars' ranges)."""
     out = []
     for idx, ext in zip(indices, buf.shape):
+        idx = ana.simplify(idx) if ana is not None else idx
         role = find(roles, idx, "?") if isinstance(idx, tirx.Var) else None if isinstance(idx, tirx.IntImm) else "?"
         if role == "?":
             raise ValueError("an index that is not a block variable")
@@ -112,12 +117,12 @@ def _index_roles(indices, roles, buf) -> list:
     return out
 
 
-def _classify(load, roles, rows, h, known, is_param) -> tuple[str, object]:
+def _classify(load, roles, rows, h, known, is_param, ana=None) -> tuple[str, object]:
     """("row" | "col" | "red" | "scalar", buffer) for a load in a block with these (var, role) pairs: a row
     tensor [rows.., h] at [row.., k], a column parameter [h] at [k], a row sum at [row..], a parameter at
     constant indices."""
     buf = load.source
-    pos, made, dims = _index_roles(load.indices, roles, buf), find(known, buf), list(range(len(rows)))
+    pos, made, dims = _index_roles(load.indices, roles, buf, ana), find(known, buf), list(range(len(rows)))
     sizes = [int(d) for d in buf.shape if int(d) != 1]
     if pos == dims + ["k"] and sizes == rows + [h] and (made == "row" or (made is None and is_param(buf))):
         kind = "row"
