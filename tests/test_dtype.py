@@ -7,16 +7,16 @@ import os
 
 import numpy as np
 import onnx
+import onnx_models
 import pytest
+import test_patterns
 import tvm
 from tvm import relax
 
-import onnx_models
-import test_patterns
+from tvmfuse.build import build
 from tvmfuse.cli import main
 from tvmfuse.default_model import make_tiny_block
 from tvmfuse.errors import JobError
-from tvmfuse.build import build
 from tvmfuse.fuse import bind_params, lower
 from tvmfuse.importer import import_model, random_inputs
 from tvmfuse.jobs import load_jobs, parse_dtype
@@ -360,3 +360,55 @@ def test_power_computes_in_fp32_and_feeds_the_mean_directly(dtype):
     vm = relax.VirtualMachine(tvm.compile(lower(mod, patterns=[]).mod, target="llvm"), tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     assert np.isfinite(got).all() and abs(float(got[0, 0]) - 90300.0) / 90300.0 < 1e-2
+
+
+def _embedding(vocab=32, hidden=16, rows=6) -> onnx.ModelProto:
+    """y = LayerNorm(E[ids] + r) @ W: an embedding lookup from a constant table feeding the residual stream."""
+    from onnx import TensorProto, helper
+    rng = np.random.default_rng(3)
+    init = [helper.make_tensor(n, TensorProto.FLOAT, a.shape, a.ravel()) for n, a in
+            (("E", rng.standard_normal((vocab, hidden)).astype(np.float32)),
+             ("g", np.ones(hidden, np.float32)), ("beta", np.zeros(hidden, np.float32)),
+             ("W", (rng.standard_normal((hidden, hidden)) * 0.2).astype(np.float32)))]
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["e"]), helper.make_node("Add", ["e", "r"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "g", "beta"], ["n"], axis=-1),
+             helper.make_node("MatMul", ["n", "W"], ["y"])]
+    graph = helper.make_graph(nodes, "emb", [helper.make_tensor_value_info("ids", TensorProto.INT64, [rows]),
+                                              helper.make_tensor_value_info("r", TensorProto.FLOAT, [rows, hidden])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, hidden])], init)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_fp16_embedding_lookups_make_the_residual_stream_fp16_unless_turned_off():
+    from tvmfuse.precision import has_fp16_lookups
+    imp = import_model(_embedding())
+    bound = bind_params(imp.mod, imp.params)
+    assert has_fp16_lookups(to_compute_dtype(bound, "float16"))
+    assert ("relax.add", "float16") in _ops(to_compute_dtype(bound, "float16"))
+    assert not has_fp16_lookups(to_compute_dtype(bound, "float16", fp16_lookups=False))
+    assert ("relax.add", "float32") in _ops(to_compute_dtype(bound, "float16", fp16_lookups=False))
+    assert not has_fp16_lookups(to_compute_dtype(bound, "bfloat16"))  # bf16 keeps the fp32 stream
+
+
+def test_failed_verification_with_fp16_lookups_builds_again_with_them_in_fp32(tmp_path, monkeypatch, capsys):
+    """A build whose fp16 residual stream misses the tolerance is built again with fp32 lookups, and says so."""
+    from tvmfuse import pipeline
+    from tvmfuse.verify import Verification
+    real, calls = pipeline.compare_at_dims, []
+
+    def first_fails(*args, **kwargs):
+        checks = real(*args, **kwargs)
+        calls.append(checks)
+        if len(calls) == 1:  # as if the fp16 stream had missed the tolerance
+            return [(d, Verification(0.5, 0.5, False, c.tolerance)) for d, c in checks]
+        return checks
+    monkeypatch.setattr(pipeline, "compare_at_dims", first_fails)
+    manifest = _export(tmp_path, _embedding(), "emb", "fp16")
+    assert len(calls) == 2 and manifest["verification"]["status"] == "passed"
+    assert "building again with the embedding lookups in fp32" in capsys.readouterr().out
+    assert manifest["precision"]["residual_stream"].startswith("as the ops above")
+
+
+def test_fp16_embedding_export_passes_with_an_fp16_residual_stream(tmp_path):
+    manifest = _export(tmp_path, _embedding(), "emb", "fp16")
+    assert manifest["verification"]["status"] == "passed" and manifest["precision"]["residual_stream"] == "float16"

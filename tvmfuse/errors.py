@@ -13,3 +13,11 @@ class ModelError(TvmfuseError):
 
 class JobError(TvmfuseError):
     """A jobs file or command-line job description is invalid."""
+
+
+class VerificationError(TvmfuseError):
+    """The built module's outputs are outside the dtype's tolerance of onnxruntime's."""
+
+    def __init__(self, message: str, fp16_lookups: bool = False):
+        super().__init__(message)
+        self.fp16_lookups = fp16_lookups  # the build had fp16 embedding lookups (rebuilding without may pass)

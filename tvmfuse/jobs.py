@@ -36,6 +36,7 @@ class Job:
     batch: int | None = None  # candidates built and measured per tuning round (None: 16 on CPUs, 64 on GPUs)
     buckets: dict[str, list[int]] = field(default_factory=dict)  # symbolic dim -> bucket values (tvmfuse.buckets)
     cuda_graph: bool = False  # cuda: replay static launch sequences as CUDA graphs (tvmfuse.build.compile_module)
+    fp16_lookups: bool = True  # fp16: embedding lookups in fp16, the residual stream fp16 (tvmfuse.precision)
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import traceback
@@ -16,7 +17,7 @@ from .buckets import add_dispatch, check_buckets, lower_buckets, verification_di
 from .build import TUNED, apply_database, apply_default_schedules, compile_module, schedule_kinds
 from .default_model import NAME as DEFAULT_NAME
 from .default_model import make_tiny_block
-from .errors import TvmfuseError
+from .errors import TvmfuseError, VerificationError
 from .export import export, export_dir
 from .decide import decide
 from .fuse import bind_params, lower
@@ -25,7 +26,7 @@ from .importer import import_model, load_onnx, random_inputs
 from .manifest import make_manifest
 from .measure import compare_at_dims, latency_us
 from .layout import transpose_weights
-from .precision import to_compute_dtype
+from .precision import has_fp16_lookups, to_compute_dtype
 from .jobs import Job
 from .spaces import space_for
 from .targets import device_for, has_device, target_name
@@ -60,7 +61,13 @@ def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tun
             schedules: str | None = SCHEDULES_DIR) -> JobResult:
     """Run one job end to end; user errors become a failed JobResult, never a traceback."""
     try:
-        return _run(job, target, out, logs_root, say, rpc, schedules)
+        try:
+            return _run(job, target, out, logs_root, say, rpc, schedules)
+        except VerificationError as err:
+            if not err.fp16_lookups:
+                raise
+            say(f"[{job.name}] {err}; building again with the embedding lookups in fp32 (an fp32 residual stream)")
+            return _run(dataclasses.replace(job, fp16_lookups=False), target, out, logs_root, say, rpc, schedules)
     except TvmfuseError as err:
         return JobResult(job.name, ok=False, error=str(err), details={"exit_code": err.exit_code})
     except Exception as err:  # pylint: disable=broad-except  (one job's crash must not lose the others)
@@ -79,7 +86,7 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     if imported.symbolic_dims:
         say(f"[{job.name}] symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them "
             "get default schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
-    bound = prepare_module(imported, job.dtype, job.io_dtype)
+    bound = prepare_module(imported, job.dtype, job.io_dtype, job.fp16_lookups)
     plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
     fused = lower(bound, plan=plan)
     kernels = fused.kernels()
@@ -151,9 +158,9 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         else:
             result.latency_before_us = result.latency_after_us
         if not check.ok:
-            raise TvmfuseError(f"{job.name}: verification against onnxruntime FAILED "
-                               f"(max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g}"
-                               + (f" at {dims})" if job.buckets else ")"))
+            raise VerificationError(f"{job.name}: verification against onnxruntime FAILED "
+                                    f"(max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g}"
+                                    + (f" at {dims})" if job.buckets else ")"), has_fp16_lookups(bound))
         result.verification = f"ok {check.max_abs_err:.1e}"
     else:
         result.verification = "skipped"
@@ -170,11 +177,12 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
     return result
 
 
-def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None) -> tvm.IRModule:
+def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None,
+                   fp16_lookups: bool = True) -> tvm.IRModule:
     """The imported model as decide and fuse see it: weights bound as constants, precision (fp16/bf16 kernels),
     then the weight layout (constant weights [N, K], read through a permute the kernel absorbs)."""
     bound = bind_params(imported.mod, imported.params)
-    return transpose_weights(to_compute_dtype(bound, dtype, io_dtype))
+    return transpose_weights(to_compute_dtype(bound, dtype, io_dtype, fp16_lookups))
 
 
 def _fuse_static(job_name: str, target, database, trials: int, rpc, say: Callable[[str], None]):

@@ -45,8 +45,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .interface import fp32_interface, is_cast, low_interface
-from .opmath import mutate_functions, opmath_fp32
 from .jobs import check_io_dtype, parse_dtype
+from .opmath import mutate_functions, opmath_fp32
 
 Const = tvm.ir.GenericConst
 FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
@@ -59,9 +59,10 @@ PASS = "relax.transform.ToMixedPrecision(out_dtype='float32')"
 FP32_ONLY_IN_BF16 = ("relax.nn.layer_norm", "relax.nn.group_norm", "relax.power")
 
 
-def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None) -> tvm.IRModule:
+def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None,
+                     fp16_lookups: bool = True) -> tvm.IRModule:
     """The module with its kernels computing in `dtype` (fp32 accumulation) and its float inputs and outputs in
-    `io_dtype` (None: float32, or `dtype` itself); fp32: unchanged."""
+    `io_dtype` (None: float32, or `dtype` itself); fp32: unchanged. `fp16_lookups`: see `_lookups_in_fp16`."""
     dtype = parse_dtype(dtype, "dtype")
     io_dtype = interface_dtype(dtype, io_dtype)
     if dtype == FLOAT32:
@@ -73,7 +74,7 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None)
     # them, so only ops applied to them directly still compute in fp32
     inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32
               and _static_shape(p)]
-    with _lookups_in_fp16(mod, dtype):
+    with _lookups_in_fp16(mod, dtype) if fp16_lookups else contextlib.nullcontext():
         mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
     mod = opmath_fp32(mod)
     mod = fp32_interface(mod, inputs)
@@ -107,6 +108,15 @@ def _lookups_in_fp16(mod: tvm.IRModule, dtype: str):
     finally:
         op.reset_attr("TMixedPrecisionPolicy")
         op.reset_attr("FInferMixedPrecision")
+
+
+def has_fp16_lookups(mod: tvm.IRModule) -> bool:
+    """Whether `main` (after to_compute_dtype) looks up a float table in fp16: the residual stream is fp16."""
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.take"
+                                    and str(getattr(e.ty, "dtype", "")) == FLOAT16 else None)
+    return bool(found)
 
 
 def _fp16_tables(func: relax.Function) -> bool:
@@ -173,7 +183,8 @@ def precision_info(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None) -
         ops = _op_dtypes(mod)
         info.update({"pass": PASS, "accumulation": FLOAT32,
                      "ops_in_compute_dtype": sum(1 for _, d in ops if d == dtype),
-                     "ops_in_float32": sum(1 for _, d in ops if d == FLOAT32)})
+                     "ops_in_float32": sum(1 for _, d in ops if d == FLOAT32),
+                     "residual_stream": FLOAT16 if has_fp16_lookups(mod) else "as the ops above (lookups in fp32)"})
     return info
 
 
