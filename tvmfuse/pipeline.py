@@ -160,7 +160,8 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         if not check.ok:
             raise VerificationError(f"{job.name}: verification against onnxruntime FAILED "
                                     f"(max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g}"
-                                    + (f" at {dims})" if job.buckets else ")"), has_fp16_lookups(bound))
+                                    + (f" at {dims})" if job.buckets else ")"),
+                                    job.fp16_lookups and has_fp16_lookups(bound))
         result.verification = f"ok {check.max_abs_err:.1e}"
     else:
         result.verification = "skipped"
