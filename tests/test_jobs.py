@@ -58,3 +58,12 @@ def test_jobs_file_io_dtype(tmp_path):
     path.write_text('[[model]]\npath = "a.onnx"\n')
     assert load_jobs(str(path), dtype="float16", io_dtype="float16")[0].io_dtype == "float16"
     assert load_jobs(str(path))[0].io_dtype == "float32"
+
+
+def test_job_names_its_dtype_the_way_the_verifier_keys_tolerances():
+    """A library caller's Job(dtype="fp16") verifies with the fp16 tolerance, not fp32's (bench/model_builds.py)."""
+    from tvmfuse.errors import JobError
+    from tvmfuse.jobs import Job
+    assert Job("m", None, dtype="fp16").dtype == "float16"
+    with pytest.raises(JobError, match="fp8"):
+        Job("m", None, dtype="fp8")

@@ -38,6 +38,9 @@ class Job:
     cuda_graph: bool = False  # cuda: replay static launch sequences as CUDA graphs (tvmfuse.build.compile_module)
     fp16_lookups: bool = True  # fp16: embedding lookups in fp16, the residual stream fp16 (tvmfuse.precision)
 
+    def __post_init__(self):
+        self.dtype = parse_dtype(self.dtype, "dtype")  # "fp16" from a library caller: the verifier's tolerance key
+
 
 def parse_shape(text: str) -> tuple[str, list[int]]:
     """`x=1,128,64` / `x=1x128x64` (an input) or `seq=128` (a symbolic dim) -> (name, dims)."""
