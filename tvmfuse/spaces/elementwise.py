@@ -38,18 +38,26 @@ def _single_injective_block(sch: s_tir.Schedule):
 
 def schedule_vectorized(sch: s_tir.Schedule) -> bool:
     """Schedule in place; False if the kernel is not one static injective block of 8-, 16- or 32-bit ints or
-    floats whose innermost extent splits into 16-byte vectors of the widest type it accesses."""
+    floats whose innermost extent splits into 16-byte vectors of the widest type it accesses. Reads that do not
+    move with the innermost index (a gather's int64 row ids: an embedding lookup) are not vector accesses."""
     got = _single_injective_block(sch)
     if got is None:
         return False
     block, doms = got
     stmt = sch.get(block)
-    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in list(stmt.reads) + list(stmt.writes)}
+    inner = stmt.iter_vars[-1].var  # reads that do not move with it (a gather's row ids) are loaded once per vector
+    moving = [r for r in stmt.reads if any(v.same_as(inner) for rng in r.region
+                                           for v in tirx.analysis.undefined_vars(rng.min))]
+    gather = len(moving) < len(stmt.reads)
+    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in moving + list(stmt.writes)}
     if any(d.type_code not in ALLOWED_CODES or d.bits not in (8, 16, 32) or d.lanes != 1 for d in dtypes):
         return False  # bool (no CUDA vector type: "Cannot convert type T.boolx16"), 64-bit or vector elements
     vec = 128 // max(d.bits for d in dtypes)  # 16 bytes of the widest type accessed
     total = math.prod(doms)
     if doms[-1] % vec != 0 or total < vec * THREADS:
+        return False
+    if gather and any(not isinstance(r.source.shape[-1], tirx.IntImm) or int(r.source.shape[-1]) % vec
+                      for r in moving):  # rows picked by an index: each must start on a whole vector
         return False
     loops = sch.get_loops(block)
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
