@@ -33,7 +33,8 @@ def is_hopper(target: tvm.target.Target) -> bool:
 
 def estimate_us(m: int, n: int, k: int, tile: WgmmaTile) -> float:
     """TILE_COSTS' estimate of an m x n x k GEMM with `tile`: waves of SMS CTAs, each k-steps x cost + fixed."""
-    waves = -(-(-(-m // tile.bm) * -(-n // tile.bn)) // SMS)
+    tiles = -(-m // tile.bm) * -(-n // tile.bn)
+    waves = -(-tiles // SMS)
     return waves * (-(-k // tile.bk) * TILE_COSTS[tile] + TILE_FIXED_US)
 
 

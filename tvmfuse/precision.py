@@ -112,24 +112,24 @@ def _lookups_in_fp16(mod: tvm.IRModule, dtype: str):
 
 def has_fp16_lookups(mod: tvm.IRModule) -> bool:
     """Whether `main` (after to_compute_dtype) looks up a float table in fp16: the residual stream is fp16."""
-    found = []
-    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.take"
-                                    and str(getattr(e.ty, "dtype", "")) == FLOAT16 else None)
-    return bool(found)
+    return any(str(getattr(t.ty, "dtype", "")) == FLOAT16 for t in _takes(mod["main"]))
 
 
 def _fp16_tables(func: relax.Function) -> bool:
     """Whether `func` has float32 `take`s and each reads a constant table within fp16's range."""
-    tables = []
-    relax.analysis.post_order_visit(func, lambda e: tables.append(e.args[0]) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.take"
-                                    and str(getattr(e.args[0].ty, "dtype", "")) == FLOAT32 else None)
+    tables = [t.args[0] for t in _takes(func) if str(getattr(t.args[0].ty, "dtype", "")) == FLOAT32]
     for table in tables:
         data = table.value.numpy() if isinstance(table, Const) else None
         if data is None or not np.isfinite(data).all() or np.abs(data).max(initial=0.0) > 65504.0:
             return False
     return bool(tables)
+
+
+def _takes(func: relax.Function) -> list[relax.Call]:
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) and e.op.name == "relax.take" else None)
+    return found
 
 
 def _static_shape(param) -> bool:
