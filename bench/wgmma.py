@@ -57,13 +57,18 @@ def _tile(kernel, spec):
     return WgmmaTile(bn=vals[-2], stages=vals[-1], bm=vals[0] if len(vals) == 3 else 128, dual=spec.endswith("d"))
 
 
+def _chosen(m, k, n):
+    """The product's tile at this shape (tvmfuse.hopper.choose_tile) as a tile spec, or None."""
+    from tvmfuse.hopper import choose_tile
+    t = choose_tile(m, n, k)
+    return t and f"{t.bm}x{t.bn}x{t.stages}" + ("d" if t.dual else "")
+
+
 def _case_tiles(kernel, tiles, m, k, n):
     """The tiles to measure at one shape: the given ones, and with --tiles auto the product's choice too."""
     if tiles != ["auto"]:
         return tiles
-    from tvmfuse.hopper import choose_tile
-    t = choose_tile(m, n, k)
-    return list(dict.fromkeys(PREFILL_TILES + ((f"{t.bm}x{t.bn}x{t.stages}",) if t else ())))
+    return list(dict.fromkeys(PREFILL_TILES + tuple(filter(None, [_chosen(m, k, n)]))))
 
 
 def precompile(mods) -> float:
@@ -140,7 +145,7 @@ def main():
         ref_fn = (lambda x2=x2, w=w, b=b: F.gelu(F.linear(x2, w, b))) if gelu else (lambda x2=x2, w=w: F.linear(x2, w))
         ref = ref_fn().float()
         case = res["cases"][name] = {"m": m, "k": k, "n": n, "epilogue": "bias+gelu" if gelu else "none",
-                                     "chosen": _case_tiles(opts.kernel, tiles, m, k, n)[-1] if tiles == ["auto"] else None,
+                                     "chosen": _chosen(m, k, n) if opts.kernel == "wgmma" else None,
                                      "gflop": 2 * m * n * k / 1e9, "torch_us": torch_time(ref_fn), "tiles": []}
         for (jm, jk, jn, _, spec, _), (lib, err) in zip(jobs, built):
             if (jm, jk, jn) != (m, k, n):
