@@ -51,21 +51,26 @@ PREFILL_TILES = ("128x256x4", "128x192x4", "128x176x4", "128x160x4", "128x144x4"
 def _tile(kernel, spec):
     from tvmfuse.kernels.mma_smallm import SmallMTile
     from tvmfuse.kernels.wgmma_gemm import WgmmaTile
+    spec, _, group = spec.partition("g")  # "128x176x4g4": groups of 4 row tiles, rows fastest (g1: columns)
     vals = [int(v) for v in spec.rstrip("d").split("x")]
     if kernel == "smallm":
         return SmallMTile(*vals)
-    return WgmmaTile(bn=vals[-2], stages=vals[-1], bm=vals[0] if len(vals) == 3 else 128, dual=spec.endswith("d"))
+    return WgmmaTile(bn=vals[-2], stages=vals[-1], bm=vals[0] if len(vals) == 3 else 128, dual=spec.endswith("d"),
+                     group_m=int(group) if group else WgmmaTile.group_m)
 
 
 def _chosen(m, k, n):
     """The product's tile at this shape (tvmfuse.hopper.choose_tile) as a tile spec, or None."""
     from tvmfuse.hopper import choose_tile
     t = choose_tile(m, n, k)
-    return t and f"{t.bm}x{t.bn}x{t.stages}" + ("d" if t.dual else "")
+    return t and f"{t.bm}x{t.bn}x{t.stages}" + ("d" if t.dual else "") + f"g{t.group_m}"
 
 
-def _case_tiles(kernel, tiles, m, k, n):
-    """The tiles to measure at one shape: the given ones, and with --tiles auto the product's choice too."""
+def _case_tiles(kernel, tiles, m, k, n, groups=(1,)):
+    """The tiles to measure at one shape: the given ones; with --tiles auto the product's choice too; with --tiles
+    chosen the product's choice alone, in each CTA order of `groups` (the row-tile groups of WgmmaTile.group_m)."""
+    if tiles == ["chosen"]:
+        return [_chosen(m, k, n).split("g")[0] + f"g{g}" for g in groups]
     if tiles != ["auto"]:
         return tiles
     return list(dict.fromkeys(PREFILL_TILES + tuple(filter(None, [_chosen(m, k, n)]))))
@@ -120,7 +125,8 @@ def main():
     p.add_argument("--cases", nargs="*", help="case names (default: all)")
     p.add_argument("--kernel", choices=("wgmma", "smallm"), default="wgmma")
     p.add_argument("--tiles", nargs="*", help=f"tiles (default: {TILES} / {SMALL_TILES}); auto: {PREFILL_TILES} "
-                   "and the product's choice (tvmfuse.hopper.choose_tile) per shape")
+                   "and the product's choice (tvmfuse.hopper.choose_tile) per shape; chosen: that choice alone (see --groups)")
+    p.add_argument("--groups", nargs="*", type=int, default=[1], help="with --tiles chosen: row-tile groups to measure")
     p.add_argument("--prefill", action="store_true", help="the GPT-2 / Llama prefill projections (PREFILL_CASES)")
     opts = p.parse_args()
     tiles = opts.tiles or list(SMALL_TILES if opts.kernel == "smallm" else TILES)
@@ -132,7 +138,7 @@ def main():
     table = SMALL_CASES if opts.kernel == "smallm" else PREFILL_CASES if opts.prefill else CASES
     cases = [c for c in table if not opts.cases or c[0] in opts.cases]
     jobs = [(m, k, n, gelu, spec, None) for name, m, k, n, gelu in cases
-            for spec in _case_tiles(opts.kernel, tiles, m, k, n)]
+            for spec in _case_tiles(opts.kernel, tiles, m, k, n, opts.groups)]
     t = time.time()
     built = [_build(opts.kernel, job) for job in jobs]  # in this process: a forked build pool broke CUDA init (run 1)
     log(f"{len(jobs)} kernels built in {time.time() - t:.0f} s; nvcc {precompile([b[0] for b in built]):.0f} s")

@@ -25,7 +25,7 @@ from tvmfuse.hopper import (
     gemm_kernel_from_fused,
 )
 from tvmfuse.kernels.mma_smallm import SmallMTile, check_smallm_shape
-from tvmfuse.kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape
+from tvmfuse.kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape, tile_of
 from tvmfuse.targets import resolve_target
 
 
@@ -221,6 +221,15 @@ def test_small_m_kernel_matches_numpy_on_the_gpu(rows, batch, k, n):
     got = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w, b)]).numpy().astype("float32")
     want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n,group", [(4, 63, 1), (4, 63, 4), (16, 43, 8), (5, 7, 2), (3, 5, 8)])
+def test_cta_order_covers_every_tile_once_rows_fastest_in_groups(tiles_m, tiles_n, group):
+    group = min(group, tiles_m)  # as wgmma_kernel clamps it
+    order = [tile_of(bid, tiles_m, tiles_n, group) for bid in range(tiles_m * tiles_n)]
+    assert sorted(order) == [(x, y) for x in range(tiles_n) for y in range(tiles_m)]
+    first = order[:group]  # the first CTAs: one column tile (one B tile), consecutive row tiles
+    assert [x for x, _ in first] == [0] * group and [y for _, y in first] == list(range(group))
 
 
 @pytest.mark.gpu
