@@ -1,11 +1,18 @@
-"""Integer powers legalize to products: exact for negative bases, where CUDA's fast-math powf is NaN."""
+"""Legalization overrides: integer powers as products, last-axis concatenations that CUDA can vectorize."""
+
+import re
 
 import numpy as np
+import onnx
 import pytest
 import tvm
+from checks import cuda_sources
+from onnx import TensorProto, helper
 from tvm import relax
 
+from tvmfuse import fuse
 from tvmfuse.fuse import lower
+from tvmfuse.importer import import_model
 from tvmfuse.targets import resolve_target
 
 
@@ -63,3 +70,129 @@ def test_power_with_a_parameter_exponent_is_right_for_negative_bases():
         got = vm["main"](tvm.runtime.tensor(xs), tvm.runtime.tensor(np.array(exponent, "float32"))).numpy()
         want = xs ** exponent if exponent != 0.5 else np.abs(xs) ** 0.5
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _concat_module(widths, dtype="float32", outer=(2, 3)):
+    """concat of parts [*outer, w] on the last axis."""
+    bb = relax.BlockBuilder()
+    parts = [relax.Var(f"p{i}", relax.TensorType((*outer, w), dtype)) for i, w in enumerate(widths)]
+    with bb.function("main", parts):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.concat(parts, axis=-1))
+        bb.emit_func_output(out)
+    return lower(bb.get(), patterns=[]).mod
+
+
+def _rotate_half_module(shape, dtype="float32", with_rope=False):
+    """concat(-x[..., d/2:], x[..., :d/2], axis=-1) (Llama's rotate_half), and with `with_rope` x*cos + that*sin."""
+    bb = relax.BlockBuilder()
+    x, cos, sin = (relax.Var(n, relax.TensorType(shape, dtype)) for n in ("x", "cos", "sin"))
+    half, d = shape[-1] // 2, shape[-1]
+    with bb.function("main", [x, cos, sin] if with_rope else [x]):
+        with bb.dataflow():
+            hi = bb.emit(relax.op.negative(relax.op.strided_slice(x, [len(shape) - 1], [half], [d])))
+            rot = bb.emit(relax.op.concat([hi, relax.op.strided_slice(x, [len(shape) - 1], [0], [half])], axis=-1))
+            if with_rope:
+                rot = relax.op.add(relax.op.multiply(x, cos), relax.op.multiply(rot, sin))
+            out = bb.emit_output(rot)
+        bb.emit_func_output(out)
+    return lower(bb.get(), patterns=[]).mod
+
+
+def _picks_by_start(mod) -> bool:
+    """TVM's own concat legalization: `T.if_then_else(start <= j, ...)` (ours: `j < end`)."""
+    return re.search(r"if_then_else\(T\.int64\(\d+\) <= ", _kernel_source(mod)) is not None
+
+
+def _run_llvm(mod, *arrays):
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in arrays]).numpy()
+
+
+@pytest.mark.parametrize("widths,dtype,ours", [
+    ((8, 4, 12), "float32", True),     # g = 4 fp32 lanes: every width a multiple
+    ((16, 0, 8, 24), "float16", True),  # g = 8 fp16 lanes; a zero-width part
+    ((8, 5), "float32", False),         # 5 is not a multiple of 4: TVM's legalization
+    ((12, 4), "float16", False),        # 12 is not a multiple of 8
+])
+def test_last_axis_concat_is_exact(widths, dtype, ours):
+    mod = _concat_module(widths, dtype)
+    assert _picks_by_start(mod) is not ours
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((2, 3, w)).astype(dtype) for w in widths]
+    np.testing.assert_array_equal(_run_llvm(mod, *parts), np.concatenate(parts, axis=-1))
+
+
+def test_other_axes_keep_tvm_concat():
+    bb = relax.BlockBuilder()
+    a, b = relax.Var("a", relax.TensorType((8, 16), "float32")), relax.Var("b", relax.TensorType((8, 16), "float32"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.concat([a, b], axis=0))
+        bb.emit_func_output(out)
+    mod = lower(bb.get(), patterns=[]).mod
+    assert _picks_by_start(mod)
+    x, y = np.ones((8, 16), "float32"), np.zeros((8, 16), "float32")
+    np.testing.assert_array_equal(_run_llvm(mod, x, y), np.concatenate([x, y]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rotate_half_is_exact(dtype):
+    mod = _rotate_half_module((2, 3, 4, 32), dtype)
+    assert not _picks_by_start(mod)
+    x = np.random.default_rng(1).standard_normal((2, 3, 4, 32)).astype(dtype)
+    np.testing.assert_array_equal(_run_llvm(mod, x), np.concatenate([-x[..., 16:], x[..., :16]], axis=-1))
+
+
+def test_onnx_rotary_embedding_matches_numpy():
+    """The ONNX rotary embedding (Slice, Neg, Concat, Mul, Add) with the whole pattern table: the concat inside the
+    fused rotary kernel is ours too."""
+    n = helper.make_node
+    i64 = lambda name, v: helper.make_tensor(name, TensorProto.INT64, [1], [v])  # noqa: E731
+    nodes = [n("Slice", ["x", "mid", "end", "ax"], ["hi"]), n("Neg", ["hi"], ["nhi"]),
+             n("Slice", ["x", "zero", "mid", "ax"], ["lo"]), n("Concat", ["nhi", "lo"], ["rot"], axis=-1),
+             n("Mul", ["x", "cos"], ["xc"]), n("Mul", ["rot", "sin"], ["rs"]), n("Add", ["xc", "rs"], ["y"])]
+    shape = [1, 2, 8, 32]
+    graph = helper.make_graph(nodes, "rope", [helper.make_tensor_value_info(v, TensorProto.FLOAT, s) for v, s in
+                                              (("x", shape), ("cos", shape[2:]), ("sin", shape[2:]))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+                              [i64("mid", 16), i64("end", 32), i64("zero", 0), i64("ax", -1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+    onnx.checker.check_model(model)
+    imp = import_model(model, {})
+    mod = lower(imp.mod, imp.params).mod
+    assert not _picks_by_start(mod)
+    rng = np.random.default_rng(2)
+    x, cos, sin = (rng.standard_normal(s).astype("float32") for s in (shape, shape[2:], shape[2:]))
+    want = x * cos + np.concatenate([-x[..., 16:], x[..., :16]], axis=-1) * sin
+    np.testing.assert_allclose(_run_llvm(mod, x, cos, sin), want, rtol=1e-6, atol=1e-6)
+
+
+def _rope_cuda_source(mod) -> str:
+    from tvmfuse.build import apply_default_schedules, compile_module
+
+    target = resolve_target("cuda")
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, target), target))
+    return src
+
+
+def test_cuda_rope_moves_16_byte_vectors(monkeypatch):
+    """The fused rope kernel (slices, negative, concat, multiply, add; fp16, d = 128) picks the concat part once per
+    8-lane vector: 16-byte loads of x (both halves) and a 16-byte store, no loop over the lanes. TVM's own
+    legalization (`64 <= j`) ran the lanes as a loop of 2-byte accesses."""
+    mod = _rotate_half_module((1, 4, 64, 128), "float16", with_rope=True)
+    src = _rope_cuda_source(mod)
+    assert src.count("__global__") == 2  # one kernel
+    assert src.count("*(uint4*)(x_ptr") == 3  # x, x[j + 64] for the negated half, x[j - 64]
+    assert "*(uint4*)(T_add_intermediate_ptr" in src
+    assert not re.search(r"for \(int \w+_s = 0; \w+_s < 8;", src)
+
+    monkeypatch.setattr(fuse, "LEGALIZE", {k: v for k, v in fuse.LEGALIZE.items() if k != "relax.concat"})
+    stock = _rope_cuda_source(_rotate_half_module((1, 4, 64, 128), "float16", with_rope=True))
+    assert re.search(r"for \(int \w+_s = 0; \w+_s < 8;", stock) and "uint4" not in stock
+
+
+def test_cuda_three_part_fp32_concat_moves_16_byte_vectors():
+    src = _rope_cuda_source(_concat_module((32, 64, 32), "float32", outer=(64,)))
+    assert src.count("*(float4*)(p") == 3 and "*(float4*)(T_concat" in src
+    assert not re.search(r"for \(int \w+_s = 0; \w+_s < 4;", src)
