@@ -108,6 +108,16 @@ def test_embedding_lookup_moves_whole_rows_16_bytes_at_a_time():
     assert not isinstance(rule, VectorizedInjective)
 
 
+@pytest.mark.parametrize("vocab,hidden,rows", [(30522, 768, 16), (256, 4096, 512), (128, 72, 40)])
+def test_lookup_compiles_with_one_scalar_id_per_vector(vocab, hidden, rows):
+    """Rows whose length divides no block of vectors (BERT's 768: 2048 elements per block) still read one scalar
+    id per vector: fusing every loop before splitting made the ids an int64x8 vector, and CUDA codegen failed
+    ("type_name.empty()") for BERT decode-16 and prefill on the H200 (bench/results/models_run18.json)."""
+    cuda = resolve_target("cuda")
+    (src,) = cuda_sources(compile_module(apply_default_schedules(_lookup(vocab, hidden, rows), cuda), cuda))
+    assert src.count("*(uint4*)") == 2 and "ids_ptr[" in src and "longlong" not in src
+
+
 @T.prim_func(private=True, s_tir=True)
 def _first_columns_of_picked_rows(table: T.Buffer((256, 4100), "float16"), ids: T.Buffer((512,), "int64"),
                                   out: T.Buffer((512, 4096), "float16")):

@@ -59,9 +59,14 @@ def schedule_vectorized(sch: s_tir.Schedule) -> bool:
     if gather and any(not isinstance(r.source.shape[-1], tirx.IntImm) or int(r.source.shape[-1]) % vec
                       for r in moving):  # rows picked by an index: each must start on a whole vector
         return False
-    loops = sch.get_loops(block)
-    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-    bx, tx, v = sch.split(fused, [None, THREADS, vec])
+    # the vector is the innermost axis' last `vec` elements (the same order as splitting all loops fused): outer
+    # indices do not depend on the lane, so a gather's row id is one scalar load (fused-then-split made BERT's
+    # lookup ids [16, 1] an int64x8 vector, which CUDA codegen has no type for: the row length, 768, divides no
+    # power of two the simplifier could see)
+    *outer, inner = sch.get_loops(block)
+    inner, v = sch.split(inner, [None, vec])
+    fused = sch.fuse(*outer, inner) if outer else inner
+    bx, tx = sch.split(fused, [None, THREADS])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     sch.vectorize(v)
