@@ -50,7 +50,7 @@ PREFILL_TILES = ("128x256x4", "128x192x4", "128x176x4", "128x160x4", "128x144x4"
 
 def _tile(kernel, spec):
     from tvmfuse.kernels.mma_smallm import SmallMTile
-    from tvmfuse.kernels.wgmma_gemm import WgmmaTile
+    from tvmfuse.kernels.wgmma_tile import WgmmaTile
     spec, _, group = spec.partition("g")  # "128x176x4g4": groups of 4 row tiles, rows fastest (g1: columns)
     vals = [int(v) for v in spec.rstrip("d").split("x")]
     if kernel == "smallm":
@@ -106,7 +106,7 @@ def _build(kernel, job):
 
     from tvmfuse.kernels.gemm_bench import hopper_target, make_wgmma_gemm
     from tvmfuse.kernels.mma_smallm import check_smallm_shape, make_smallm_gemm
-    from tvmfuse.kernels.wgmma_gemm import check_wgmma_shape
+    from tvmfuse.kernels.wgmma_tile import check_wgmma_shape
     check, make = (check_smallm_shape, make_smallm_gemm) if kernel == "smallm" else (check_wgmma_shape, make_wgmma_gemm)
     tile = _tile(kernel, spec)
     why = check(m, n, k, tile)

@@ -25,7 +25,8 @@ from tvmfuse.hopper import (
     gemm_kernel_from_fused,
 )
 from tvmfuse.kernels.mma_smallm import SmallMTile, check_smallm_shape
-from tvmfuse.kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape, tile_of
+from tvmfuse.kernels.wgmma_gemm import TIRX_ATTR
+from tvmfuse.kernels.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
 from tvmfuse.targets import resolve_target
 
 

@@ -10,7 +10,8 @@ from tvm import tirx
 from .gemm_analysis import analyze_gemm, epilogue
 from .kernels.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, smallm_kernel
 from .kernels.row_kernel import row_kernel_from_fused
-from .kernels.wgmma_gemm import TIRX_ATTR, WgmmaTile, check_wgmma_shape, wgmma_kernel
+from .kernels.wgmma_gemm import TIRX_ATTR, wgmma_kernel
+from .kernels.wgmma_tile import WgmmaTile, check_wgmma_shape
 
 #: microseconds one CTA of each tile spends per 64-deep k-step on the H200, and per tile besides (pipeline fill,
 #: epilogue): fitted to bench/results/wgmma_run4.json and wgmma_run5.json (17 GPT-2 / Llama prefill projections,

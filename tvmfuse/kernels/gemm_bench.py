@@ -5,7 +5,8 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from .wgmma_gemm import WgmmaTile, wgmma_kernel
+from .wgmma_gemm import wgmma_kernel
+from .wgmma_tile import WgmmaTile
 
 #: epilogues the benchmark kernel applies to each fp32 accumulator before the fp16 store
 EPILOGUES = ("none", "bias", "bias_gelu")

@@ -1,0 +1,57 @@
+"""Configurations of the Hopper GEMM kernel (`wgmma_gemm.py`): tiles, the shapes each takes, the order CTAs walk tiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WgmmaTile:
+    """One kernel configuration: a CTA of one loading warpgroup and bm / 64 computing warpgroups (each 64 rows)
+    makes bm x bn, K in 64s through a ring of `stages` shared-memory stages."""
+
+    bn: int = 128
+    stages: int = 4
+    bm: int = 128
+    #: two accumulator sets, even and odd k-tiles: one wgmma group stays in flight while the next is issued, and no
+    #: group ever accumulates into registers another in-flight group writes (bn <= 128: twice the registers)
+    dual: bool = False
+    #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
+    #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
+    #: prefill projections 10% faster in all than 1 (4: 8%), the wide ones most: 2048x50257x768 410 -> 334 µs,
+    #: 512x11008x4096 86 -> 77 (bench/results/wgmma_run6.json)
+    group_m: int = 16
+
+    @property
+    def bk(self) -> int:
+        return 64
+
+    @property
+    def consumers(self) -> int:
+        return self.bm // 64
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.bm + self.bn) * self.bk * 2
+
+
+def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
+    """Why this kernel cannot compute an m x n x k GEMM with `tile`, or None when it can. Sizes need not be
+    multiples of the tile: TMA fills rows and columns past the end with zeros and the stores are guarded."""
+    if m < tile.bm:
+        return f"M={m} is below one {tile.bm}-row tile (small M: the GEMV schedules)"
+    if k % 8:
+        return f"K={k} is not a multiple of 8 (TMA needs 16-byte row strides)"
+    if tile.bm not in (64, 128) or tile.bn % 16 or not 64 <= tile.bn <= 256 or tile.stages < 2:
+        return f"unsupported tile {tile}"
+    if tile.dual and tile.bn > 128:
+        return f"tile {tile}: two accumulator sets of m64n{tile.bn} do not fit the registers"
+    if tile.smem_bytes > 200 * 1024:
+        return f"tile {tile} needs {tile.smem_bytes} bytes of shared memory"
+    return None
+
+
+def tile_of(bid, tiles_m: int, tiles_n: int, group: int, minimum=min):
+    """(column tile, row tile) of CTA `bid`: groups of `group` row tiles, rows fastest within a group."""
+    rows = group if tiles_m % group == 0 else minimum(tiles_m - bid // (group * tiles_n) * group, group)
+    return bid % (group * tiles_n) // rows, bid // (group * tiles_n) * group + bid % (group * tiles_n) % rows
