@@ -49,7 +49,8 @@ def space_for(func: tirx.PrimFunc, target: tvm.target.Target) -> ms.space_genera
         if len(spaces) == 1:
             return spaces[0]
         kind = "cuda-tensorcore" if tensor_cores else "cuda"  # tuning picks among the sketches
-        return ms.space_generator.SpaceGeneratorUnion(spaces, sch_rules=[], postprocs=kind, mutator_probs=kind)
+        posts = gemm.postprocs() if tensor_cores else kind  # a union's postprocs are the ones tuning applies
+        return ms.space_generator.SpaceGeneratorUnion(spaces, sch_rules=[], postprocs=posts, mutator_probs=kind)
     if kind == "gemm":
         if not tcgemm.applies(func):
             return gemm.space()

@@ -1,11 +1,13 @@
-"""Design space for GEMM with an elementwise epilogue on tensor cores: MetaSchedule's tensor-core sketches (wmma with the epilogue fused through shared memory; mma.sync m16n8k8 with fp32 accumulation, ldmatrix and cp.async software pipelining, whose epilogue runs as a second kernel) and the build config they need."""
+"""Design space for GEMM with an elementwise epilogue on tensor cores: MetaSchedule's tensor-core sketches (wmma with the epilogue fused through static shared memory; mma.sync m16n8k8 with fp32 accumulation, ldmatrix and cp.async software pipelining, whose epilogue runs as a second kernel) with the postprocessors and build config they need."""
 
 from __future__ import annotations
 
+import tvm
+from tvm import s_tir
+from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.postproc import PyPostproc
 from tvm.s_tir.meta_schedule.schedule_rule import PyScheduleRule
-from tvm.ir.utils import derived_object
 
 #: the pass configs a tensor-core candidate needs at build time: cp.async for the pipelined copies
 BUILD_CONFIG = {"tirx.use_async_copy": True}
@@ -62,8 +64,6 @@ class VerifyGPUCodeDynamicSmem(PyPostproc):
         self.inner = None
 
     def _initialize_with_tune_context(self, context) -> None:
-        import tvm  # pylint: disable=import-outside-toplevel
-
         arch = str(context.target.attrs.get("arch", ""))
         limit = DYNAMIC_SMEM.get(arch.rstrip("a"))
         target = context.target
@@ -80,10 +80,56 @@ class VerifyGPUCodeDynamicSmem(PyPostproc):
         return VerifyGPUCodeDynamicSmem()
 
 
+#: TVM 0.27's s_tir lowering pipeline up to LowerOpaqueBlock (buffers compacted, permuted layouts injected)
+LOWER_PASSES = ("CanonicalizeLoop", "LowerCrossThreadReduction", "LowerInitBlock",
+                "PlanAndUpdateBufferAllocationLocation", "ConvertBlocksToOpaque", "LiftThreadBinding",
+                "ManifestSharedMemoryLocalStage", "CompactBufferAllocation", "LowerAutoCopy", "UnifyThreadBinding",
+                "LowerMatchBuffer", "StmtSimplify", "InjectPermutedLayout", "AnnotateIrregularLoop",
+                "InjectSoftwarePipeline", "TransformMmaBufferLayout", "LowerOpaqueBlock")
+
+
+@derived_object
+class VerifyBuildable(PyPostproc):
+    """Reject the candidates the stock postprocs pass but the build refuses, found by lowering through
+    `LOWER_PASSES` (~10 ms a candidate): mma tiles InjectPermutedLayout cannot swizzle (fp16 rows not a multiple of
+    32 elements, e.g. a K tile of 16: "Permuted SLayout ... not divisible by 32"), and static shared memory over
+    48 KB (the `wmma_rule` write-back tile, where `VerifyGPUCodeDynamicSmem` allows more in all)."""
+
+    def _initialize_with_tune_context(self, context) -> None:
+        pass
+
+    def apply(self, sch) -> bool:
+        try:
+            low = tvm.transform.Sequential([getattr(s_tir.transform, name)() for name in LOWER_PASSES])(sch.mod)
+        except Exception:  # noqa: BLE001  (what the build would raise)
+            return False
+        sizes = s_tir.analysis.calculate_allocated_bytes(low).values()
+        return all(int(by_scope.get("shared", 0)) <= 48 * 1024 for by_scope in sizes)
+
+    def clone(self):
+        return VerifyBuildable()
+
+
+def postprocs() -> list:
+    """The "cuda-tensorcore" postprocessors and `VerifyBuildable`: the postprocs of a union with these sketches."""
+    import tvm.s_tir.tensor_intrin  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
+
+    return list(ms.Postproc.create("cuda-tensorcore")) + [VerifyBuildable()]
+
+
 def tensorcore_postprocs() -> list:
-    """The "cuda-tensorcore" postprocessors with `VerifyGPUCodeDynamicSmem` in VerifyGPUCode's place."""
-    return [VerifyGPUCodeDynamicSmem() if type(p).__name__ == "VerifyGPUCode" else p
-            for p in ms.Postproc.create("cuda-tensorcore")]
+    """`postprocs` with `VerifyGPUCodeDynamicSmem` in VerifyGPUCode's place."""
+    return [VerifyGPUCodeDynamicSmem() if type(p).__name__ == "VerifyGPUCode" else p for p in postprocs()]
+
+
+def _tiling(groups, reuse_write, pipeline: bool) -> ms.ScheduleRule:
+    """MultiLevelTilingTensorCore as the "cuda-tensorcore" rules configure it."""
+    R = ms.schedule_rule
+    return R.MultiLevelTilingTensorCore(
+        intrin_groups=groups, structure="SSSRRSRS", tile_binds=["blockIdx.y", "blockIdx.x", "threadIdx.y"],
+        max_innermost_factor=4, vector_load_lens=[1, 2, 3, 4, 8, 16],
+        reuse_read=R.ReuseType(req="must", levels=[4], scope="shared.dyn"), reuse_write=reuse_write,
+        use_software_pipeline=pipeline)
 
 
 def mma_rule() -> ms.ScheduleRule:
@@ -95,11 +141,7 @@ def mma_rule() -> ms.ScheduleRule:
                "store": "mma_store_m16n8k8_f32_global"}
     mma_f16 = {**mma_f32, "init": "mma_init_m16n8k8_f16", "compute": "mma_sync_m16n8k8_f16f16f16",
                "store": "mma_store_m16n8k8_f16_global"}
-    return R.MultiLevelTilingTensorCore(
-        intrin_groups=[mma_f32, mma_f16], structure="SSSRRSRS", tile_binds=["blockIdx.y", "blockIdx.x", "threadIdx.y"],
-        max_innermost_factor=4, vector_load_lens=[1, 2, 3, 4, 8, 16],
-        reuse_read=R.ReuseType(req="must", levels=[4], scope="shared.dyn"),
-        reuse_write=R.ReuseType(req="no", levels=[2], scope="shared.dyn"), use_software_pipeline=True)
+    return _tiling([mma_f32, mma_f16], R.ReuseType(req="no", levels=[2], scope="shared.dyn"), pipeline=True)
 
 
 def mma_space():
@@ -114,20 +156,38 @@ def mma_space():
                                              mutator_probs="cuda-tensorcore")
 
 
-def space():
-    """The stock "cuda-tensorcore" sketches (wmma, epilogue fused) and the mma sketch; tuning picks."""
+def wmma_rule() -> ms.ScheduleRule:
+    """The stock wmma tiling ("cuda-tensorcore"'s first rule, fp16 operands) with the accumulator tile written back
+    through static "shared" memory, not "shared.dyn": in TVM 0.27 StorageRewrite may put the fp32 write-back tile
+    in a dead fp16 "shared.dyn" operand tile and point store_matrix_sync's tvm_access_ptr(float32) at the fp16
+    buffer, which LowerIntrin refuses ("element type must match the source buffer"). Alone in static shared memory
+    the tile shares with nothing."""
+    groups = [{"init": f"wmma_fill_16x16x16_{acc}", "load_a": "wmma_load_16x16x16_f16_a_shared_dyn",
+               "load_b": f"wmma_load_16x16x16_f16_b{tr}_shared_dyn", "compute": f"wmma_sync_16x16x16_f16f16{acc}{tr}",
+               "store": f"wmma_store_16x16x16_{acc}_shared"} for acc in ("f32", "f16") for tr in ("", "_trans")]
+    return _tiling(groups, ms.schedule_rule.ReuseType(req="must", levels=[2], scope="shared"), pipeline=False)
+
+
+def wmma_space():
+    """The stock "cuda-tensorcore" sketches (wmma, epilogue fused into the write-back) with `wmma_rule`."""
     import tvm.s_tir.tensor_intrin  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
 
-    stock = ms.space_generator.PostOrderApply(sch_rules="cuda-tensorcore", postprocs="cuda-tensorcore",
-                                              mutator_probs="cuda-tensorcore")
-    return ms.space_generator.SpaceGeneratorUnion([stock, mma_space()], sch_rules=[], postprocs="cuda-tensorcore",
+    rules = list(ms.ScheduleRule.create("cuda-tensorcore"))
+    at = [type(r).__name__ for r in rules].index("MultiLevelTilingTensorCore")
+    rules[at] = wmma_rule()
+    return ms.space_generator.PostOrderApply(sch_rules=rules, postprocs="cuda-tensorcore",
+                                             mutator_probs="cuda-tensorcore")
+
+
+def space():
+    """The wmma sketches (`wmma_space`) and the mma sketch; tuning picks."""
+    return ms.space_generator.SpaceGeneratorUnion([wmma_space(), mma_space()], sch_rules=[], postprocs=postprocs(),
                                                   mutator_probs="cuda-tensorcore")
 
 
 def sample_schedule(func, target, seed: int = 1, tiles=None, verify: bool = True, space_gen=None):
     """One schedule of the mma sketch for `func` (IRModule, or None if a postproc rejects it): replayed with random
     decisions, or with the tile decisions `tiles` ([m factors], [n factors], [k factors]) where given."""
-    import tvm  # pylint: disable=import-outside-toplevel
     from tvm.s_tir.schedule import Trace  # pylint: disable=import-outside-toplevel
 
     mod = tvm.IRModule({"main": func})
@@ -143,7 +203,7 @@ def sample_schedule(func, target, seed: int = 1, tiles=None, verify: bool = True
         decisions = dict(zip(insts, tiles))
     sch = tvm.s_tir.Schedule(mod, seed=seed)
     Trace(trace.insts, decisions).apply_to_schedule(sch, remove_postproc=True)
-    for post in ms.Postproc.create("cuda-tensorcore"):
+    for post in postprocs():
         post._initialize_with_tune_context(ctx)  # pylint: disable=protected-access
         if not verify and type(post).__name__ == "VerifyGPUCode":
             continue
