@@ -94,6 +94,7 @@ def _bad_inputs(tmp):
     onnx.save(onnx_models.with_op("NoSuchOp"), tmp / "unknownop.onnx")
     (tmp / "typo.toml").write_text('[[model]]\npath = "good.onnx"\ntrails = 4\n')
     (tmp / "escape.toml").write_text('[[model]]\nname = "../../etc/x"\npath = "good.onnx"\n')
+    (tmp / "tol.toml").write_text('[[model]]\npath = "good.onnx"\ntolerance = [0.01, -1]\n')
     return {
         "missing": ([str(tmp / "missing.onnx")], "no such file"),
         "empty": ([str(tmp / "empty.onnx")], "empty file"),
@@ -109,6 +110,13 @@ def _bad_inputs(tmp):
         "io dtype fp16 on fp32": ([str(good), "--io-dtype", "fp16"],
                                   "--io-dtype float16 does not fit compute dtype float32"),
         "io dtype unknown": ([str(good), "--io-dtype", "fp8"], "--io-dtype 'fp8' is not supported"),
+        "tolerance one value": ([str(good), "--tolerance", "0.01"],
+                                "--tolerance '0.01': expected ATOL,RTOL (two numbers), e.g. --tolerance 0.02,0.02"),
+        "tolerance not numbers": ([str(good), "--tolerance", "a,b"], "--tolerance 'a,b': expected ATOL,RTOL"),
+        "tolerance negative": ([str(good), "--tolerance=-1,0"], "--tolerance '-1,0': atol -1 must be a finite number"),
+        "tolerance nan": ([str(good), "--tolerance", "0.01,nan"], "rtol nan must be a finite number >= 0"),
+        "tolerance in jobs file": (["--jobs", str(tmp / "tol.toml")],
+                                   "model #1: tolerance [0.01, -1]: rtol -1 must be a finite number >= 0"),
     }
 
 
@@ -166,3 +174,49 @@ def test_cuda_target_without_gpu_needs_trials_0(tmp_path, capsys):
     export = tmp_path / "o" / "tiny-block-cuda-sm_90a"
     assert json.loads((export / "manifest.json").read_text())["cuda_graph"] is True
     assert b"vm.builtin.cuda_graph.run_or_capture" in (export / "model.so").read_bytes()
+
+
+def test_tolerance_reaches_every_job_and_a_jobs_file_overrides_it(tmp_path):
+    from tvmfuse.cli import collect_jobs, parser
+
+    (tmp_path / "jobs.toml").write_text('[[model]]\npath = "a.onnx"\n[[model]]\npath = "b.onnx"\n'
+                                        'tolerance = [0.5, 0]\n')
+    args = parser().parse_args(["--target", "llvm", "m.onnx", "--jobs", str(tmp_path / "jobs.toml"),
+                                "--tolerance", "0.02,0.03"])
+    assert [(j.name, j.tolerance) for j in collect_jobs(args)] == [("m", (0.02, 0.03)), ("a", (0.02, 0.03)),
+                                                                   ("b", (0.5, 0.0))]
+    assert collect_jobs(parser().parse_args(["--target", "llvm"]))[0].tolerance is None  # the dtype defaults
+
+
+def test_user_tolerance_is_used_and_reported_in_the_manifest(tmp_path):
+    onnx.save(onnx_models.layer_norm_gelu(), tmp_path / "m.onnx")
+    code = main(["--target", "llvm", "--trials", "0", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"),
+                 str(tmp_path / "m.onnx"), "--tolerance", "0.5,0.25"])
+    assert code == 0
+    check = json.loads((tmp_path / "o" / "m-llvm" / "manifest.json").read_text())["verification"]
+    assert check["status"] == "passed"
+    assert check["tolerance"] == {"float32": {"atol": 0.5, "rtol": 0.25, "set_by": "user"}}
+
+
+@pytest.mark.parametrize("extra, applied", [
+    ([], "tolerance atol=0.0001 rtol=0.0001 for float32 outputs"),
+    (["--tolerance", "0.001,0"], "tolerance atol=0.001 rtol=0 (user-set) for float32 outputs"),
+])
+def test_failed_verification_says_the_tolerance_and_how_to_change_it(tmp_path, monkeypatch, capsys, extra, applied):
+    from tvmfuse import pipeline
+    from tvmfuse.verify import Verification
+
+    real = pipeline.compare_at_dims
+
+    def failing(*args, **kwargs):  # the real comparison (so the real tolerance), reported as an fp16 layer's miss
+        return [(d, Verification(0.0142, 50.6, False, c.tolerance)) for d, c in real(*args, **kwargs)]
+    monkeypatch.setattr(pipeline, "compare_at_dims", failing)
+    onnx.save(onnx_models.layer_norm_gelu(), tmp_path / "m.onnx")
+    code = main(["--target", "llvm", "--trials", "0", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"),
+                 str(tmp_path / "m.onnx"), *extra])
+    assert code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [(f"error: m: verification against onnxruntime FAILED (max abs err 0.0142, max rel err 50.6; "
+                    f"{applied}: pass --tolerance ATOL,RTOL or set `tolerance` in the jobs file if the model needs "
+                    "more)")]
+    assert not (tmp_path / "o" / "m-llvm").exists()

@@ -3,7 +3,7 @@
 import pytest
 
 from tvmfuse.errors import JobError
-from tvmfuse.jobs import load_jobs, parse_shape
+from tvmfuse.jobs import Job, load_jobs, parse_shape, parse_tolerance
 
 
 def test_parse_shape_forms():
@@ -38,6 +38,16 @@ def test_jobs_file(tmp_path):
     ('[[model]]\npath = "a.onnx"\nshapes = { x = [0] }\n', "'shapes' must map names"),
     ('[[model]\n', "not valid TOML"),
     ('[[model]]\nname = "../../etc/x"\npath = "a.onnx"\n', "not a path"),
+    ('[[model]]\npath = "a.onnx"\ntolerance = 0.02\n',
+     "model #1: tolerance 0.02: expected ATOL,RTOL (two numbers), e.g. tolerance = [0.02, 0.02]"),
+    ('[[model]]\npath = "a.onnx"\ntolerance = [0.02]\n', "model #1: tolerance [0.02]: expected ATOL,RTOL"),
+    ('[[model]]\npath = "a.onnx"\ntolerance = [0.02, 0.02, 0.02]\n', "tolerance [0.02, 0.02, 0.02]: expected"),
+    ('[[model]]\npath = "a.onnx"\ntolerance = ["0.02", "0.02"]\n', "tolerance ['0.02', '0.02']: expected"),
+    ('[[model]]\npath = "a.onnx"\ntolerance = [true, 0.1]\n', "tolerance [True, 0.1]: expected"),
+    ('[[model]]\npath = "a.onnx"\ntolerance = [-0.1, 0.1]\n', "tolerance [-0.1, 0.1]: atol -0.1 must be a finite"),
+    ('[[model]]\npath = "a.onnx"\ntolerance = [0.1, nan]\n', "rtol nan must be a finite number >= 0"),
+    ('tolerance = [inf, 0]\n[[model]]\npath = "a.onnx"\n', "top level: tolerance [inf, 0]: atol inf must be"),
+    ('[[model]]\npath = "a.onnx"\ntolerence = [0.1, 0.1]\n', "unknown key 'tolerence' (did you mean 'tolerance'?)"),
 ])
 def test_bad_jobs_files(tmp_path, text, message):
     path = tmp_path / "jobs.toml"
@@ -67,3 +77,45 @@ def test_job_names_its_dtype_the_way_the_verifier_keys_tolerances():
     assert Job("m", None, dtype="fp16").dtype == "float16"
     with pytest.raises(JobError, match="fp8"):
         Job("m", None, dtype="fp8")
+
+
+def test_parse_tolerance_good_values():
+    assert parse_tolerance("0.02,0.02") == (0.02, 0.02)
+    assert parse_tolerance(" 1e-3 , 0 ") == (0.001, 0.0)
+    assert parse_tolerance([0, 1]) == (0.0, 1.0) and parse_tolerance((0.5, 0.25)) == (0.5, 0.25)
+    assert all(isinstance(v, float) for v in parse_tolerance([0, 1]))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0.02", "--tolerance '0.02': expected ATOL,RTOL (two numbers), e.g. --tolerance 0.02,0.02"),
+    ("0.02,0.02,0.02", "--tolerance '0.02,0.02,0.02': expected ATOL,RTOL"),
+    ("a,b", "--tolerance 'a,b': expected ATOL,RTOL"),
+    ("0.02,", "--tolerance '0.02,': expected ATOL,RTOL"),
+    ("", "--tolerance '': expected ATOL,RTOL"),
+    ("-1,0", "--tolerance '-1,0': atol -1 must be a finite number >= 0"),
+    ("0,-0.5", "--tolerance '0,-0.5': rtol -0.5 must be a finite number >= 0"),
+    ("nan,0", "--tolerance 'nan,0': atol nan must be a finite number >= 0"),
+    ("0,inf", "--tolerance '0,inf': rtol inf must be a finite number >= 0"),
+])
+def test_parse_tolerance_bad_values(text, message):
+    with pytest.raises(JobError) as err:
+        parse_tolerance(text)
+    assert str(err.value).startswith(message)
+
+
+def test_jobs_file_tolerance(tmp_path):
+    """tolerance: per model, then the top level, then the command line's; none: None (the dtype defaults)."""
+    path = tmp_path / "jobs.toml"
+    path.write_text('tolerance = [0.05, 0.01]\n[[model]]\npath = "a.onnx"\n'
+                    '[[model]]\npath = "b.onnx"\ntolerance = [0, 0.2]\n')
+    assert [j.tolerance for j in load_jobs(str(path), tolerance=(1.0, 1.0))] == [(0.05, 0.01), (0.0, 0.2)]
+    path.write_text('[[model]]\npath = "a.onnx"\n')
+    assert load_jobs(str(path))[0].tolerance is None
+    assert load_jobs(str(path), tolerance=(0.03, 0.03))[0].tolerance == (0.03, 0.03)
+
+
+def test_job_checks_a_library_callers_tolerance():
+    assert Job("m", None).tolerance is None
+    assert Job("m", None, tolerance=[0.1, 0]).tolerance == (0.1, 0.0)
+    with pytest.raises(JobError, match="tolerance 'x'"):
+        Job("m", None, tolerance="x")

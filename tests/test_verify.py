@@ -43,3 +43,40 @@ def test_low_interface_inputs_and_outputs(io_dtype):
     got = cast_x  # 1000/3 rounded to the low dtype: within its tolerance of the float32 value, not fp32's
     assert compare([got], [x], compute_dtype=io_dtype).ok
     assert not compare([got], [x]).ok
+
+
+def test_user_tolerance_replaces_the_dtype_default_both_ways():
+    """A user (atol, rtol) passes what the default fails and fails what it passes, for every float output, and the
+    reported tolerance says it was user-set."""
+    want32 = np.zeros((4, 4), "float32")
+    assert not compare([want32 + 5e-4], [want32]).ok  # fp32 default: 1e-4
+    looser = compare([want32 + 5e-4], [want32], user_tolerance=(1e-3, 0.0))
+    assert looser.ok and looser.tolerance == {"float32": {"atol": 1e-3, "rtol": 0.0, "set_by": "user"}}
+    want16 = np.zeros(8, "float16")
+    assert compare([want16 + np.float16(5e-3)], [want16]).ok  # fp16 default: 1e-2
+    assert not compare([want16 + np.float16(5e-3)], [want16], user_tolerance=(1e-3, 1e-3)).ok
+    # it also replaces the compute dtype's looser default (fp32 outputs of an fp16 build)
+    assert compare([want32 + 5e-3], [want32], compute_dtype="float16").ok
+    assert not compare([want32 + 5e-3], [want32], compute_dtype="float16", user_tolerance=(1e-3, 1e-3)).ok
+    # rtol scales with |onnxruntime|: 1% of 100 covers an error of 1
+    hundred = np.full(3, 100.0, "float32")
+    assert compare([hundred + 1.0], [hundred], user_tolerance=(0.0, 0.011)).ok
+    assert not compare([hundred + 1.0], [hundred], user_tolerance=(0.0, 0.009)).ok
+
+
+def test_user_tolerance_leaves_integer_outputs_exact():
+    ids = np.array([1, 2, 3], "int64")
+    check = compare([ids + 1, np.zeros(2, "float32")], [ids, np.zeros(2, "float32")], user_tolerance=(10.0, 10.0))
+    assert not check.ok
+    assert check.tolerance["int64"] == {"atol": 0.0, "rtol": 0.0}
+    assert check.tolerance["float32"]["set_by"] == "user"
+
+
+def test_tolerance_text_says_what_was_applied():
+    want = np.zeros(2, "float16")
+    assert compare([want], [want]).tolerance_text() == "atol=0.01 rtol=0.01 for float16 outputs"
+    check = compare([want, np.zeros(2, "float32")], [want, np.zeros(2, "float32")], user_tolerance=(0.05, 0.02))
+    assert check.tolerance_text() == "atol=0.05 rtol=0.02 (user-set) for float16, float32 outputs"
+    mixed = compare([want, np.zeros(2, "float32")], [want, np.zeros(2, "float32")])
+    assert mixed.tolerance_text() == ("atol=0.01 rtol=0.01 for float16 outputs; "
+                                      "atol=0.0001 rtol=0.0001 for float32 outputs")

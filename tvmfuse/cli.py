@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .errors import TvmfuseError
-from .jobs import Job, check_io_dtype, job_from_path, load_jobs, parse_buckets, parse_dtype, parse_shape
+from .jobs import Job, check_io_dtype, job_from_path, load_jobs, parse_buckets, parse_dtype, parse_shape, parse_tolerance
 
 USAGE_EXAMPLES = """examples:
   python scripts/tune.py --target llvm                       # the embedded default job
@@ -31,6 +31,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--io-dtype", default="fp32", metavar="{fp32,fp16,bf16}",
                    help="dtype of the module's float inputs and outputs: fp32, or the --dtype itself (no cast "
                         "kernels around the model); a jobs file's io_dtype overrides it (default: fp32)")
+    p.add_argument("--tolerance", metavar="ATOL,RTOL",
+                   help="verification tolerance for every float output: an element passes when |tvm - onnxruntime| "
+                        "<= ATOL + RTOL * |onnxruntime|; a jobs file's tolerance overrides it (default: by dtype, "
+                        "fp32 1e-4,1e-4, fp16 1e-2,1e-2, bf16 5e-2,5e-2)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="cuda: capture each static run of kernel launches as a CUDA graph (TVM's RewriteCUDAGraph); "
                         "cuts launch overhead at decode sizes; symbolic-shape regions stay launches")
@@ -56,13 +60,15 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
     shapes = dict(parse_shape(s) for s in args.shape)
     dtype = parse_dtype(args.dtype)
     io_dtype = check_io_dtype(args.io_dtype, dtype)
+    tolerance = parse_tolerance(args.tolerance) if args.tolerance is not None else None
     jobs = [job_from_path(m, shapes, args.trials, dtype) for m in args.models]
     for job in jobs:
-        job.io_dtype = io_dtype
+        job.io_dtype, job.tolerance = io_dtype, tolerance
     if args.jobs:
-        jobs += load_jobs(args.jobs, args.trials, dtype, io_dtype)
+        jobs += load_jobs(args.jobs, args.trials, dtype, io_dtype, tolerance)
     if not jobs:
-        jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype, io_dtype=io_dtype)]
+        jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype, io_dtype=io_dtype,
+                    tolerance=tolerance)]
     buckets = parse_buckets(args.buckets)
     for job in jobs:  # a jobs file's own buckets win
         job.buckets = job.buckets or dict(buckets)

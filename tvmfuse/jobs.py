@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,8 +21,8 @@ from .export import check_safe_name
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
-MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype", "buckets"}
-TOP_KEYS = {"trials", "model", "dtype", "io_dtype"}
+MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype", "buckets", "tolerance"}
+TOP_KEYS = {"trials", "model", "dtype", "io_dtype", "tolerance"}
 
 
 @dataclass
@@ -37,9 +39,12 @@ class Job:
     buckets: dict[str, list[int]] = field(default_factory=dict)  # symbolic dim -> bucket values (tvmfuse.buckets)
     cuda_graph: bool = False  # cuda: replay static launch sequences as CUDA graphs (tvmfuse.build.compile_module)
     fp16_lookups: bool = True  # fp16: embedding lookups in fp16, the residual stream fp16 (tvmfuse.precision)
+    tolerance: tuple[float, float] | None = None  # (atol, rtol) for every float output (None: verify.TOLERANCES)
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype, "dtype")  # "fp16" from a library caller: the verifier's tolerance key
+        if self.tolerance is not None:
+            self.tolerance = parse_tolerance(self.tolerance, "tolerance")
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:
@@ -72,6 +77,24 @@ def bucket_values(where: str, values: list) -> list[int]:
     return sorted({int(v) for v in values})
 
 
+def parse_tolerance(value, where: str = "--tolerance") -> tuple[float, float]:
+    """'0.02,0.02' (the command line) or [0.02, 0.02] (a jobs file) -> (atol, rtol), two finite numbers >= 0."""
+    text = isinstance(value, str)
+    parts = value.split(",") if text else value
+    try:
+        if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and all(
+                text or isinstance(p, numbers.Real) and not isinstance(p, bool) for p in parts)):
+            raise ValueError
+        atol, rtol = (float(p) for p in parts)
+    except ValueError:
+        raise JobError(f"{where} {value!r}: expected ATOL,RTOL (two numbers), e.g. "
+                       + ("--tolerance 0.02,0.02" if where.startswith("--") else "tolerance = [0.02, 0.02]")) from None
+    for key, num in (("atol", atol), ("rtol", rtol)):
+        if not (math.isfinite(num) and num >= 0):
+            raise JobError(f"{where} {value!r}: {key} {num:g} must be a finite number >= 0")
+    return atol, rtol
+
+
 def job_from_path(path: str, shapes: dict[str, list[int]], trials: int | None, dtype: str = "float32") -> Job:
     stem = os.path.splitext(os.path.basename(path))[0]
     return Job(name=_sanitize(stem), path=path, shapes=dict(shapes), trials=trials, dtype=dtype)
@@ -81,8 +104,8 @@ def _sanitize(stem: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem).lstrip(".") or "model"
 
 
-def load_jobs(path: str, trials: int | None = None, dtype: str = "float32",
-              io_dtype: str = "float32") -> list[Job]:
+def load_jobs(path: str, trials: int | None = None, dtype: str = "float32", io_dtype: str = "float32",
+              tolerance: tuple[float, float] | None = None) -> list[Job]:
     """Read a jobs file; a typo'd key, a bad value or a duplicate name is one JobError naming the file."""
     try:
         with open(path, "rb") as f:
@@ -98,6 +121,7 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32",
     default_trials = _trials(path, "top level", data.get("trials", trials))
     default_dtype = _dtype(path, "top level", data.get("dtype", dtype))
     default_io = _dtype(path, "top level", data.get("io_dtype", io_dtype), "io_dtype")
+    default_tol = _tolerance(path, "top level", data.get("tolerance", tolerance))
     base = os.path.dirname(os.path.abspath(path))
     jobs, seen = [], set()
     for i, entry in enumerate(models, 1):
@@ -109,10 +133,7 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32",
             raise JobError(f"{path}: {where} has no 'path'")
         model_path = os.path.join(base, str(entry["path"]))
         name = str(entry.get("name", _sanitize(os.path.splitext(os.path.basename(model_path))[0])))
-        try:
-            check_safe_name(name)
-        except JobError as err:
-            raise JobError(f"{path}: {where}: {err}") from None
+        _in_file(path, where, check_safe_name, name)
         if name in seen:
             raise JobError(f"{path}: {where}: duplicate name {name!r}")
         seen.add(name)
@@ -127,6 +148,7 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32",
         jobs.append(Job(name, model_path, shapes, _trials(path, where, entry.get("trials", default_trials)),
                         job_dtype, _io_dtype(path, where, entry.get("io_dtype", default_io), job_dtype)))
         jobs[-1].buckets = _buckets(path, where, entry.get("buckets", {}))
+        jobs[-1].tolerance = _tolerance(path, where, entry.get("tolerance", default_tol))
     return jobs
 
 
@@ -146,11 +168,20 @@ def parse_dtype(text, where: str = "--dtype") -> str:
     return dtype
 
 
-def _dtype(path: str, where: str, value, key: str = "dtype") -> str:
+def _in_file(path: str, where: str, parse, *args):
+    """parse(*args), its JobError naming the jobs file and the entry."""
     try:
-        return parse_dtype(value, key)
+        return parse(*args)
     except JobError as err:
         raise JobError(f"{path}: {where}: {err}") from None
+
+
+def _dtype(path: str, where: str, value, key: str = "dtype") -> str:
+    return _in_file(path, where, parse_dtype, value, key)
+
+
+def _tolerance(path: str, where: str, value) -> tuple[float, float] | None:
+    return None if value is None else _in_file(path, where, parse_tolerance, value, "tolerance")
 
 
 def check_io_dtype(io_dtype: str, dtype: str, where: str = "--io-dtype") -> str:
@@ -162,10 +193,7 @@ def check_io_dtype(io_dtype: str, dtype: str, where: str = "--io-dtype") -> str:
 
 
 def _io_dtype(path: str, where: str, value, dtype: str) -> str:
-    try:
-        return check_io_dtype(value, dtype, "io_dtype")
-    except JobError as err:
-        raise JobError(f"{path}: {where}: {err}") from None
+    return _in_file(path, where, check_io_dtype, value, dtype, "io_dtype")
 
 
 def _buckets(path: str, where: str, value) -> dict[str, list[int]]:

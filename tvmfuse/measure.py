@@ -12,13 +12,16 @@ from .verify import Verification, compare, module_inputs, onnxruntime_outputs, r
 
 
 def compare_at_dims(vm: relax.VirtualMachine, device, model: onnx.ModelProto, inputs, dims_list: list[dict],
-                    io_dtype: str | None, compute_dtype: str | None) -> list[tuple[dict, Verification]]:
-    """(dims, comparison with onnxruntime) for each of `dims_list` (symbolic dim -> size), seed-0 random inputs."""
+                    io_dtype: str | None, compute_dtype: str | None,
+                    tolerance: tuple[float, float] | None = None) -> list[tuple[dict, Verification]]:
+    """(dims, comparison with onnxruntime) for each of `dims_list` (symbolic dim -> size), seed-0 random inputs;
+    `tolerance`: the user's (atol, rtol) for every float output (None: the dtype defaults, verify.TOLERANCES)."""
     checks = []
     for dims in dims_list:
         feeds = random_inputs(inputs, seed=0, dims=dims, io_dtype=io_dtype)
         checks.append((dims, compare(run_vm(vm, device, list(feeds.values()), io_dtype),
-                                     onnxruntime_outputs(model, feeds), compute_dtype=compute_dtype)))
+                                     onnxruntime_outputs(model, feeds), compute_dtype=compute_dtype,
+                                     user_tolerance=tolerance)))
     return checks
 
 

@@ -147,7 +147,8 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         device = device_for(target)
         vm = relax.VirtualMachine(executable, device)
         checks = compare_at_dims(vm, device, model, imported.inputs,
-                                 verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype)
+                                 verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype,
+                                 job.tolerance)
         dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
         verification = {**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {})}
         feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
@@ -160,7 +161,9 @@ def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
         if not check.ok:
             raise VerificationError(f"{job.name}: verification against onnxruntime FAILED "
                                     f"(max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g}"
-                                    + (f" at {dims})" if job.buckets else ")"),
+                                    + (f" at {dims}" if job.buckets else "") + f"; tolerance {check.tolerance_text()}: "
+                                    "pass --tolerance ATOL,RTOL or set `tolerance` in the jobs file if the model "
+                                    "needs more)",
                                     job.fp16_lookups and has_fp16_lookups(bound))
         result.verification = f"ok {check.max_abs_err:.1e}"
     else:

@@ -28,6 +28,14 @@ class Verification:
         return {"status": "passed" if self.ok else "FAILED", "max_abs_err": self.max_abs_err,
                 "max_rel_err": self.max_rel_err, "tolerance": self.tolerance, "reference": "onnxruntime"}
 
+    def tolerance_text(self) -> str:
+        """'atol=0.01 rtol=0.01 for float16 outputs' (each distinct tolerance applied; '(user-set)' when it was)."""
+        groups: dict[str, list[str]] = {}
+        for dtype, t in self.tolerance.items():
+            user = " (user-set)" if t.get("set_by") == "user" else ""
+            groups.setdefault(f"atol={t['atol']:g} rtol={t['rtol']:g}{user}", []).append(dtype)
+        return "; ".join(f"{k} for {', '.join(v)} outputs" for k, v in groups.items()) or "none"
+
 
 def cast_array(array: np.ndarray, dtype: str) -> np.ndarray:
     """`array` in `dtype` ("bfloat16": ml_dtypes' bfloat16, which TVM tensors take)."""
@@ -67,7 +75,14 @@ def tolerance(output_dtype: str, compute_dtype: str | None = None) -> tuple[floa
     return atol, rtol
 
 
-def compare(got: list[np.ndarray], want: list[np.ndarray], compute_dtype: str | None = None) -> Verification:
+def is_float(dtype) -> bool:
+    return str(dtype) in TOLERANCES or np.issubdtype(dtype, np.floating)
+
+
+def compare(got: list[np.ndarray], want: list[np.ndarray], compute_dtype: str | None = None,
+            user_tolerance: tuple[float, float] | None = None) -> Verification:
+    """The errors of `got` against onnxruntime's `want`; `user_tolerance` (atol, rtol), when given, replaces the
+    dtype defaults for every float output (integer outputs stay exact), and the reported tolerance says so."""
     if len(got) != len(want):
         raise ValueError(f"the module returned {len(got)} outputs, onnxruntime {len(want)}")
     max_abs = max_rel = 0.0
@@ -76,8 +91,12 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], compute_dtype: str | 
     for g, w in zip(got, want):
         if g.shape != w.shape:
             raise ValueError(f"output shape {g.shape} differs from onnxruntime's {w.shape}")
-        atol, rtol = tolerance(str(w.dtype), compute_dtype)
-        tol[str(w.dtype)] = {"atol": atol, "rtol": rtol}
+        if user_tolerance is not None and is_float(w.dtype):
+            atol, rtol = (float(v) for v in user_tolerance)
+            tol[str(w.dtype)] = {"atol": atol, "rtol": rtol, "set_by": "user"}
+        else:
+            atol, rtol = tolerance(str(w.dtype), compute_dtype)
+            tol[str(w.dtype)] = {"atol": atol, "rtol": rtol}
         g64, w64 = g.astype(np.float64), w.astype(np.float64)  # g may be fp16/bf16 (an fp16 interface)
         both_nan = np.isnan(g64) & np.isnan(w64)  # NaN where onnxruntime has NaN is agreement
         err = np.where(both_nan, 0.0, np.abs(g64 - w64))
