@@ -30,6 +30,7 @@ def test_smoke_gpt2_decode_rows(tmp_path):
         assert (row["batch"], row["seq"], row["kv_len"]) == (2, 1, 16)
         assert math.isfinite(row["us"]) and row["us"] > 0
         assert row["max_abs_err"] < 1e-4 and row["within_tol"], row  # fp32 everywhere in the smoke
+        assert 0 <= row["rms_err"] <= row["max_abs_err"] and row["violations"] == 0, row
         assert row["same_weights_as_onnx"]
     fused, stock = rows["tvmfuse"], rows["tvm_default"]
     assert fused["run_job_ok"] and fused["verification_vs_onnxruntime"].startswith("ok")
