@@ -527,3 +527,78 @@ def test_hf_decode_exports_match_onnxruntime_with_the_decode_template(name, deco
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert np.all(np.abs(g.numpy() - w) <= 1e-2 + 1e-2 * np.abs(w)), np.abs(g.numpy() - w).max()
+
+
+@pytest.fixture(scope="module")
+def gpt2_prefill(tmp_path_factory):
+    """bench/hf_models.py's prefill export (the prefill_512 wrapping) of a small GPT-2 (128 wide, 2 layers, 2 heads
+    of 64) at batch 1, seq 64."""
+    pytest.importorskip("transformers")
+    import sys
+
+    import torch
+    import transformers as tf
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import hf_models as hm  # pylint: disable=import-outside-toplevel
+
+    path = str(tmp_path_factory.mktemp("gpt2_prefill") / "gpt2.onnx")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_embd=128, n_layer=2, n_head=2, n_positions=128, vocab_size=128)
+    cfg._attn_implementation = "sdpa"  # pylint: disable=protected-access
+    model = tf.GPT2LMHeadModel(cfg).eval()
+    hm.export(hm.wrap(model, "prefill_512"), hm.inputs("gpt2", model, {"batch": 1, "seq": 64, "kv_len": 0}), path)
+    return path
+
+
+def test_gpt2_head_merge_is_in_the_attention_kernel(gpt2_prefill):
+    """fp16 for CUDA (prepare_module, decide, lower): the head merge after attention (same-shape reshape, permute
+    [0,2,1,3]) is in the attention kernel, so no transpose kernel runs between attention and the output
+    projection (only the [B,S,H*D] reshape, a view); the roles read out as BSHD and the prefill template takes it."""
+    from tvmfuse.decide import decide
+    from tvmfuse.fuse import lower
+    from tvmfuse.importer import import_model, load_onnx
+    from tvmfuse.kernels import template_sites
+    from tvmfuse.kernels.roles import attention_roles
+    from tvmfuse.pipeline import prepare_module
+    from tvmfuse.targets import resolve_target
+
+    bound = prepare_module(import_model(load_onnx(gpt2_prefill), {}), "fp16")
+    fused = lower(bound, plan=decide(bound, resolve_target("cuda")))
+    (att,) = [k for k, p in fused.kernel_patterns.items() if p == "tvmfuse.attention"]
+    assert att.endswith("relax_matmul_relax_astype_relax_reshape_relax_permute_dims"), att
+    names = [gv.name_hint for gv, f in fused.mod.functions.items() if gv.name_hint != "main"]
+    assert not [n for n in names if "transpose" in n], names
+    calls = [b.value for blk in fused.mod["main"].body.blocks for b in blk.bindings
+             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+    seq = [c.args[0].name_hint for c in calls]
+    for i in [i for i, n in enumerate(seq) if n == att]:  # up to the next matmul: only reshapes
+        j = next(j for j in range(i + 1, len(seq)) if "matmul" in seq[j])
+        assert all(seq[x].startswith(("reshape", "fused_reshape")) and "transpose" not in seq[x]
+                   for x in range(i + 1, j)), seq[i:j + 1]
+    assert seq.count(att) == 2  # both layers
+    shapes = attention_roles(fused.mod[att])["shapes"]
+    assert shapes["out_layout"] == "BSHD" and shapes["q_layout"] == "BSHD", shapes
+    log = []
+    sites = template_sites(fused.mod, fused.kernel_patterns, target="cuda", log=log)
+    assert [(s[1], s[2].name) for s in sites] == [(att, "attention_prefill")], (sites, log)
+
+
+def test_gpt2_head_merge_build_verifies_on_llvm(gpt2_prefill, llvm, tmp_path):
+    """The product path on llvm (fp32, no tuning): the build with the head merge inside attention passes the
+    verification against onnxruntime."""
+    from tvmfuse.jobs import Job
+    from tvmfuse.pipeline import run_job
+
+    said = []
+    result = run_job(Job("gpt2", gpt2_prefill, trials=0, dtype="float32"), llvm, str(tmp_path / "out"),
+                     str(tmp_path / "logs"), say=said.append, schedules=None)
+    assert result.ok, (result.error, said)
+    assert result.verification.startswith("ok"), result.verification
+    import json
+
+    with open(os.path.join(result.output, "manifest.json"), encoding="utf-8") as f:
+        kernels = [k["name"] for k in json.load(f)["kernels"]]
+    att = [k for k in kernels if "softmax" in k]
+    assert len(att) == 1 and att[0].endswith("relax_reshape_relax_permute_dims"), kernels
+    assert not [k for k in kernels if "transpose" in k], kernels

@@ -244,3 +244,51 @@ def test_rms_norm_leaves_a_cast_from_int_outside_the_kernel(llvm):
     assert "int32" not in fused.mod[kernel].script()  # the cast is not in the kernel
     check = check_against_ort(model, imp, fused, llvm)
     assert check.ok, check.as_dict()
+
+
+def attention_head_merge(b=2, h=4, s=8, d=16, leak=None, mid=None, perm=(0, 2, 1, 3)) -> onnx.ModelProto:
+    """attention() then GPT-2's head merge: reshape to the same [B,H,S,D] (`mid`: another shape), transpose
+    [0,2,1,3] (`perm`) and reshape to [B,S,H*D]. `leak`: also output that intermediate ('y4')."""
+    base = attention(b, h, s, d)
+    mid = list(mid or [b, h, s, d])
+    tshape = [mid[i] for i in perm]
+    nodes = list(base.graph.node) + [_n("Reshape", ["y", "same"], "y4"), _n("Transpose", ["y4"], "yt", perm=list(perm)),
+                                     _n("Reshape", ["yt", "merged"], "out")]
+    outs = [_t("out", [tshape[0], tshape[1], tshape[2] * tshape[3]])] + ([_t(leak, mid)] if leak else [])
+    return _model(nodes, list(base.graph.input), outs,
+                  list(base.graph.initializer) + [_c("same", mid, np.int64),
+                                                  _c("merged", [tshape[0], tshape[1], tshape[2] * tshape[3]], np.int64)])
+
+
+def test_attention_takes_the_head_merge_permute(llvm):
+    """The head merge after attention (same-shape reshape, permute [0,2,1,3]) is in the attention kernel (its
+    out stored BSHD): no transpose kernel is left, only the [B,S,H*D] reshape; numbers match onnxruntime."""
+    from tvmfuse.kernels.roles import attention_roles
+
+    model = attention_head_merge()
+    imp, fused = lower_model(model)
+    att = [k for k, p in fused.kernel_patterns.items() if p == "tvmfuse.attention"]
+    assert len(att) == 1, (fused.kernels(), fused.rejections)
+    names = [gv.name_hint for gv, f in fused.mod.functions.items() if gv.name_hint != "main"]
+    assert not [n for n in names if "transpose" in n or ("permute" in n and n not in att)], names
+    roles = attention_roles(fused.mod[att[0]])
+    assert roles is not None and roles["shapes"]["out_layout"] == "BSHD", roles
+    check = check_against_ort(model, imp, fused, llvm)
+    assert check.ok, check.as_dict()
+
+
+@pytest.mark.parametrize("variant", ["leak", "mid_shape", "perm"])
+def test_attention_head_merge_not_taken(variant, llvm):
+    """The permute stays outside when the reshaped output is used elsewhere too, when the reshape changes the
+    shape, or when the permute is not the head merge; attention still fuses (ending at its output)."""
+    kw = {"leak": dict(leak="y4"), "mid_shape": dict(mid=[2, 4, 16, 8]), "perm": dict(perm=(0, 2, 3, 1))}[variant]
+    why = {"leak": "used outside the match", "mid_shape": "changes the shape", "perm": "not the head merge"}[variant]
+    model = attention_head_merge(**kw)
+    imp, fused = lower_model(model)
+    att = [k for k, p in fused.kernel_patterns.items() if p == "tvmfuse.attention"]
+    assert len(att) == 1 and "permute" not in att[0].split("matmul")[-1], (att, fused.rejections)
+    assert any(why in r for p, _, r in fused.rejections if p == "tvmfuse.attention"), fused.rejections
+    names = [gv.name_hint for gv, f in fused.mod.functions.items() if gv.name_hint != "main"]
+    assert any("transpose" in n for n in names), names
+    check = check_against_ort(model, imp, fused, llvm)
+    assert check.ok, check.as_dict()

@@ -53,9 +53,13 @@ def make_attention_pattern() -> Annotated:
     probs = _op("where", _op("isnan", sm), const(), sm) | sm
     out = _op("matmul", cast(probs), v)
     out_cast = cast(out)
-    root = _op("permute_dims", out_cast) | out_cast
+    # the head merge [B,H,S,D] -> [B,S,H,D] (out stored BSHD), through a reshape that keeps the shape as the
+    # legacy GPT-2 export writes it; the [B,S,H*D] reshape after it stays outside (a view)
+    out_same = _op("reshape", out_cast, wildcard())
+    out_perm = _op("permute_dims", out_same | out_cast)
+    root = out_perm | out_cast
     return root, {"q": q, "k": k, "v": v, "scores": scores, "masked": masked, "softmax": sm, "out": out,
-                  "k_exp": k_exp}
+                  "k_exp": k_exp, "out_same": out_same, "out_perm": out_perm}
 
 
 def check_attention(ctx: PatternCheckContext) -> bool:
@@ -79,6 +83,16 @@ def check_attention(ctx: PatternCheckContext) -> bool:
     if only_cast_follows(ctx):  # the fp32-accumulating P @ V is only cast down: the match ending at the cast
         return reject(ctx, name, f"P @ V accumulates in {dtype_of(out)} and is only cast to another dtype: "
                       "the kernel ends at the cast")
+    if _in(ctx, ann.get("out_perm")):
+        perm = ann["out_perm"]  # axes None: reversed
+        axes = [3, 2, 1, 0] if perm.attrs.axes is None else [as_int(a) for a in perm.attrs.axes]
+        if axes != [0, 2, 1, 3]:
+            return reject(ctx, name, f"output permute {axes} is not the head merge [0, 2, 1, 3]")
+        if _in(ctx, ann.get("out_same")):
+            same = ann["out_same"]
+            src, dst = shape_of(same.args[0]) or [], shape_of(same) or []
+            if len(src) != len(dst) or not all(same_dim(a, b) for a, b in zip(src, dst)):
+                return reject(ctx, name, "the reshape before the output permute changes the shape")
     mask, causal = "none", False
     masked = ann.get("masked")
     if masked is not None and getattr(masked.op, "name", "") == "relax.add":
