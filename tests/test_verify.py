@@ -80,3 +80,12 @@ def test_tolerance_text_says_what_was_applied():
     mixed = compare([want, np.zeros(2, "float32")], [want, np.zeros(2, "float32")])
     assert mixed.tolerance_text() == ("atol=0.01 rtol=0.01 for float16 outputs; "
                                       "atol=0.0001 rtol=0.0001 for float32 outputs")
+
+
+def test_compare_counts_elements_outside_tolerance_and_the_rms_error():
+    from tvmfuse.verify import compare
+    want = [np.zeros(4, np.float32), np.ones(2, np.float32)]
+    got = [np.array([0, 2e-4, 0, 0], np.float32), np.array([1, 1 + 3e-4], np.float32)]
+    check = compare(got, want)  # fp32: atol 1e-4 + rtol 1e-4 * |want|: 2e-4 and 3e-4 are both outside
+    assert not check.ok and check.violations == 2
+    assert np.isclose(check.rms_err, np.sqrt((2e-4 ** 2 + 3e-4 ** 2) / 6), rtol=1e-3)

@@ -23,6 +23,8 @@ class Verification:
     max_rel_err: float
     ok: bool
     tolerance: dict
+    violations: int = 0  # elements outside tolerance
+    rms_err: float = 0.0  # over every element of every output (inf where one is non-finite)
 
     def as_dict(self) -> dict:
         return {"status": "passed" if self.ok else "FAILED", "max_abs_err": self.max_abs_err,
@@ -85,8 +87,8 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], compute_dtype: str | 
     dtype defaults for every float output (integer outputs stay exact), and the reported tolerance says so."""
     if len(got) != len(want):
         raise ValueError(f"the module returned {len(got)} outputs, onnxruntime {len(want)}")
-    max_abs = max_rel = 0.0
-    ok = True
+    max_abs = max_rel = squares = 0.0
+    violations = count = 0
     tol = {}
     for g, w in zip(got, want):
         if g.shape != w.shape:
@@ -104,5 +106,6 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], compute_dtype: str | 
         if err.size:
             max_abs = max(max_abs, float(err.max()))
             max_rel = max(max_rel, float((err / np.maximum(np.abs(np.nan_to_num(w64)), 1e-12)).max()))
-            ok = ok and bool(np.all(err <= atol + rtol * np.abs(np.nan_to_num(w64))))
-    return Verification(max_abs, max_rel, ok, tol)
+            violations += int(np.sum(err > atol + rtol * np.abs(np.nan_to_num(w64))))
+            squares, count = squares + float(np.sum(err ** 2)), count + err.size
+    return Verification(max_abs, max_rel, violations == 0, tol, violations, (squares / count) ** 0.5 if count else 0.0)
