@@ -41,9 +41,15 @@ class Emu:
     def norm(self, x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
-    def forward(self, ids, on=(), keep=None):
+    def forward(self, ids, on=(), keep=None, tap=None):
+        """The layer's logits with the rounding points `on`; `tap(name, tensor)` sees each point's value as stored."""
         on = set(on)
-        r = lambda n, x: x.half().float() if n in on else x
+
+        def r(n, x):
+            x = x.half().float() if n in on else x
+            if tap is not None:
+                tap(n, x)
+            return x
         W = {n: (self.W16[n] if ("W" in on or "W:" + n in on) else self.W32[n]) for n in self.W32}
         T = ids.shape[1]; nh, hd = self.nh, self.hd
         h = r("emb", W["emb"][ids[0]])                     # [T, D]
@@ -95,12 +101,15 @@ def stats(out, ref):
                 ratio=float((e / allowance).max()))
 
 
-#: the GPU build (scores fp32 in the attention template, scaled there by the fp16 constant's square), and the
-#: candidate fix: rotary embedding and the exact scale in fp32, q and k rounded to fp16 once
+#: the GPU build (scores fp32 in the attention template, scaled there by the fp16 constant's square), the
+#: candidate fix: rotary embedding and the exact scale in fp32, q and k rounded to fp16 once, and that fix as built
 CONFIGS = {
     "fp16 policy, scores fp16": set(ALL),
     "GPU build": (set(ALL) - {"qk_scale", "scores"}) | {"scale_const16"},
     "fix: rope + scale fp32": (set(ALL) - {"rope_ops", "qk_scale", "scores"}) | {"scale_fused"},
+    # what the build does since: the rotary kernel computes in fp32 and stores q/k once, the attention template
+    # scales the fp32 scores by the model's exact scale
+    "fix as built": (set(ALL) - {"rope_ops", "qk_scale", "scores"}) | {"rope_out"},
 }
 
 

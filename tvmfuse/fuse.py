@@ -10,6 +10,7 @@ from tvm import relax, tirx
 
 from .decide import Plan, decide
 from .legalize import LEGALIZE
+from .opmath import opmath_composites
 from .patterns import Recorder, fusion_patterns, start, stop
 from .patterns.attention import batched_transpose_source
 
@@ -63,6 +64,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
             composite[gv.name_hint] = str(fn.attrs["Composite"])
             if "tvmfuse.candidate" in fn.attrs:
                 candidate[gv.name_hint] = str(fn.attrs["tvmfuse.candidate"])
+    mod = opmath_composites(mod)  # fp16 groups that compute in fp32 between their loads and their store
     mod = tvm.transform.Sequential([
         inline_shape_params,
         simplify_transposes,

@@ -58,3 +58,46 @@ def _dtype(expr) -> str:
 
 def _is_op(expr, *names) -> bool:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
+
+
+#: fused groups whose arithmetic runs in fp32 between their fp16 loads and their one fp16 store: the rotary
+#: embedding's q*cos + rotate_half(q)*sin rounded its products and its sum to fp16 one by one (with the q/k
+#: scale, 25% of the fp16 Llama layer's error variance: bench/fp16_error.py)
+OPMATH_COMPOSITES = ("tvmfuse.rotary_embedding",)
+#: (negation is exact in fp16 and stays there: CUDA codegen cannot write TVM's fp32x8 broadcast of -1)
+_ARITH = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
+
+
+def opmath_composites(mod: tvm.IRModule, names: tuple[str, ...] = OPMATH_COMPOSITES) -> tvm.IRModule:
+    """Each composite function (FuseOpsByPattern's) named in `names` computes its arithmetic in fp32: fp16
+    operands are cast up where an arithmetic op (or an op joining an fp32 value to fp16 ones) reads them, and
+    the result is cast back to the function's output dtype. Loads and stores stay fp16."""
+    out = mod.clone()
+    for gv, fn in mod.functions.items():
+        if isinstance(fn, relax.Function) and fn.attrs and str(fn.attrs.get("Composite", "")) in names:
+            body = _ComputeFp32(out).visit_expr(fn.body)
+            if _dtype(body) != _dtype(fn.body):
+                body = _cast_result(body, _dtype(fn.body))
+            out[gv] = relax.Function(fn.params, body, fn.ret_ty, fn.is_pure, fn.attrs, fn.span)
+    return out
+
+
+def _cast_result(body, dtype: str):
+    """`body` (a SeqExpr ending in an fp32 value) ending in that value cast to `dtype` instead."""
+    var = relax.Var("opmath_out", relax.TensorType(body.body.ty.shape, dtype))
+    block = relax.BindingBlock([relax.VarBinding(var, relax.op.astype(body.body, dtype))])
+    return relax.SeqExpr(list(body.blocks) + [block], var)
+
+
+@relax.expr_functor.mutator
+class _ComputeFp32(relax.PyExprMutator):
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        if not isinstance(call.op, tvm.ir.Op):
+            return super().visit_call_(call)
+        concat = call.op.name == "relax.concat"
+        fields = [self.visit_expr(a) for a in (call.args[0].fields if concat else call.args)]
+        dts = {_dtype(a) for a in fields}
+        if (call.op.name in _ARITH and FLOAT16 in dts) or dts >= {FLOAT16, FLOAT32}:
+            fields = [relax.op.astype(a, FLOAT32) if _dtype(a) == FLOAT16 else a for a in fields]
+        args = [relax.Tuple(fields)] + [self.visit_expr(a) for a in call.args[1:]] if concat else fields
+        return self.builder_.normalize(relax.Call(call.op, args, call.attrs, call.ty_args))

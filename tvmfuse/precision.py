@@ -22,7 +22,8 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
   residual stream fp32: a cast to fp16 before each matmul and one back to fp32 after it);
 - weights feeding fp16 ops become `astype(const, "float16")`; FoldConstant makes them fp16 constants, except
   0-d ones (scalar operands: attention scales, GELU constants), which it leaves as casts: `_fold_scalar_casts`
-  folds those, so the patterns see the same constants as in fp32.
+  folds those, so the patterns see the same constants as in fp32, and records the fp32 value of each it rounded
+  (`exact_scalar`): a kernel computing in fp32 with one (the attention template's scale) uses the model's value;
 
 `io_dtype` (None or float32: as above; the compute dtype: the module takes and returns its float tensors in
 the compute dtype): the fp32 interface is built as usual, then wrapped in casts to/from `io_dtype`
@@ -200,14 +201,33 @@ def _op_dtypes(mod: tvm.IRModule) -> list[tuple[str, str]]:
     return found
 
 
+#: module attribute: {repr of a rounded scalar constant: the fp32 value it was rounded from}, for kernels that
+#: compute in fp32 with such a constant (the attention template's softmax scale): they use the model's value
+EXACT_SCALARS = "tvmfuse.exact_scalars"
+
+
 def _fold_scalar_casts(mod: tvm.IRModule) -> tvm.IRModule:
     """`astype(scalar const)` -> a constant of the cast's dtype (FoldConstant leaves 0-d casts); CanonicalizeBindings
-    then puts the constant into its uses, where the patterns look for constants."""
-    return mutate_functions(mod, _FoldScalarCasts)
+    then puts the constant into its uses, where the patterns look for constants. The fp32 values the rounding
+    changed are recorded in the module attribute EXACT_SCALARS (a rounded value two fp32 values share is left out)."""
+    exact: dict[str, set] = {}
+    out = mutate_functions(mod, lambda m: _FoldScalarCasts(m, exact))
+    kept = {k: float(next(iter(v))) for k, v in exact.items() if len(v) == 1}
+    return out.with_attr(EXACT_SCALARS, kept) if kept else out
+
+
+def exact_scalar(mod: tvm.IRModule, value: float) -> float:
+    """The fp32 value the precision stage rounded the scalar constant `value` from (`value` itself if none)."""
+    table = mod.attrs.get(EXACT_SCALARS) if mod.attrs is not None else None
+    return float(table[repr(float(value))]) if table is not None and repr(float(value)) in table else float(value)
 
 
 @mutator
 class _FoldScalarCasts(PyExprMutator):
+    def __init__(self, mod, exact: dict[str, set]):
+        super().__init__(mod)
+        self.exact = exact
+
     def visit_call_(self, call):  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
         arg = call.args[0] if is_cast(call) else None
@@ -215,12 +235,18 @@ class _FoldScalarCasts(PyExprMutator):
         value = getattr(arg, "value", None) if isinstance(arg, Const) else None
         if value is None or value.numpy().ndim != 0:
             return call
-        dtype = str(call.attrs.dtype)
+        dtype, src = str(call.attrs.dtype), value.numpy()
         if dtype == BFLOAT16:
             import ml_dtypes  # pylint: disable=import-outside-toplevel
 
-            return relax.const(tvm.runtime.tensor(value.numpy().astype(np.float32).astype(ml_dtypes.bfloat16)), dtype)
-        return relax.const(value.numpy().astype(dtype), dtype)
+            low = src.astype(np.float32).astype(ml_dtypes.bfloat16)
+            folded = relax.const(tvm.runtime.tensor(low), dtype)
+        else:
+            low = src.astype(dtype)
+            folded = relax.const(low, dtype)
+        if src.dtype == np.float32 and dtype in (FLOAT16, BFLOAT16) and float(low) != float(src):
+            self.exact.setdefault(repr(float(low)), set()).add(float(src))
+        return folded
 
 
 def _fp16_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:

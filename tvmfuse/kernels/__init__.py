@@ -61,7 +61,7 @@ def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, 
             log.append((name, "generic: no call site in main"))
             continue
         shapes = {**roles["shapes"], **{k: v for k, v in (info or {}).get(name, {}).items() if k in ("causal", "scale")}}
-        scale = shapes.get("scale") or _scale(roles, call)
+        scale = shapes.get("scale") or _scale(roles, call, mod)
         if scale is None or not math.isclose(scale, 1 / math.sqrt(shapes["head_dim"]), rel_tol=1e-3):
             log.append((name, f"generic: softmax scale {scale} is not 1/sqrt(head_dim)"))
             continue
@@ -132,9 +132,13 @@ def _all_zero(call, index: int) -> bool:
     return value is not None and not value.any()
 
 
-def _scale(roles: dict, call) -> float | None:
+def _scale(roles: dict, call, mod: tvm.IRModule) -> float | None:
     """The softmax scale: the product of the scalar constants the call passes, each raised to the number of
-    times the kernel multiplies it in (Q and K may each get one, or share one), divided by those it divides by."""
+    times the kernel multiplies it in (Q and K may each get one, or share one), divided by those it divides by.
+    The template scales fp32 scores: a constant the precision stage rounded counts with the model's fp32 value
+    (fp16's sqrt(1/sqrt(128)) = 0.29736 for 0.29730 moved every score by 4e-4 of itself)."""
+    from ..precision import exact_scalar  # pylint: disable=import-outside-toplevel
+
     scale, args = 1.0, list(call.args[1].fields)
     for i, (role, arg) in enumerate(zip(roles["order"], args)):
         if role == "scale":
@@ -142,7 +146,7 @@ def _scale(roles: dict, call) -> float | None:
             if value is None or value.size != 1:
                 return None
             muls, divs = roles["uses"].get(i, (1, 0))
-            scale *= float(value.reshape(())) ** (muls - divs)
+            scale *= exact_scalar(mod, float(value.reshape(()))) ** (muls - divs)
     return scale
 
 

@@ -158,20 +158,31 @@ def batched_transpose_source(call, bound) -> relax.Expr | None:
 
 
 def make_rotary_embedding_pattern() -> Annotated:
-    """y = x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])."""
+    """y = x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]); or with the
+    head split's permute inside, as TVM imports Llama's Q: permute(x * cos) + rotate_half(permute(x)) * sin."""
     x = wildcard()
-    hi = _op("strided_slice", x, wildcard(), wildcard(), wildcard(), wildcard())
-    lo = _op("strided_slice", x, wildcard(), wildcard(), wildcard(), wildcard())
+    xh = _op("permute_dims", x)
+    src = xh | x
+    hi = _op("strided_slice", src, wildcard(), wildcard(), wildcard(), wildcard())
+    lo = _op("strided_slice", src, wildcard(), wildcard(), wildcard(), wildcard())
     rot = _op("concat", is_tuple([_op("negative", hi), lo]))
     cos, sin = wildcard(), wildcard()
-    y = _op("add", _op("multiply", x, cos), _op("multiply", rot, sin))
-    return y, {"hi": hi, "lo": lo, "rot": rot, "y": y}
+    xc = _op("multiply", x, cos)
+    y = _op("add", _op("permute_dims", xc) | xc, _op("multiply", rot, sin))
+    return y, {"hi": hi, "lo": lo, "rot": rot, "y": y, "xh": xh, "xc": xc}
 
 
 def check_rotary_embedding(ctx: PatternCheckContext) -> bool:
     name = "tvmfuse.rotary_embedding"
     ann = dict(ctx.annotated_expr.items())
     x = ann["hi"].args[0]
+    first = ctx.matched_bindings.get(ann["y"].args[0])  # x * cos, or its permute
+    if first is None or _in(ctx, ann.get("xh")) != (first.op.name == "relax.permute_dims"):
+        return reject(ctx, name, "the head permute is on one side of the sum only")
+    if _in(ctx, ann.get("xh")):
+        axes = [[as_int(a) for a in c.attrs.axes or []] for c in (ann["xh"], first)]
+        if axes[0] != axes[1] or not axes[0] or axes[0][-1] != len(axes[0]) - 1:
+            return reject(ctx, name, f"permutes {axes} differ or move the head dim")
     d = as_int(shape_of(x)[-1])
     if d is None or d % 2:
         return reject(ctx, name, f"head dim {shape_of(x)[-1]} is not a known even size")
