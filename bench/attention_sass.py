@@ -176,7 +176,7 @@ def analyse(name: str, kind: str, shapes: dict, knobs: dict, arch: str = "sm_90"
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/attention_sass.json")
-    p.add_argument("--knobs", default="bench/results/attention_run2.json", help="the GPU run whose best_knobs to build")
+    p.add_argument("--knobs", default="bench/results/attention_run2.json", help="the GPU run whose best_knobs to build (tar -xJf bench/results/archive-sessions-5-7.tar.xz first)")
     p.add_argument("--arch", default="sm_90", help="the bench's target arch (sm_90a gives the same SASS for these kernels)")
     args = p.parse_args()
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")  # as the bench built them (only the source is used here)

@@ -68,7 +68,8 @@ def analyse(m: int, k: int, n: int, gelu: bool, knobs: dict) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/gemm_sass.json")
-    p.add_argument("--measured", default="bench/results/tcgemm_run1.json")
+    p.add_argument("--measured", default="bench/results/tcgemm_run1.json",
+                   help="a tcgemm run (this one: tar -xJf bench/results/archive-sessions-5-7.tar.xz first)")
     args = p.parse_args()
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
     from tvmfuse.spaces import tcgemm
