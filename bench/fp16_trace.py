@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import fp16_error as E  # noqa: E402
-from bench import hf_models as H  # noqa: E402
+from bench import fp16_error as E
+from bench import hf_models as H
 
 
 def taps(emu, ids, on) -> dict[str, torch.Tensor]:
@@ -73,6 +73,7 @@ def main():
     p.add_argument("--smoke", action="store_true", help="the tiny Llama config (a CPU check of this script)")
     args = p.parse_args()
     import tvm  # pylint: disable=import-outside-toplevel
+
     from tvmfuse import pipeline  # pylint: disable=import-outside-toplevel
     from tvmfuse.jobs import Job  # pylint: disable=import-outside-toplevel
     from tvmfuse.runtime import load  # pylint: disable=import-outside-toplevel
@@ -80,7 +81,7 @@ def main():
 
     torch.set_grad_enabled(False)
     model = H.build("llama", args.smoke)
-    feeds = H.inputs("llama", model, dict(batch=1, seq=args.seq, kv_len=0))
+    feeds = H.inputs("llama", model, {"batch": 1, "seq": args.seq, "kv_len": 0})
     ids = torch.from_numpy(feeds["input_ids"])
     emu = E.Emu(model)
     ref, emulated = taps(emu, ids, ()), taps(emu, ids, E.CONFIGS[args.config])

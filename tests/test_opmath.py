@@ -11,8 +11,9 @@ from tvm import relax
 
 from tvmfuse.fuse import lower
 from tvmfuse.kernels import template_sites
+from tvmfuse.opmath import EXACT_SCALARS, exact_scalar
 from tvmfuse.patterns import fusion_patterns
-from tvmfuse.precision import EXACT_SCALARS, exact_scalar, to_compute_dtype
+from tvmfuse.precision import to_compute_dtype
 
 S, H, D = 16, 2, 32
 
@@ -165,6 +166,7 @@ def test_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
     """fp32 arithmetic in 8-lane vectors (head dim 128) compiles with nvcc (an fp32x8 broadcast of -1 did not:
     the negation stays fp16, exact there), and x, cos and sin still move in 16-byte vectors."""
     from checks import cuda_sources  # pylint: disable=import-outside-toplevel
+
     from tvmfuse.build import apply_default_schedules, compile_module  # pylint: disable=import-outside-toplevel
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 

@@ -1,11 +1,16 @@
-"""Opmath pass: in fp16/bf16 modules, power ops compute in fp32 between casts, as torch's opmath does."""
+"""Opmath: fp32 arithmetic inside fp16/bf16 modules (ops and fused groups between casts, scalars' fp32 values)."""
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
-FLOAT32, FLOAT16 = "float32", "float16"
+from .interface import is_cast
+
+FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
+Const = tvm.ir.GenericConst
 
 #: ops that compute in fp32 between casts in fp16/bf16 (torch's "opmath" does the same): x**2 of a hidden state
 #: overflows fp16 past 256 (RMSNorm's mean of squares: Llama's RMSNorm upcasts to fp32 itself, but an fp32 export
@@ -101,3 +106,51 @@ class _ComputeFp32(relax.PyExprMutator):
             fields = [relax.op.astype(a, FLOAT32) if _dtype(a) == FLOAT16 else a for a in fields]
         args = [relax.Tuple(fields)] + [self.visit_expr(a) for a in call.args[1:]] if concat else fields
         return self.builder_.normalize(relax.Call(call.op, args, call.attrs, call.ty_args))
+
+
+#: module attribute: {repr of a rounded scalar constant: the fp32 value it was rounded from}, for kernels that
+#: compute in fp32 with such a constant (the attention template's softmax scale): they use the model's value
+EXACT_SCALARS = "tvmfuse.exact_scalars"
+
+
+def fold_scalar_casts(mod: tvm.IRModule) -> tvm.IRModule:
+    """`astype(scalar const)` -> a constant of the cast's dtype (FoldConstant leaves 0-d casts); CanonicalizeBindings
+    then puts the constant into its uses, where the patterns look for constants. The fp32 values the rounding
+    changed are recorded in the module attribute EXACT_SCALARS (a rounded value two fp32 values share is left out)."""
+    exact: dict[str, set] = {}
+    out = mutate_functions(mod, lambda m: _FoldScalarCasts(m, exact))
+    kept = {k: float(next(iter(v))) for k, v in exact.items() if len(v) == 1}
+    return out.with_attr(EXACT_SCALARS, kept) if kept else out
+
+
+def exact_scalar(mod: tvm.IRModule, value: float) -> float:
+    """The fp32 value the precision stage rounded the scalar constant `value` from (`value` itself if none)."""
+    table = mod.attrs.get(EXACT_SCALARS) if mod.attrs is not None else None
+    return float(table[repr(float(value))]) if table is not None and repr(float(value)) in table else float(value)
+
+
+@mutator
+class _FoldScalarCasts(PyExprMutator):
+    def __init__(self, mod, exact: dict[str, set]):
+        super().__init__(mod)
+        self.exact = exact
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        arg = call.args[0] if is_cast(call) else None
+        arg = self.lookup_binding(arg) if isinstance(arg, relax.Var) else arg  # a cast of a folded cast
+        value = getattr(arg, "value", None) if isinstance(arg, Const) else None
+        if value is None or value.numpy().ndim != 0:
+            return call
+        dtype, src = str(call.attrs.dtype), value.numpy()
+        if dtype == BFLOAT16:
+            import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+            low = src.astype(np.float32).astype(ml_dtypes.bfloat16)
+            folded = relax.const(tvm.runtime.tensor(low), dtype)
+        else:
+            low = src.astype(dtype)
+            folded = relax.const(low, dtype)
+        if src.dtype == np.float32 and dtype in (FLOAT16, BFLOAT16) and float(low) != float(src):
+            self.exact.setdefault(repr(float(low)), set()).add(float(src))
+        return folded

@@ -21,9 +21,9 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
   model, with no casts between the LayerNorms and the matmuls (without it the lookup's fp32 result kept the
   residual stream fp32: a cast to fp16 before each matmul and one back to fp32 after it);
 - weights feeding fp16 ops become `astype(const, "float16")`; FoldConstant makes them fp16 constants, except
-  0-d ones (scalar operands: attention scales, GELU constants), which it leaves as casts: `_fold_scalar_casts`
+  0-d ones (scalar operands: attention scales, GELU constants), which it leaves as casts: `opmath.fold_scalar_casts`
   folds those, so the patterns see the same constants as in fp32, and records the fp32 value of each it rounded
-  (`exact_scalar`): a kernel computing in fp32 with one (the attention template's scale) uses the model's value;
+  (`opmath.exact_scalar`): a kernel computing in fp32 with one (the attention template's scale) uses the model's value;
 
 `io_dtype` (None or float32: as above; the compute dtype: the module takes and returns its float tensors in
 the compute dtype): the fp32 interface is built as usual, then wrapped in casts to/from `io_dtype`
@@ -45,9 +45,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .interface import fp32_interface, is_cast, low_interface
+from .interface import fp32_interface, low_interface
 from .jobs import check_io_dtype, parse_dtype
-from .opmath import mutate_functions, opmath_fp32
+from .opmath import fold_scalar_casts, mutate_functions, opmath_fp32
 
 Const = tvm.ir.GenericConst
 FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
@@ -82,7 +82,7 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None,
     if dtype == BFLOAT16:
         mod = _fp16_to_bf16(mod)
     mod = relax.transform.FoldConstant()(mod)  # astype(weight) -> a constant in the compute dtype
-    mod = _fold_scalar_casts(mod)
+    mod = fold_scalar_casts(mod)
     if io_dtype != FLOAT32:
         mod = low_interface(mod, io_dtype)
     mod = relax.transform.DeadCodeElimination(["main"])(relax.transform.CanonicalizeBindings()(mod))
@@ -199,54 +199,6 @@ def _op_dtypes(mod: tvm.IRModule) -> list[tuple[str, str]]:
 
     relax.analysis.post_order_visit(mod["main"], visit)
     return found
-
-
-#: module attribute: {repr of a rounded scalar constant: the fp32 value it was rounded from}, for kernels that
-#: compute in fp32 with such a constant (the attention template's softmax scale): they use the model's value
-EXACT_SCALARS = "tvmfuse.exact_scalars"
-
-
-def _fold_scalar_casts(mod: tvm.IRModule) -> tvm.IRModule:
-    """`astype(scalar const)` -> a constant of the cast's dtype (FoldConstant leaves 0-d casts); CanonicalizeBindings
-    then puts the constant into its uses, where the patterns look for constants. The fp32 values the rounding
-    changed are recorded in the module attribute EXACT_SCALARS (a rounded value two fp32 values share is left out)."""
-    exact: dict[str, set] = {}
-    out = mutate_functions(mod, lambda m: _FoldScalarCasts(m, exact))
-    kept = {k: float(next(iter(v))) for k, v in exact.items() if len(v) == 1}
-    return out.with_attr(EXACT_SCALARS, kept) if kept else out
-
-
-def exact_scalar(mod: tvm.IRModule, value: float) -> float:
-    """The fp32 value the precision stage rounded the scalar constant `value` from (`value` itself if none)."""
-    table = mod.attrs.get(EXACT_SCALARS) if mod.attrs is not None else None
-    return float(table[repr(float(value))]) if table is not None and repr(float(value)) in table else float(value)
-
-
-@mutator
-class _FoldScalarCasts(PyExprMutator):
-    def __init__(self, mod, exact: dict[str, set]):
-        super().__init__(mod)
-        self.exact = exact
-
-    def visit_call_(self, call):  # pylint: disable=arguments-renamed
-        call = super().visit_call_(call)
-        arg = call.args[0] if is_cast(call) else None
-        arg = self.lookup_binding(arg) if isinstance(arg, relax.Var) else arg  # a cast of a folded cast
-        value = getattr(arg, "value", None) if isinstance(arg, Const) else None
-        if value is None or value.numpy().ndim != 0:
-            return call
-        dtype, src = str(call.attrs.dtype), value.numpy()
-        if dtype == BFLOAT16:
-            import ml_dtypes  # pylint: disable=import-outside-toplevel
-
-            low = src.astype(np.float32).astype(ml_dtypes.bfloat16)
-            folded = relax.const(tvm.runtime.tensor(low), dtype)
-        else:
-            low = src.astype(dtype)
-            folded = relax.const(low, dtype)
-        if src.dtype == np.float32 and dtype in (FLOAT16, BFLOAT16) and float(low) != float(src):
-            self.exact.setdefault(repr(float(low)), set()).add(float(src))
-        return folded
 
 
 def _fp16_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:

@@ -137,7 +137,7 @@ def _scale(roles: dict, call, mod: tvm.IRModule) -> float | None:
     times the kernel multiplies it in (Q and K may each get one, or share one), divided by those it divides by.
     The template scales fp32 scores: a constant the precision stage rounded counts with the model's fp32 value
     (fp16's sqrt(1/sqrt(128)) = 0.29736 for 0.29730 moved every score by 4e-4 of itself)."""
-    from ..precision import exact_scalar  # pylint: disable=import-outside-toplevel
+    from ..opmath import exact_scalar  # pylint: disable=import-outside-toplevel
 
     scale, args = 1.0, list(call.args[1].fields)
     for i, (role, arg) in enumerate(zip(roles["order"], args)):
