@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -18,13 +19,13 @@ from tvmfuse.precision import to_compute_dtype
 S, H, D = 16, 2, 32
 
 
-def _rope_module(dtype: str, extra_use: bool = False, permute: tuple = (), shape: tuple = (1, S, H, D),
+def _rope_module(dtype: str, extra_use: bool = False, permute: tuple = (), shape: tuple | None = None,
                  rot_permuted: bool = True) -> tvm.IRModule:
     """y = x * cos + concat(-x[..., D/2:], x[..., :D/2]) * sin on x [1, S, H, D], cos/sin [1, S, 1, D] inputs;
     `extra_use`: the rotated half is also an output (the group must not take it). `permute`: the axes of the
     head permute as TVM imports Llama's Q, permute(x * cos) + rotate_half(permute(x)) * sin (not
     `rot_permuted`: permute(x * cos) + rotate_half(x) * sin, the permute on one side only, for S == H)."""
-    bb = relax.BlockBuilder()
+    bb, shape = relax.BlockBuilder(), shape or (1, S, H, D)
     x = relax.Var("x", relax.TensorType(shape, dtype))
     cos = relax.Var("cos", relax.TensorType((1, shape[1], 1, shape[3]), dtype))
     sin = relax.Var("sin", relax.TensorType((1, 1, shape[1], shape[3]) if permute else cos.ty.shape, dtype))
@@ -170,9 +171,31 @@ def test_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
     from tvmfuse.build import apply_default_schedules, compile_module  # pylint: disable=import-outside-toplevel
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 
-    monkeypatch.setattr(__import__(__name__), "D", 128)
+    monkeypatch.setattr(sys.modules[__name__], "D", 128)
     fused = lower(_rope_module("float16"), patterns=fusion_patterns(["tvmfuse.rotary_embedding"]))
     target = resolve_target("cuda")
     (src,) = cuda_sources(compile_module(apply_default_schedules(fused.mod, target), target))
     assert src.count("*(uint4*)(x_ptr") == 3 and "*(uint4*)(cos_ptr" in src and "*(uint4*)(sin_ptr" in src
     assert "(float)(((half2*)" in src and "= (half)(((float2*)" in src  # up to fp32, one rounding down
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("permute", [(), (0, 2, 1, 3)])
+def test_gpu_rotary_group_rounds_once(permute, monkeypatch):
+    """On the GPU (head dim 128, 8-lane vectors, Llama's K and Q forms): the fp32 rope of the fp16 inputs rounded
+    once, to 1 ulp (an FMA may contract the fp32 sum)."""
+    from tvmfuse.build import apply_default_schedules, compile_module  # pylint: disable=import-outside-toplevel
+    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(sys.modules[__name__], "D", 128)
+    fused = lower(_rope_module("float16", permute=permute), patterns=fusion_patterns(["tvmfuse.rotary_embedding"]))
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.rotary_embedding"], fused.rejections
+    cuda, dev = resolve_target("cuda"), tvm.cuda(0)
+    x, cos, sin = _inputs()
+    sin_in = np.transpose(sin, (0, 2, 1, 3)) if permute else sin
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(fused.mod, cuda), cuda), dev)
+    got = vm["main"](*[tvm.runtime.tensor(a, dev) for a in (x, cos, sin_in)]).numpy()
+    t = (lambda a: np.transpose(a, permute)) if permute else (lambda a: a)
+    once = _rope(t(x).astype("f4"), t(cos).astype("f4"), t(sin).astype("f4")).astype("float16")
+    ulp = np.abs(got.astype("f8") - once.astype("f8")) / np.spacing(np.abs(once)).astype("f8")
+    assert got.shape == once.shape and ulp.max() <= 1 and (got == once).mean() > 0.99
