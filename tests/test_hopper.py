@@ -88,7 +88,7 @@ def test_an_epilogue_that_reads_the_product_transposed_is_refused():
 
 
 def test_tile_choice_and_shape_checks():
-    # the measured best tiles (bench/results/wgmma_run4.json, wgmma_run5.json)
+    # the measured best tiles (wgmma_run4.json, wgmma_run5.json in bench/results/archive-sessions-5-7.tar.xz)
     assert choose_tile(4096, 11008, 4096) == WgmmaTile(256, 4)  # 1376 tiles of 128x256
     assert choose_tile(512, 4096, 4096) == WgmmaTile(128, 4, dual=True)  # 64 of 128x256 would leave SMs idle
     assert choose_tile(512, 11008, 4096) == WgmmaTile(176, 4)  # 252 tiles: two full waves
@@ -189,7 +189,7 @@ def test_small_m_build_is_one_mma_kernel_reading_the_weight_once():
                                         (16, 3072, 768, "1x8x1x4")])
 def test_small_m_tile_rule_fills_the_gpu(m, n, k, tile):
     """Wide column tiles where they still make 256 blocks, the K split across warps until ~2560 warps stream the
-    weight; 4 warps above M = 16 (registers): the tiles measured fastest (bench/results/smallm_tc_run1.json)."""
+    weight; 4 warps above M = 16 (registers): the tiles measured fastest (smallm_tc_run1.json, results archive)."""
     t = choose_smallm_tile(m, n, k)
     assert f"{t.n8}x{t.warps}x{t.vec}x{t.unroll}" == tile
 

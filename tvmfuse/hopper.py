@@ -14,8 +14,8 @@ from .kernels.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from .kernels.wgmma_tile import WgmmaTile, check_wgmma_shape
 
 #: microseconds one CTA of each tile spends per 64-deep k-step on the H200, and per tile besides (pipeline fill,
-#: epilogue): fitted to bench/results/wgmma_run4.json and wgmma_run5.json (17 GPT-2 / Llama prefill projections,
-#: 6-11 tiles each), where the cheapest estimate is the measured best tile at 16 shapes and within 4% at the 17th
+#: epilogue): fitted to wgmma_run4.json and wgmma_run5.json (bench/results/archive-sessions-5-7.tar.xz; 17 GPT-2 /
+#: Llama prefill projections, 6-11 tiles each), where the cheapest estimate is the measured best tile at 16 shapes and within 4% at the 17th
 TILE_COSTS = {WgmmaTile(256, 4): 0.83, WgmmaTile(192, 4): 0.70, WgmmaTile(176, 4): 0.62, WgmmaTile(144, 4): 0.55,
               WgmmaTile(128, 4, dual=True): 0.47, WgmmaTile(128, 6, 64, dual=True): 0.35,
               WgmmaTile(64, 8, 64, dual=True): 0.21}
@@ -48,7 +48,7 @@ def choose_tile(m: int, n: int, k: int) -> WgmmaTile | None:
 def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
     """Columns per block: 32, else 16, else 8, the widest that still makes 256 blocks; warps (K split): the
     fewest of 4, 8, 16 that make 2560 in all (more weight bytes in flight), 4 above M = 16 (4 m16 tiles of
-    accumulators per warp). On the H200 (bench/results/smallm_tc_run1.json, 10 tiles per shape) this picks the
+    accumulators per warp). On the H200 (smallm_tc_run1.json in the results archive, 10 tiles per shape) this picks the
     measured best, or a tile within 3% of it, at 8 of the 10 shapes; at M = 4 one 13% slower; at M x K x N =
     16x3072x768 a tile not measured (1x16: the 2x16 tile was the best)."""
     n8 = next((c for c in (4, 2) if -(-n // (8 * c)) >= 256), 1)
