@@ -15,7 +15,8 @@ from .kernels.wgmma_tile import WgmmaTile, check_wgmma_shape
 
 #: microseconds one CTA of each tile spends per 64-deep k-step on the H200, and per tile besides (pipeline fill,
 #: epilogue): fitted to wgmma_run4.json and wgmma_run5.json (bench/results/archive-sessions-5-7.tar.xz; 17 GPT-2 /
-#: Llama prefill projections, 6-11 tiles each), where the cheapest estimate is the measured best tile at 16 shapes and within 4% at the 17th
+#: Llama prefill projections, 6-11 tiles each), where the cheapest estimate is the measured best tile at 16 shapes
+#: and within 4% at the 17th
 TILE_COSTS = {WgmmaTile(256, 4): 0.83, WgmmaTile(192, 4): 0.70, WgmmaTile(176, 4): 0.62, WgmmaTile(144, 4): 0.55,
               WgmmaTile(128, 4, dual=True): 0.47, WgmmaTile(128, 6, 64, dual=True): 0.35,
               WgmmaTile(64, 8, 64, dual=True): 0.21}
