@@ -147,3 +147,21 @@ def test_gpu_default_tensor_core_gemm_matches_numpy():
         got = vm["main"](tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev)).numpy().astype("float32")
         want = x.astype("float32") @ w.astype("float32")
         assert np.abs(got - want).max() < 2e-2, (m, k, n)
+
+
+@pytest.mark.parametrize("symbolic", [True, False])
+@pytest.mark.parametrize("perm", [[0, 2, 1, 3], [0, 1, 2, 3]])
+def test_cpu_reduction_default_skips_a_symbolic_kernel_ending_in_a_transpose(llvm, symbolic, perm):
+    """softmax then permute in one kernel (the attention kernel's head merge): dlight's CPU Reduction computes the
+    softmax at the transpose's rows, which with symbolic dims gave min/max regions LLVM took ~10 minutes on (the
+    tiny Llama export's attention); that kernel stays unscheduled, the static one and the aligned one keep it."""
+    from tvm import te, topi
+
+    from tvmfuse.baseline import AlignedCPUReduction, default_rule
+
+    b, s = (tvm.tirx.Var("b", "int64"), tvm.tirx.Var("s", "int64")) if symbolic else (2, 8)
+    x = te.placeholder((b, 4, s, 16), "float32", name="x")
+    func = te.create_prim_func([x, topi.transpose(topi.nn.softmax(x, axis=-1), perm)])
+    rule, _ = default_rule(func, llvm)
+    assert (rule is None) == (symbolic and perm != [0, 1, 2, 3]), rule
+    assert rule is None or isinstance(rule, AlignedCPUReduction)

@@ -79,6 +79,43 @@ class TensorCoreMatmul(dl.ScheduleRule):
             return dl.gpu.Matmul().apply(func, target, tunable)
 
 
+class AlignedCPUReduction(dl.cpu.Reduction):
+    """dlight's CPU Reduction, except for a kernel whose last block reads an earlier block's result with its leading
+    spatial axes in another order (a fused kernel ending in a transpose: the attention kernel's head merge).
+
+    dlight's rule parallelizes the last block's leading axes and computes every earlier block at that loop, which
+    assumes all blocks share those axes. Through a transpose they do not: with symbolic dims the producers' regions
+    became min/max expressions over whole rows (each output row recomputed them) and LLVM took ~10 minutes on the
+    one kernel (the tiny Llama export's attention at symbolic batch and seq). Such kernels with symbolic extents stay
+    unscheduled, as kernels no CPU rule takes do (unscheduled, the same kernel builds in ~1 s)."""
+
+    def apply(self, func, target, tunable):  # pylint: disable=missing-function-docstring
+        space = super().apply(func, target, tunable)
+        return None if space is not None and _last_block_transposes(func) else space
+
+
+def _last_block_transposes(func: tirx.PrimFunc) -> bool:
+    """Whether `func` has symbolic extents and its last block reads a buffer made inside `func` with one of its
+    leading spatial iteration variables at another leading position (the order dlight's CPU Reduction fuses and
+    computes the other blocks at)."""
+    from tvm.s_tir.dlight.analysis import normalize_prim_func  # pylint: disable=import-outside-toplevel
+
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if not infos or all(isinstance(it.dom, (int, tirx.IntImm)) for bi in infos for it in bi.iters):
+        return False  # static shapes: the regions stay exact (the Llama attention at seq 64 builds in 0.15 s)
+    leading = min(len(k) - len(k.lstrip("S")) for k in (bi.dom_kind() for bi in infos))
+    made = [w.source for bi in infos[:-1] for w in sch.get(bi.block_rv).writes]
+    axes = [it.var for it in infos[-1].iters[:leading]]
+    for read in sch.get(infos[-1].block_rv).reads:
+        if not any(read.source.same_as(b) for b in made):
+            continue
+        for position, rng in enumerate(read.region[:leading]):
+            if any(rng.min.same_as(v) for v in axes) and not rng.min.same_as(axes[position]):
+                return True
+    return False
+
+
 def default_rules(target: tvm.target.Target, stock: bool = False) -> list:
     """dlight's rules in the order TVM's own CUDA pipeline tries them, with tvmfuse's small-M and tensor-core
     matmul schedules first and its row and vectorized injective schedules just before the final Fallback on CUDA
@@ -89,7 +126,7 @@ def default_rules(target: tvm.target.Target, stock: bool = False) -> list:
                        if ours else ([], []))
         matmul = dl.gpu.Matmul() if stock else TensorCoreMatmul()
         return [*first, matmul, dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *last, dl.gpu.Fallback()]
-    return [dl.cpu.GEMV(), dl.cpu.Reduction()]
+    return [dl.cpu.GEMV(), dl.cpu.Reduction() if stock else AlignedCPUReduction()]
 
 
 def default_rule(func: tirx.PrimFunc, target: tvm.target.Target, stock: bool = False) -> tuple:
