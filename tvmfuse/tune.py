@@ -71,15 +71,23 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
         extractor=ms.feature_extractor.PerStoreFeature(), config=XGBConfig(max_depth=10, eta=0.2, nthread=cores),
         num_warmup_samples=min(16, trials_per_task), adaptive_training=True)
     database = database if database is not None else ms.database.JSONDatabase(work_dir=work_dir)
+    # one builder and one local runner for the whole tune: each one made runs a sanity check in fresh worker
+    # processes (~3 s each on 2 cores, every worker imports tvm); an RPC runner is made per phase, so it counts
+    # the servers free at that time
+    builder, local = _builder(cores), _runner(None, _evaluator(is_gpu)) if rpc is None else None
+
+    def runner():
+        return local or _runner(rpc, _evaluator(is_gpu))
+
     with _sigint_seen() as seen:
         try:
-            _measure_defaults(contexts, target, database, rpc, cores, is_gpu, progress, spent)
+            _measure_defaults(contexts, target, database, builder, runner(), progress, spent)
             warm_start(cost_model, contexts, database)
             for left, group in _by_remaining(contexts, trials_per_task, spent):
                 if seen:
                     raise KeyboardInterrupt
                 if left > 0:
-                    _tune_group(group, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu,
+                    _tune_group(group, left, work_dir, database, cost_model, builder, runner(), batch, is_gpu,
                                 ProgressCallback([progress[c.task_name] for c in group], on_progress, stop=seen))
         except BaseException:  # Ctrl-C inside a Python callback of the C++ loop arrives as a RuntimeError
             if seen:
@@ -131,11 +139,10 @@ def _sigint_seen():
         signal.signal(signal.SIGINT, previous)
 
 
-def _measure_defaults(contexts, target, database, rpc, cores, is_gpu, progress, spent) -> None:
+def _measure_defaults(contexts, target, database, builder, runner, progress, spent) -> None:
     """Measure each kernel's default schedule first and store it as a record (one trial of the budget):
     the build applies the best record, so a search that finds nothing faster keeps the default."""
-    found = measure_baselines([c.mod for c in contexts], target, database, _builder(cores),
-                              _runner(rpc, _evaluator(is_gpu)))
+    found = measure_baselines([c.mod for c in contexts], target, database, builder, runner)
     for i, (us, stored_now) in found.items():
         task = progress[contexts[i].task_name]
         task.default_us = us
@@ -154,13 +161,13 @@ def _evaluator(is_gpu: bool):
                                      enable_cpu_cache_flush=False)
 
 
-def _tune_group(contexts, left, work_dir, database, cost_model, target, batch, rpc, cores, is_gpu, callback):
+def _tune_group(contexts, left, work_dir, database, cost_model, builder, runner, batch, is_gpu, callback):
     """One MetaSchedule run over kernels that all have `left` trials to go."""
     ms.tune_tasks(
         tasks=contexts, task_weights=[1.0] * len(contexts), work_dir=work_dir,
         max_trials_global=left * len(contexts), max_trials_per_task=left,
         num_trials_per_iter=min(left, batch or (64 if is_gpu else 16)),
-        builder=_builder(cores), runner=_runner(rpc, _evaluator(is_gpu)), database=database,
+        builder=builder, runner=runner, database=database,
         cost_model=cost_model, measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [callback],
         task_scheduler="gradient")
 
