@@ -33,6 +33,13 @@ from tvmfuse.schedules_upkeep import add_from_database
 from tvmfuse.tune import _builder, _evaluator, _runner
 
 
+@pytest.fixture(scope="module")
+def builder():
+    """tune.py's local builder with one worker, made once for the module (each one made runs a sanity check in a
+    fresh worker process, ~3 s); it keeps no state between builds."""
+    return _builder(1)
+
+
 def _site(fused):
     (_, name, tmpl, shapes, _), = template_sites(fused.mod, fused.kernel_patterns, target="llvm")
     return name, tmpl, shapes
@@ -63,7 +70,7 @@ def _spy_checks(monkeypatch) -> list:
     return made
 
 
-def test_enumeration_records_resume_and_best_knobs(tmp_path, llvm, monkeypatch):
+def test_enumeration_records_resume_and_best_knobs(tmp_path, llvm, monkeypatch, builder):
     """--trials 0 measures nothing; 1 measures the default; 2 resumes (the default counts) and measures one
     more knob set; each passes its output check against the generic kernel and is a record, with its time, whose
     workload carries the knobs; a second run measures nothing; substitute(database=...) applies the fastest; the
@@ -72,7 +79,7 @@ def test_enumeration_records_resume_and_best_knobs(tmp_path, llvm, monkeypatch):
     fused = _attention_module(False)
     name, tmpl, shapes = _site(fused)
     space = candidate_knobs(tmpl, shapes)
-    tools = dict(builder=_builder(1), runner=_runner(None, _evaluator(False)))  # tune.py's, made once here
+    tools = dict(builder=builder, runner=_runner(None, _evaluator(False)))  # tune.py's, made once here
     assert tmpl is ATTENTION_PREFILL and len(space) == len(tmpl.knob_space(shapes)) >= 2
     assert space[0] == tmpl.default_knobs(shapes)
     db = TuningDatabase(str(tmp_path), llvm)
@@ -187,7 +194,7 @@ class _FirstIsFastest:
                 for s in [1e-6] + [1e-4] * (len(inputs) - 1)]
 
 
-def test_wrong_variant_is_recorded_failed_and_never_chosen(tmp_path, llvm, monkeypatch):
+def test_wrong_variant_is_recorded_failed_and_never_chosen(tmp_path, llvm, monkeypatch, builder):
     """The default knob set builds a kernel with the wrong output: it is not timed, its record is a failure
     (progress counts it, the log says it once), best_knobs and substitute take the right one, a rerun measures
     nothing again."""
@@ -196,7 +203,7 @@ def test_wrong_variant_is_recorded_failed_and_never_chosen(tmp_path, llvm, monke
     space = candidate_knobs(tmpl, shapes)
     _wrong_for(tmpl, shapes, [space[0]], monkeypatch)
     db, runner, said = TuningDatabase(str(tmp_path), llvm), _FirstIsFastest(), []
-    progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=_builder(1),
+    progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=builder,
                               runner=runner, say=said.append)[name]
     assert (progress.trials, progress.failed, progress.best_us) == (2, 1, pytest.approx(1.0))
     assert len(runner.given) == 1  # only the right variant was timed
@@ -211,7 +218,7 @@ def test_wrong_variant_is_recorded_failed_and_never_chosen(tmp_path, llvm, monke
     assert _kernel_knobs(substitute(fused.mod, fused.kernel_patterns, target="llvm", database=db), name) == space[1]
 
 
-def test_every_knob_set_wrong_keeps_the_generic_kernel(tmp_path, llvm, monkeypatch):
+def test_every_knob_set_wrong_keeps_the_generic_kernel(tmp_path, llvm, monkeypatch, builder):
     """Every measured knob set gives the wrong output: none is timed, each is a failed record, and substitute keeps
     the generic kernel (not the template with its default knobs), saying why in the job's log line."""
     fused = _attention_module(False)
@@ -220,7 +227,7 @@ def test_every_knob_set_wrong_keeps_the_generic_kernel(tmp_path, llvm, monkeypat
     assert len(space) > 2  # two measured, the rest never: "every measured", not every knob set
     _wrong_for(tmpl, shapes, space, monkeypatch)
     db, runner, said = TuningDatabase(str(tmp_path), llvm), _FirstIsFastest(), []
-    progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=_builder(1),
+    progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=builder,
                               runner=runner, say=said.append)[name]
     assert (progress.trials, progress.failed, progress.best_us, runner.given) == (2, 2, None, [])
     assert len(said) == 2 and all("gave wrong output" in line for line in said), said
@@ -236,7 +243,7 @@ def test_every_knob_set_wrong_keeps_the_generic_kernel(tmp_path, llvm, monkeypat
     assert _kernel_knobs(fresh, name) == space[0]
 
 
-def test_variants_are_checked_in_the_runners_rpc_session(tmp_path, llvm, monkeypatch):
+def test_variants_are_checked_in_the_runners_rpc_session(tmp_path, llvm, monkeypatch, builder):
     """With an RPC runner the check runs where it measures: in a session its `rpc_config` opens (here TVM's
     in-process LocalSession, standing in for the tracker's server: the same upload/load_module/device calls),
     one per round; the wrong variant fails there too."""
@@ -251,7 +258,7 @@ def test_variants_are_checked_in_the_runners_rpc_session(tmp_path, llvm, monkeyp
     space = candidate_knobs(tmpl, shapes)
     _wrong_for(tmpl, shapes, [space[1]], monkeypatch)
     db, said = TuningDatabase(str(tmp_path), llvm), []
-    progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=_builder(1),
+    progress = tune_templates(fused.mod, fused.kernel_patterns, llvm, db, trials=2, builder=builder,
                               runner=runner, say=said.append)[name]
     (_, calls), = checks
     assert len(sessions) == 1 and [[w is not None for w in c] for c in calls] == [[False, True]]
