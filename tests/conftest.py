@@ -1,6 +1,5 @@
 """Shared fixtures: the tests folder on sys.path, GPU tests skipped cleanly without a GPU."""
 
-import inspect
 import os
 import sys
 
@@ -8,13 +7,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# TVMScript's @T.prim_func calls inspect.stack(), which looks up the module of every frame whose file is not on disk
-# (the import machinery's frozen frames) by scanning all of sys.modules, uncached. Importing tvm.s_tir.tensor_intrin
-# (~500 prim_funcs, on the first CUDA tensor-core schedule) took 34 s in a fresh process and 73-96 s once torch and
-# transformers were loaded (~3800 modules). Recording that these files belong to no module (what the scan finds) makes
-# the import ~10 s; nothing else changes (inspect gets no source for them either way).
-for _frozen in ("importlib._bootstrap", "importlib._bootstrap_external", "runpy", "zipimport"):
-    inspect.modulesbyfile.setdefault(f"<frozen {_frozen}>", "<no module: frozen>")
+import tvmfuse  # noqa: E402,F401  pylint: disable=unused-import,wrong-import-position  (installs inspect_cache)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from . import inspect_cache as _inspect_cache
+
+_inspect_cache.install()
+
 
 def load(path: str, device=None):
     """Load an export (`<out>/<model>-<target>/`): checks the manifest's sha256, returns a callable model."""
