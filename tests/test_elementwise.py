@@ -112,7 +112,7 @@ def test_embedding_lookup_moves_whole_rows_16_bytes_at_a_time():
 def test_lookup_compiles_with_one_scalar_id_per_vector(vocab, hidden, rows):
     """Rows whose length divides no block of vectors (BERT's 768: 2048 elements per block) still read one scalar
     id per vector: fusing every loop before splitting made the ids an int64x8 vector, and CUDA codegen failed
-    ("type_name.empty()") for BERT decode-16 and prefill on the H200 (bench/results/models_run18.json)."""
+    ("type_name.empty()") for BERT decode-16 and prefill on the H200 (models_run18.json in bench/results/archive-sessions-8-9.tar.xz)."""
     cuda = resolve_target("cuda")
     (src,) = cuda_sources(compile_module(apply_default_schedules(_lookup(vocab, hidden, rows), cuda), cuda))
     assert src.count("*(uint4*)") == 2 and "ids_ptr[" in src and "longlong" not in src
