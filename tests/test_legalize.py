@@ -196,3 +196,92 @@ def test_cuda_three_part_fp32_concat_moves_16_byte_vectors():
     src = _rope_cuda_source(_concat_module((32, 64, 32), "float32", outer=(64,)))
     assert src.count("*(float4*)(p") == 3 and "*(float4*)(T_concat" in src
     assert not re.search(r"for \(int \w+_s = 0; \w+_s < 4;", src)
+
+
+def _split_attention(leak: str | None = None, b=2, s=8, h=4, d=16, dyn=False) -> onnx.ModelProto:
+    """GPT-2's attention input: one QKV tensor [B, S, 3*H*D] split in three, each part reshaped to heads and
+    permuted to [B, H, S, D], then softmax(q k^T * scale) v. `leak`: "k" also a model output, "k+1" k plus one as
+    an output (an elementwise consumer); `dyn`: batch and sequence symbolic."""
+    b, s = ("batch", "seq") if dyn else (b, s)
+    f32 = TensorProto.FLOAT
+    nodes = [helper.make_node("Split", ["qkv", "parts"], ["q0", "k0", "v0"], axis=-1)]
+    for t in "qkv":
+        nodes += [helper.make_node("Reshape", [f"{t}0", "heads"], [f"{t}1"]),
+                  helper.make_node("Transpose", [f"{t}1"], [t], perm=[0, 2, 1, 3])]
+    nodes += [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), helper.make_node("MatMul", ["q", "kt"], ["sc"]),
+              helper.make_node("Mul", ["sc", "scale"], ["ss"]), helper.make_node("Softmax", ["ss"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["y"])]
+    outs = [helper.make_tensor_value_info("y", f32, [b, h, s, d])]
+    if leak == "k":
+        outs.append(helper.make_tensor_value_info("k0", f32, [b, s, h * d]))
+    elif leak == "k+1":
+        nodes.append(helper.make_node("Add", ["k0", "scale"], ["k_plus"]))
+        outs.append(helper.make_tensor_value_info("k_plus", f32, [b, s, h * d]))
+    inits = [helper.make_tensor("parts", TensorProto.INT64, [3], [h * d] * 3),
+             helper.make_tensor("heads", TensorProto.INT64, [4], [0, 0, h, d]),
+             helper.make_tensor("scale", f32, [], [d ** -0.5])]
+    graph = helper.make_graph(nodes, "split_attention", [helper.make_tensor_value_info("qkv", f32, [b, s, 3 * h * d])],
+                              outs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _split_nests(fused) -> list[dict[str, int]]:
+    """Per split kernel: {split block name: id of the loop nest it is in} (one id per nest)."""
+    found = []
+    for gv, fn in fused.mod.functions.items():
+        if isinstance(fn, tvm.tirx.PrimFunc) and "split" in gv.name_hint:
+            sch = tvm.s_tir.Schedule(fn)
+            nests: dict = {}
+            for rv in sch.get_child_blocks(sch.get_sblock("root")):
+                name = sch.get(rv).name_hint
+                if name.startswith("T_split"):
+                    outer = sch.get(sch.get_loops(rv)[0])
+                    key = next((k for k in nests if k.same_as(outer)), outer)
+                    nests.setdefault(key, []).append(name)
+            found.append({n: i for i, names in enumerate(nests.values()) for n in names})
+    return found
+
+
+@pytest.mark.parametrize("dyn", [False, True])
+def test_split_feeding_a_fused_group_is_one_kernel(dyn, llvm):
+    """Every part feeds the attention group (through the head reshape): one loop nest writes the three parts
+    (one kernel; TVM's split is a loop nest per part), and the result equals onnxruntime's, symbolic dims too."""
+    from checks import check_against_ort, lower_model
+
+    model = _split_attention(dyn=dyn)
+    imp, fused = lower_model(model)
+    assert "tvmfuse.attention" in fused.kernel_patterns.values(), fused.rejections
+    assert _split_nests(fused) == [{"T_split_v0": 0, "T_split_v1": 0, "T_split_v2": 0}]
+    result = check_against_ort(model, imp, fused, llvm)
+    assert result.ok and result.max_abs_err < 1e-5, result
+
+
+@pytest.mark.parametrize("leak", ["k", "k+1"])
+def test_split_with_a_part_read_elsewhere_keeps_tvm_split(leak, llvm):
+    """A part that is a model output, or that an elementwise op reads (whose kernel can inline TVM's split block),
+    keeps TVM's legalization: a block per part."""
+    from checks import check_against_ort, lower_model
+
+    model = _split_attention(leak)
+    imp, fused = lower_model(model)
+    assert "tvmfuse.attention" in fused.kernel_patterns.values(), fused.rejections
+    nests = _split_nests(fused)
+    assert len(nests) == 1 and sorted(nests[0].values()) == [0, 1, 2], nests  # a loop nest per part
+    assert check_against_ort(model, imp, fused, llvm).ok
+
+
+def test_cuda_one_kernel_split_moves_16_byte_vectors():
+    """On CUDA the three parts are written by one kernel with 16-byte loads and stores (the injective schedule
+    takes a loop nest of several blocks)."""
+    from checks import lower_model
+
+    from tvmfuse.build import apply_default_schedules, compile_module
+
+    target = resolve_target("cuda")
+    _, fused = lower_model(_split_attention(b=2, s=64, h=4, d=16), None)
+    mod = apply_default_schedules(fused.mod, target)
+    src = "".join(cuda_sources(compile_module(mod, target)))
+    kernels = re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w*split\w*)\(", src)
+    assert len(set(kernels)) == 1, kernels
+    body = src.split(f"{kernels[0]}(", 2)[-1].split("\n}", 1)[0]
+    assert len(re.findall(r"\*\((?:float4|uint4)\*\)", body)) == 6, body  # three 16-byte loads, three stores

@@ -1,8 +1,9 @@
-"""Legalization overrides for LegalizeOps: integer powers become products (TVM's CUDA `pow` is NaN for negative bases), last-axis concatenations pick their part per 16-byte vector."""
+"""Legalization overrides for LegalizeOps: integer powers become products (TVM's CUDA `pow` is NaN for negative bases), last-axis concatenations pick their part per 16-byte vector, splits feeding fused groups one kernel."""
 
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax, te, tirx, topi
 
 #: largest integer exponent written as a product
@@ -114,3 +115,88 @@ def _concat_last_axis(parts, widths: list[int]) -> te.Tensor:
 
 
 LEGALIZE = {"relax.power": legalize_power, "relax.concat": legalize_concat}
+
+
+def one_kernel_splits(mod: tvm.IRModule) -> tvm.IRModule:
+    """Equal-part splits (static on the split axis) whose every part is an argument of a fused group (a composite function: FuseOpsByPattern
+    has run), directly or through reshapes, legalize as one block writing all parts: one kernel instead of one per part (GPT-2's QKV split, 3
+    launches per layer). Those parts are written to memory either way; a part another op reads keeps TVM's split,
+    whose blocks that op's kernel can inline."""
+    fused = {gv for gv, fn in mod.functions.items() if isinstance(fn, relax.Function) and fn.attrs
+             and "Composite" in fn.attrs}
+    out = mod
+    for gv, fn in mod.functions.items():
+        if isinstance(fn, relax.Function) and gv not in fused:
+            splits = _splits_feeding_only(fn, fused)
+            if splits:
+                rewriter = _OneKernelSplits(out, splits)
+                new = rewriter.visit_expr(fn)
+                out = rewriter.builder_.get()
+                out[gv] = new
+    return out
+
+
+def _splits_feeding_only(fn: relax.Function, fused: set) -> set:
+    """The split calls in `fn` with equal parts, each part read only by calls of `fused` functions (through
+    reshapes)."""
+    bindings = [b for blk in fn.body.blocks for b in blk.bindings]
+    users: dict = {}
+    for b in bindings:
+        for v in relax.analysis.free_vars(b.value):
+            users.setdefault(v, []).append(b.value)
+    for v in relax.analysis.free_vars(fn.body.body):  # the function's results: materialized, not fused
+        users.setdefault(v, []).append(fn.body.body)
+
+    reshape = tvm.ir.Op.get("relax.reshape")
+
+    def only_fused(var) -> bool:  # through reshapes (views, no kernel): the head split before attention
+        return all(isinstance(u, relax.Call) and (isinstance(u.op, relax.GlobalVar) and u.op in fused
+                                                  or u.op.same_as(reshape) and only_fused(bound_to(u)))
+                   for u in users.get(var, [None]))
+
+    def bound_to(value):
+        return next(b.var for b in bindings if b.value.same_as(value))
+
+    found = set()
+    for b in bindings:
+        if isinstance(b.value, relax.Call) and b.value.op.same_as(tvm.ir.Op.get("relax.split")) \
+                and _equal_parts(b.value) is not None:
+            items = [u for u in users.get(b.var, []) if isinstance(u, relax.TupleGetItem)]
+            getters = [g for g in bindings if any(g.value.same_as(i) for i in items)]
+            if items and len(items) == len(users[b.var]) and all(only_fused(g.var) for g in getters):
+                found.add(b.value)
+    return found
+
+
+def _equal_parts(call: relax.Call) -> list | None:
+    """The common shape of the split's parts (static on the split axis, any dims elsewhere), or None unless there
+    are several, all of one shape."""
+    shapes = [getattr(f.shape, "values", None) for f in call.ty.fields]
+    axis = int(call.attrs.axis) % call.ty.fields[0].ndim if shapes[0] is not None else 0
+    if len(shapes) < 2 or any(s is None or not tvm_ffi.structural_equal(s, shapes[0]) for s in shapes) \
+            or not isinstance(shapes[0][axis], tirx.IntImm):
+        return None
+    return list(shapes[0])
+
+
+def _split_one_block(x: te.Tensor, parts: int, axis: int, width: int) -> list[te.Tensor]:
+    """split(x, parts, axis) as one compute writing every part: element i of part k is x[i + k * width on axis]."""
+    def body(*idx):
+        return tuple(x(*idx[:axis], idx[axis] + k * width, *idx[axis + 1:]) for k in range(parts))
+
+    return te.compute(list(x.shape[:axis]) + [width] + list(x.shape[axis + 1:]), body, name="T_split")
+
+
+@relax.expr_functor.mutator
+class _OneKernelSplits(relax.PyExprMutator):
+    def __init__(self, mod, splits: set):
+        super().__init__(mod)
+        self.splits = splits
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        if not any(call.same_as(s) for s in self.splits):
+            return super().visit_call_(call)
+        x, parts = self.visit_expr(call.args[0]), len(call.ty.fields)
+        axis = int(call.attrs.axis) % x.ty.ndim
+        width = int(_equal_parts(call)[axis])
+        return self.builder_.call_te(_split_one_block, x, parts, axis, width, primfunc_name_hint="split")

@@ -22,34 +22,42 @@ ALLOWED_CODES = {tvm_ffi.dtype("int32").type_code, tvm_ffi.dtype("uint8").type_c
                  tvm_ffi.dtype("float16").type_code, tvm_ffi.dtype("bfloat16").type_code}
 
 
-def _single_injective_block(sch: s_tir.Schedule):
-    """(the block after inlining everything else into it, its loop extents) for a static all-injective kernel."""
+def _injective_blocks(sch: s_tir.Schedule):
+    """(the blocks left after inlining everything else into them, their loop extents) for a static all-injective
+    kernel that is one block, or several under one loop nest (a multi-output compute: one-kernel splits)."""
     infos = normalize_prim_func(sch)
     if not infos or any(not i.is_injective() for i in infos):
         return None
     infos = try_inline(sch, infos)
-    if len(infos) != 1:
+    loops = [[sch.get(lp) for lp in sch.get_loops(i.block_rv)] for i in infos]
+    if not infos or any(len(ls) != len(loops[0]) or not all(a.same_as(b) for a, b in zip(ls, loops[0]))
+                        for ls in loops):
         return None
     doms = list(infos[0].dom())
     if not doms or not all(isinstance(d, (int, tirx.IntImm)) for d in doms):
         return None
-    return infos[0].block_rv, [int(d) for d in doms]
+    return [i.block_rv for i in infos], [int(d) for d in doms]
 
 
 def schedule_vectorized(sch: s_tir.Schedule) -> bool:
-    """Schedule in place; False if the kernel is not one static injective block of 8-, 16- or 32-bit ints or
-    floats whose innermost extent splits into 16-byte vectors of the widest type it accesses. Reads that do not
-    move with the innermost index (a gather's int64 row ids: an embedding lookup) are not vector accesses."""
-    got = _single_injective_block(sch)
+    """Schedule in place; False if the kernel is not static injective blocks under one loop nest, of 8-, 16- or
+    32-bit ints or floats, whose innermost extent splits into 16-byte vectors of the widest type they access. Reads
+    that do not move with the innermost index (a gather's int64 row ids: an embedding lookup) are not vector
+    accesses."""
+    got = _injective_blocks(sch)
     if got is None:
         return False
-    block, doms = got
-    stmt = sch.get(block)
-    inner = stmt.iter_vars[-1].var  # reads that do not move with it (a gather's row ids) are loaded once per vector
-    moving = [r for r in stmt.reads if any(v.same_as(inner) for rng in r.region
-                                           for v in tirx.analysis.undefined_vars(rng.min))]
-    gather = len(moving) < len(stmt.reads)
-    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in moving + list(stmt.writes)}
+    blocks, doms = got
+    moving, reads, writes = [], [], []
+    for block in blocks:
+        stmt = sch.get(block)
+        inner = stmt.iter_vars[-1].var  # reads that do not move with it (a gather's row ids) are loaded once per vector
+        moving += [r for r in stmt.reads if any(v.same_as(inner) for rng in r.region
+                                                for v in tirx.analysis.undefined_vars(rng.min))]
+        reads += list(stmt.reads)
+        writes += list(stmt.writes)
+    gather = len(moving) < len(reads)
+    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in moving + writes}
     if any(d.type_code not in ALLOWED_CODES or d.bits not in (8, 16, 32) or d.lanes != 1 for d in dtypes):
         return False  # bool (no CUDA vector type: "Cannot convert type T.boolx16"), 64-bit or vector elements
     vec = 128 // max(d.bits for d in dtypes)  # 16 bytes of the widest type accessed
@@ -63,7 +71,7 @@ def schedule_vectorized(sch: s_tir.Schedule) -> bool:
     # indices do not depend on the lane, so a gather's row id is one scalar load (fused-then-split made BERT's
     # lookup ids [16, 1] an int64x8 vector, which CUDA codegen has no type for: the row length, 768, divides no
     # power of two the simplifier could see)
-    *outer, inner = sch.get_loops(block)
+    *outer, inner = sch.get_loops(blocks[0])
     inner, v = sch.split(inner, [None, vec])
     fused = sch.fuse(*outer, inner) if outer else inner
     bx, tx = sch.split(fused, [None, THREADS])
