@@ -201,7 +201,7 @@ def test_cuda_three_part_fp32_concat_moves_16_byte_vectors():
 def _split_attention(leak: str | None = None, b=2, s=8, h=4, d=16, dyn=False) -> onnx.ModelProto:
     """GPT-2's attention input: one QKV tensor [B, S, 3*H*D] split in three, each part reshaped to heads and
     permuted to [B, H, S, D], then softmax(q k^T * scale) v. `leak`: "k" also a model output, "k+1" k plus one as
-    an output (an elementwise consumer); `dyn`: batch and sequence symbolic."""
+    an output (read by an add too); `dyn`: batch and sequence symbolic."""
     b, s = ("batch", "seq") if dyn else (b, s)
     f32 = TensorProto.FLOAT
     nodes = [helper.make_node("Split", ["qkv", "parts"], ["q0", "k0", "v0"], axis=-1)]
@@ -242,13 +242,15 @@ def _split_nests(fused) -> list[dict[str, int]]:
     return found
 
 
+@pytest.mark.parametrize("leak", [None, "k", "k+1"])
 @pytest.mark.parametrize("dyn", [False, True])
-def test_split_feeding_a_fused_group_is_one_kernel(dyn, llvm):
-    """Every part feeds the attention group (through the head reshape): one loop nest writes the three parts
-    (one kernel; TVM's split is a loop nest per part), and the result equals onnxruntime's, symbolic dims too."""
+def test_split_feeding_a_fused_group_is_one_kernel(dyn, leak, llvm):
+    """The parts feed the attention group (through the head reshape), one of them maybe a model output or read by
+    an add as well: FuseOps leaves such a split alone either way, and one loop nest writes the three parts (one
+    kernel; TVM's split is a loop nest per part). The result equals onnxruntime's, symbolic dims too."""
     from checks import check_against_ort, lower_model
 
-    model = _split_attention(dyn=dyn)
+    model = _split_attention(leak, dyn=dyn)
     imp, fused = lower_model(model)
     assert "tvmfuse.attention" in fused.kernel_patterns.values(), fused.rejections
     assert _split_nests(fused) == [{"T_split_v0": 0, "T_split_v1": 0, "T_split_v2": 0}]
@@ -256,17 +258,21 @@ def test_split_feeding_a_fused_group_is_one_kernel(dyn, llvm):
     assert result.ok and result.max_abs_err < 1e-5, result
 
 
-@pytest.mark.parametrize("leak", ["k", "k+1"])
-def test_split_with_a_part_read_elsewhere_keeps_tvm_split(leak, llvm):
-    """A part that is a model output, or that an elementwise op reads (whose kernel can inline TVM's split block),
-    keeps TVM's legalization: a block per part."""
+def test_split_read_by_elementwise_ops_only_keeps_tvm_split(llvm):
+    """q + k * v from one split: FuseOps fuses TVM's split into the elementwise kernel (its blocks inlined, no
+    part written to memory), so it stays TVM's."""
+    f32 = TensorProto.FLOAT
+    nodes = [helper.make_node("Split", ["qkv"], ["q", "k", "v"], axis=-1, num_outputs=3),
+             helper.make_node("Mul", ["k", "v"], ["kv"]), helper.make_node("Add", ["q", "kv"], ["y"])]
+    graph = helper.make_graph(nodes, "split_elementwise", [helper.make_tensor_value_info("qkv", f32, [2, 8, 48])],
+                              [helper.make_tensor_value_info("y", f32, [2, 8, 16])], [])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     from checks import check_against_ort, lower_model
 
-    model = _split_attention(leak)
     imp, fused = lower_model(model)
-    assert "tvmfuse.attention" in fused.kernel_patterns.values(), fused.rejections
+    assert len(fused.kernels()) == 1 and "split" in fused.kernels()[0], fused.kernels()
     nests = _split_nests(fused)
-    assert len(nests) == 1 and sorted(nests[0].values()) == [0, 1, 2], nests  # a loop nest per part
+    assert len(nests) == 1 and sorted(nests[0].values()) == [0, 1, 2], nests  # TVM's: a loop nest per part
     assert check_against_ort(model, imp, fused, llvm).ok
 
 

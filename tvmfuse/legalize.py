@@ -118,16 +118,17 @@ LEGALIZE = {"relax.power": legalize_power, "relax.concat": legalize_concat}
 
 
 def one_kernel_splits(mod: tvm.IRModule) -> tvm.IRModule:
-    """Equal-part splits (static on the split axis) whose every part is an argument of a fused group (a composite function: FuseOpsByPattern
-    has run), directly or through reshapes, legalize as one block writing all parts: one kernel instead of one per part (GPT-2's QKV split, 3
-    launches per layer). Those parts are written to memory either way; a part another op reads keeps TVM's split,
-    whose blocks that op's kernel can inline."""
+    """Equal-part splits (static on the split axis) with a part read by a fused group (a composite function:
+    FuseOpsByPattern has run), directly or through reshapes, legalize as one block writing all parts: one kernel
+    instead of one per part (GPT-2's QKV split, 3 launches per layer). FuseOps cannot fuse such a split into its
+    consumers (the group is opaque to it), so every part is written to memory either way; a split whose parts only
+    elementwise ops read keeps TVM's, which FuseOps fuses into their kernel."""
     fused = {gv for gv, fn in mod.functions.items() if isinstance(fn, relax.Function) and fn.attrs
              and "Composite" in fn.attrs}
     out = mod
     for gv, fn in mod.functions.items():
         if isinstance(fn, relax.Function) and gv not in fused:
-            splits = _splits_feeding_only(fn, fused)
+            splits = _splits_feeding_groups(fn, fused)
             if splits:
                 rewriter = _OneKernelSplits(out, splits)
                 new = rewriter.visit_expr(fn)
@@ -136,36 +137,24 @@ def one_kernel_splits(mod: tvm.IRModule) -> tvm.IRModule:
     return out
 
 
-def _splits_feeding_only(fn: relax.Function, fused: set) -> set:
-    """The split calls in `fn` with equal parts, each part read only by calls of `fused` functions (through
+def _splits_feeding_groups(fn: relax.Function, fused: set) -> list:
+    """The split calls in `fn` with equal parts, a part of which a call of a `fused` function reads (through
     reshapes)."""
     bindings = [b for blk in fn.body.blocks for b in blk.bindings]
     users: dict = {}
     for b in bindings:
         for v in relax.analysis.free_vars(b.value):
-            users.setdefault(v, []).append(b.value)
-    for v in relax.analysis.free_vars(fn.body.body):  # the function's results: materialized, not fused
-        users.setdefault(v, []).append(fn.body.body)
+            users.setdefault(v, []).append(b)
+    reshape, split = tvm.ir.Op.get("relax.reshape"), tvm.ir.Op.get("relax.split")
 
-    reshape = tvm.ir.Op.get("relax.reshape")
+    def feeds_group(var) -> bool:  # through reshapes (views, no kernel): the head split before attention
+        return any(isinstance(u.value, relax.Call) and (isinstance(u.value.op, relax.GlobalVar) and u.value.op in fused
+                                                        or u.value.op.same_as(reshape) and feeds_group(u.var))
+                   for u in users.get(var, []))
 
-    def only_fused(var) -> bool:  # through reshapes (views, no kernel): the head split before attention
-        return all(isinstance(u, relax.Call) and (isinstance(u.op, relax.GlobalVar) and u.op in fused
-                                                  or u.op.same_as(reshape) and only_fused(bound_to(u)))
-                   for u in users.get(var, [None]))
-
-    def bound_to(value):
-        return next(b.var for b in bindings if b.value.same_as(value))
-
-    found = set()
-    for b in bindings:
-        if isinstance(b.value, relax.Call) and b.value.op.same_as(tvm.ir.Op.get("relax.split")) \
-                and _equal_parts(b.value) is not None:
-            items = [u for u in users.get(b.var, []) if isinstance(u, relax.TupleGetItem)]
-            getters = [g for g in bindings if any(g.value.same_as(i) for i in items)]
-            if items and len(items) == len(users[b.var]) and all(only_fused(g.var) for g in getters):
-                found.add(b.value)
-    return found
+    return [b.value for b in bindings if isinstance(b.value, relax.Call) and b.value.op.same_as(split)
+            and _equal_parts(b.value) is not None
+            and any(isinstance(u.value, relax.TupleGetItem) and feeds_group(u.var) for u in users.get(b.var, []))]
 
 
 def _equal_parts(call: relax.Call) -> list | None:
