@@ -80,8 +80,8 @@ def test_kernels_the_wgmma_tile_cannot_take_keep_their_schedule(rows, k, n, tran
 def test_an_epilogue_that_reads_the_product_transposed_is_refused():
     """The accumulator is substituted only where the epilogue reads the matmul result at the element it writes."""
     src = _kernel(_projection(256, 512, 256)).script()
-    moved = src.replace("compute_intermediate[v_ax0, v_ax1, v_ax2] + b[v_ax2]",
-                        "compute_intermediate[v_ax0, v_ax2, v_ax1] + b[v_ax2]")
+    moved = src.replace("matmul_intermediate[v_ax0, v_ax1, v_ax2] + compute_intermediate[v_ax2]",
+                        "matmul_intermediate[v_ax0, v_ax2, v_ax1] + compute_intermediate[v_ax2]")
     assert moved != src
     got, why = gemm_kernel_from_fused(tvm.script.from_source(moved), "main")
     assert got is None and "other indices" in why, why

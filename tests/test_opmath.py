@@ -199,3 +199,44 @@ def test_gpu_rotary_group_rounds_once(permute, monkeypatch):
     once = _rope(t(x).astype("f4"), t(cos).astype("f4"), t(sin).astype("f4")).astype("float16")
     ulp = np.abs(got.astype("f8") - once.astype("f8")) / np.spacing(np.abs(once)).astype("f8")
     assert got.shape == once.shape and ulp.max() <= 1 and (got == once).mean() > 0.99
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_matmul_epilogue_runs_on_the_fp32_sums_and_rounds_once(act, llvm):
+    """fp16 Linear+SiLU (Llama's gate) and +tanh-GELU (GPT-2's): the group's activation reads the fp32 matmul
+    sums, not sums rounded to fp16 first, and rounds once at the store; the fp16 chain the precision stage wrote
+    (round the sums, then the activation op by op in fp16) is further from the fp32 value."""
+    import onnx
+    from test_patterns import matmul_act
+
+    from tvmfuse.importer import import_model
+    from tvmfuse.pipeline import prepare_module
+
+    model = matmul_act(act, rows=64, k=256, n=128)
+    fused = lower(prepare_module(import_model(model), "fp16", "fp16"), patterns=fusion_patterns())
+    assert list(fused.kernel_patterns.values()) == [f"tvmfuse.matmul_{act}"], fused.rejections
+    (kernel,) = fused.kernels()
+    casts = [ln for ln in fused.mod[kernel].script().splitlines() if 'T.Cast("float16"' in ln]
+    assert len(casts) == 1, casts  # the store's cast alone
+    w = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "W")).astype("float16")
+    x = (np.random.default_rng(0).standard_normal((64, 256))).astype("float16")
+    got = relax.VirtualMachine(tvm.compile(fused.mod, target="llvm"), tvm.cpu())["main"](
+        tvm.runtime.tensor(x)).numpy().reshape(64, 128).astype("f8")
+    g = x.astype("f8") @ w.astype("f8")
+
+    def f(v):
+        return v / (1 + np.exp(-v)) if act == "silu" else 0.5 * v * (1 + np.tanh(0.7978845608 * (v + 0.044715 * v ** 3)))
+    exact = f(g)
+    once = exact.astype("float16").astype("f8")
+    ulp = np.spacing(np.abs(once).astype("float16")).astype("f8")
+    # fp32 sums and fp32 math: within 1 ulp of rounding once (plus, for tanh-GELU, the absolute error of TVM's fp32
+    # tanh, ~1e-6: it shows where 1 + tanh(z) nearly cancels, at the small negative outputs)
+    bad = np.abs(got - once) > ulp + (2e-6 if act == "gelu_tanh" else 0)
+    assert not bad.any(), (got[bad][:5], once[bad][:5], g[bad][:5])
+    g16 = g.astype("float16")  # the chain before: the sums rounded, then fp16 op by op
+    if act == "silu":
+        chain = (g16 * (1 / (1 + np.exp(-g16.astype("f4")))).astype("float16")).astype("float16")
+    else:
+        h = (0.044715 * g16.astype("f4") ** 3 + g16).astype("float16")
+        chain = (0.5 * g16 * (1 + np.tanh((0.7978845608 * h).astype("float16")).astype("float16"))).astype("float16")
+    assert np.abs(chain.astype("f8") - exact).mean() > 1.2 * np.abs(got - exact).mean()

@@ -69,18 +69,27 @@ def _is_op(expr, *names) -> bool:
 #: embedding's q*cos + rotate_half(q)*sin rounded its products and its sum to fp16 one by one (with the q/k
 #: scale, 25% of the fp16 Llama layer's error variance: bench/fp16_error.py)
 OPMATH_COMPOSITES = ("tvmfuse.rotary_embedding",)
+#: matmul groups whose epilogue (bias, activation) runs on the fp32 accumulator and rounds once at the store: the
+#: precision stage rounds the matmul's fp32 result to fp16 before the epilogue (so SiLU was fp16(fp16(g) *
+#: fp16(sigmoid(fp16(g)))): three roundings, the one kernel of the fp16 Llama layer above its emulated error)
+OPMATH_EPILOGUES = tuple(f"tvmfuse.matmul_{b}{a}" for b in ("", "bias_")
+                         for a in ("gelu", "gelu_tanh", "silu", "relu", "tanh")) + ("tvmfuse.matmul_bias",
+                                                                                 "tvmfuse.matmul_multiply")
 #: (negation is exact in fp16 and stays there: CUDA codegen cannot write TVM's fp32x8 broadcast of -1)
 _ARITH = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
 
 
-def opmath_composites(mod: tvm.IRModule, names: tuple[str, ...] = OPMATH_COMPOSITES) -> tvm.IRModule:
+def opmath_composites(mod: tvm.IRModule, names: tuple[str, ...] = OPMATH_COMPOSITES,
+                      epilogues: tuple[str, ...] = OPMATH_EPILOGUES) -> tvm.IRModule:
     """Each composite function (FuseOpsByPattern's) named in `names` computes its arithmetic in fp32: fp16
     operands are cast up where an arithmetic op (or an op joining an fp32 value to fp16 ones) reads them, and
-    the result is cast back to the function's output dtype. Loads and stores stay fp16."""
+    the result is cast back to the function's output dtype. Loads and stores stay fp16. In those named in
+    `epilogues` the fp32 values are also not cast down to fp16 on the way (the matmul's accumulator)."""
     out = mod.clone()
     for gv, fn in mod.functions.items():
-        if isinstance(fn, relax.Function) and fn.attrs and str(fn.attrs.get("Composite", "")) in names:
-            body = _ComputeFp32(out).visit_expr(fn.body)
+        name = str(fn.attrs.get("Composite", "")) if isinstance(fn, relax.Function) and fn.attrs else ""
+        if name in names or name in epilogues:
+            body = _ComputeFp32(out, keep_fp32=name in epilogues).visit_expr(fn.body)
             if _dtype(body) != _dtype(fn.body):
                 body = _cast_result(body, _dtype(fn.body))
             out[gv] = relax.Function(fn.params, body, fn.ret_ty, fn.is_pure, fn.attrs, fn.span)
@@ -96,14 +105,22 @@ def _cast_result(body, dtype: str):
 
 @relax.expr_functor.mutator
 class _ComputeFp32(relax.PyExprMutator):
+    def __init__(self, mod, keep_fp32: bool = False):
+        super().__init__(mod)
+        self.keep_fp32 = keep_fp32
+
     def visit_call_(self, call):  # pylint: disable=arguments-renamed
         if not isinstance(call.op, tvm.ir.Op):
             return super().visit_call_(call)
         concat = call.op.name == "relax.concat"
         fields = [self.visit_expr(a) for a in (call.args[0].fields if concat else call.args)]
+        if self.keep_fp32 and call.op.name == "relax.astype" and str(call.attrs.dtype) in (FLOAT16, BFLOAT16) \
+                and _dtype(fields[0]) == FLOAT32:
+            return fields[0]
         dts = {_dtype(a) for a in fields}
-        if (call.op.name in _ARITH and FLOAT16 in dts) or dts >= {FLOAT16, FLOAT32}:
-            fields = [relax.op.astype(a, FLOAT32) if _dtype(a) == FLOAT16 else a for a in fields]
+        low = {FLOAT16, BFLOAT16} if self.keep_fp32 else {FLOAT16}  # (bf16 rotary groups stay as they were)
+        if dts & low and (call.op.name in _ARITH or FLOAT32 in dts):
+            fields = [relax.op.astype(a, FLOAT32) if _dtype(a) in low else a for a in fields]
         args = [relax.Tuple(fields)] + [self.visit_expr(a) for a in call.args[1:]] if concat else fields
         return self.builder_.normalize(relax.Call(call.op, args, call.attrs, call.ty_args))
 
