@@ -1,4 +1,4 @@
-"""fp32 arithmetic inside fp16 kernels: the rotary embedding's group, and the exact value of rounded scalars."""
+"""fp32 arithmetic inside fp16 kernels: the rotary embedding's group, matmul epilogues on the fp32 sums, and the exact value of rounded scalars."""
 
 from __future__ import annotations
 
