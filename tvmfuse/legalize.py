@@ -178,7 +178,7 @@ def _split_one_block(x: te.Tensor, parts: int, axis: int, width: int) -> list[te
 
 @relax.expr_functor.mutator
 class _OneKernelSplits(relax.PyExprMutator):
-    def __init__(self, mod, splits: set):
+    def __init__(self, mod, splits: list):
         super().__init__(mod)
         self.splits = splits
 
