@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from checks import cuda_sources
+from checks import check_against_ort, cuda_sources, lower_model
 from onnx import TensorProto, helper
 from tvm import relax
 
@@ -248,8 +248,6 @@ def test_split_feeding_a_fused_group_is_one_kernel(dyn, leak, llvm):
     """The parts feed the attention group (through the head reshape), one of them maybe a model output or read by
     an add as well: FuseOps leaves such a split alone either way, and one loop nest writes the three parts (one
     kernel; TVM's split is a loop nest per part). The result equals onnxruntime's, symbolic dims too."""
-    from checks import check_against_ort, lower_model
-
     model = _split_attention(leak, dyn=dyn)
     imp, fused = lower_model(model)
     assert "tvmfuse.attention" in fused.kernel_patterns.values(), fused.rejections
@@ -267,8 +265,6 @@ def test_split_read_by_elementwise_ops_only_keeps_tvm_split(llvm):
     graph = helper.make_graph(nodes, "split_elementwise", [helper.make_tensor_value_info("qkv", f32, [2, 8, 48])],
                               [helper.make_tensor_value_info("y", f32, [2, 8, 16])], [])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
-    from checks import check_against_ort, lower_model
-
     imp, fused = lower_model(model)
     assert len(fused.kernels()) == 1 and "split" in fused.kernels()[0], fused.kernels()
     nests = _split_nests(fused)
@@ -279,8 +275,6 @@ def test_split_read_by_elementwise_ops_only_keeps_tvm_split(llvm):
 def test_cuda_one_kernel_split_moves_16_byte_vectors():
     """On CUDA the three parts are written by one kernel with 16-byte loads and stores (the injective schedule
     takes a loop nest of several blocks)."""
-    from checks import lower_model
-
     from tvmfuse.build import apply_default_schedules, compile_module
 
     target = resolve_target("cuda")

@@ -8,6 +8,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .interface import is_cast
+from .patterns import PATTERN_TABLE
 
 FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
 Const = tvm.ir.GenericConst
@@ -69,12 +70,10 @@ def _is_op(expr, *names) -> bool:
 #: embedding's q*cos + rotate_half(q)*sin rounded its products and its sum to fp16 one by one (with the q/k
 #: scale, 25% of the fp16 Llama layer's error variance: bench/fp16_error.py)
 OPMATH_COMPOSITES = ("tvmfuse.rotary_embedding",)
-#: matmul groups whose epilogue (bias, activation) runs on the fp32 accumulator and rounds once at the store: the
+#: the table's matmul groups with an epilogue (bias, activation, a multiply): it runs on the fp32 accumulator and rounds once at the store: the
 #: precision stage rounds the matmul's fp32 result to fp16 before the epilogue (so SiLU was fp16(fp16(g) *
 #: fp16(sigmoid(fp16(g)))): three roundings, the one kernel of the fp16 Llama layer above its emulated error)
-OPMATH_EPILOGUES = tuple(f"tvmfuse.matmul_{b}{a}" for b in ("", "bias_")
-                         for a in ("gelu", "gelu_tanh", "silu", "relu", "tanh")) + ("tvmfuse.matmul_bias",
-                                                                                 "tvmfuse.matmul_multiply")
+OPMATH_EPILOGUES = tuple(name for name, _, _ in PATTERN_TABLE if name.startswith("tvmfuse.matmul_"))
 #: (negation is exact in fp16 and stays there: CUDA codegen cannot write TVM's fp32x8 broadcast of -1)
 _ARITH = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
 
