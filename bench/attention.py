@@ -73,7 +73,7 @@ def build_all(fns, target):
     worker per core, the same fast_build): [(artifact path or None, error or None)]."""
     import tvm
     from tvm.s_tir import meta_schedule as ms
-    from tvmfuse.tune import _builder
+    from tvmfuse.tune.search import make_builder as _builder
     built = _builder(os.cpu_count() or 1).build([ms.builder.BuilderInput(tvm.IRModule({"main": f}), target) for f in fns])
     return [(r.artifact_path, r.error_msg) for r in built]
 

@@ -140,8 +140,8 @@ def analyse(name: str, kind: str, shapes: dict, knobs: dict, arch: str = "sm_90"
     import tvm
     from tvm.support import nvcc
 
-    from tvmfuse.kernels.attention_decode import TEMPLATE as DECODE
-    from tvmfuse.kernels.attention_prefill import TEMPLATE as PREFILL
+    from tvmfuse.kernels.attention.decode import TEMPLATE as DECODE
+    from tvmfuse.kernels.attention.prefill import TEMPLATE as PREFILL
     fn = (PREFILL if kind == "prefill" else DECODE)(shapes, knobs)
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"})
     src = tvm.compile(tvm.IRModule({"main": fn}), target=target).jit().imports[0].inspect_source("cuda")

@@ -1,4 +1,4 @@
-"""The four bench cases: ONNX model -> one fused PrimFunc (notes section 2), numpy inputs, torch reference, byte/FLOP counts."""
+"""The four bench cases: ONNX model -> one fused PrimFunc (the fuse stage), numpy inputs, torch reference, byte/FLOP counts."""
 
 from __future__ import annotations
 
@@ -65,10 +65,10 @@ def product_kernel(case):
     the row kernel), the GEMMs built with the weight [N, K]; (None, why not) where it gives none."""
     build, shape, _, _ = CASES[case]
     if build is mm_bias_gelu:
-        from tvmfuse.hopper import gemm_kernel_from_fused
+        from tvmfuse.kernels.hopper.select import gemm_kernel_from_fused
         return gemm_kernel_from_fused(fused_primfunc(*mm_bias_gelu_nk(*shape))[1], "main")
     try:
-        from tvmfuse.kernels.row_kernel import row_kernel_from_fused
+        from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
     except ImportError as err:
         return None, str(err)
     return row_kernel_from_fused(fused_primfunc(*build(*shape))[1], "main")

@@ -76,7 +76,7 @@ def main():
 
     from tvmfuse import pipeline  # pylint: disable=import-outside-toplevel
     from tvmfuse.jobs import Job  # pylint: disable=import-outside-toplevel
-    from tvmfuse.runtime import load  # pylint: disable=import-outside-toplevel
+    from tvmfuse.export.runtime import load  # pylint: disable=import-outside-toplevel
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 
     torch.set_grad_enabled(False)

@@ -11,11 +11,12 @@ import time
 
 
 @contextlib.contextmanager
-def spying(module, seen: dict):
-    """Watch `module`'s to_compute_dtype (keep the first result: the module after import, binding and precision),
-    compile_module (keep the first input: the scheduled module of the export) and tune (time it)."""
-    names = ("to_compute_dtype", "compile_module", "tune")
-    orig = {n: getattr(module, n) for n in names}
+def spying(modules: dict, seen: dict):
+    """Watch {module: names}: the prepare stage's to_compute_dtype (keep the first result: the module after import,
+    binding and precision), the pipeline's compile_module (keep the first input: the scheduled module of the
+    export) and tune (time it)."""
+    names = [(m, n) for m, ns in modules.items() for n in ns]
+    orig = {(m, n): getattr(m, n) for m, n in names}
 
     def wrap(name, fn):
         def spy(*a, **k):
@@ -27,13 +28,13 @@ def spying(module, seen: dict):
             seen.setdefault(name, a[0] if name == "compile_module" else out)
             return out
         return spy
-    for n in names:
-        setattr(module, n, wrap(n, orig[n]))
+    for m, n in names:
+        setattr(m, n, wrap(n, orig[m, n]))
     try:
         yield seen
     finally:
-        for n in names:
-            setattr(module, n, orig[n])
+        for m, n in names:
+            setattr(m, n, orig[m, n])
 
 
 def _main_dtypes(mod) -> list[str]:
@@ -52,9 +53,10 @@ def prepare(name: str, case: str, opts: dict) -> dict:
     import torch
 
     from bench import hf_models as hm
-    from tvmfuse import pipeline
-    from tvmfuse.build import apply_default_schedules, compile_module
-    from tvmfuse.fuse import called_prim_funcs, launches, lower
+    from tvmfuse import pipeline, prepare
+    from tvmfuse.build import compile_module
+    from tvmfuse.spaces import apply_default_schedules
+    from tvmfuse.fuse.fusion import called_prim_funcs, launches, lower
     from tvmfuse.jobs import Job
     from tvmfuse.targets import resolve_target
 
@@ -76,7 +78,7 @@ def prepare(name: str, case: str, opts: dict) -> dict:
     job = Job(f"{name}-{case}", path, {}, opts["trials"], opts["dtype"], **extra)
     lines: list[str] = []
     t = time.time()
-    with spying(pipeline, {}) as seen:
+    with spying({prepare: ("to_compute_dtype",), pipeline: ("compile_module", "tune")}, {}) as seen:
         result = pipeline.run_job(job, target, os.path.join(folder, "export"), os.path.join(opts["work"], "logs"),
                                   say=lines.append)
     if "compile_module" not in seen:
@@ -104,7 +106,7 @@ def prepare(name: str, case: str, opts: dict) -> dict:
             "build_s": round(time.time() - t, 1)}
     if opts["default"]:  # stock TVM on run_job's own import and precision conversion: no patterns, dlight
         if "to_compute_dtype" not in seen:
-            raise RuntimeError("run_job no longer calls pipeline.to_compute_dtype: bench/model_builds.py needs updating")
+            raise RuntimeError("run_job no longer calls prepare.to_compute_dtype: bench/model_builds.py needs updating")
         t = time.time()
         stock = lower(seen["to_compute_dtype"], patterns=[])
         scheduled = apply_default_schedules(stock.mod, target, stock=True)

@@ -39,7 +39,7 @@ def load_vm(path: str, dev):
 def measure_vm(vm, dtypes: list[str], ctx: dict) -> dict:
     """Run a Relax VM on the case's inputs (as device tensors in the dtypes `main` takes); time it; check it."""
     import tvm
-    from tvmfuse.runtime import to_numpy
+    from tvmfuse.export.runtime import to_numpy
     dev = ctx["dev"]
     args = [tvm.runtime.tensor(a.astype(d), dev) for a, d in zip(ctx["feeds"].values(), dtypes)]
     outs = to_numpy(vm["main"](*args))
@@ -144,7 +144,7 @@ def run_torch(ctx: dict, mode: str | None) -> dict:
 
 
 def _measured(outs, us, io, ctx) -> dict:
-    from tvmfuse.verify import compare
+    from tvmfuse.verify.outputs import compare
     check = compare([np.asarray(o, np.float32) for o in outs], ctx["ref"], compute_dtype=ctx["dtype"])
     # the error's spread besides its max (a max over 10^5 noisy elements moves with one tail): rms, and how many
     # elements miss the tolerance (bench/fp16_error.py emulates the fp16 policy with the same two figures)

@@ -49,8 +49,8 @@ def build_case(case: str, knobs: list[str]):
     import tvm
 
     from bench import cases
-    from tvmfuse.kernels.row_analysis import analyze_rows
-    from tvmfuse.kernels.row_kernel import RowKnobs, default_knobs, row_kernel
+    from tvmfuse.kernels.hopper.row_analysis import analyze_rows
+    from tvmfuse.kernels.hopper.row_kernel import RowKnobs, default_knobs, row_kernel
     build, shape, _, _ = cases.CASES[case]
     _, pf = cases.fused_primfunc(*build(*shape))
     info, why = analyze_rows(pf)

@@ -13,14 +13,15 @@ import tvm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tvmfuse.fuse import bind_params, lower  # noqa: E402
-from tvmfuse.default_model import make_tiny_block  # noqa: E402
-from tvmfuse.importer import import_model  # noqa: E402
-from tvmfuse.precision import to_compute_dtype  # noqa: E402
-from tvmfuse.remote import Cluster, _free_port  # noqa: E402
+from tvmfuse.fuse.fusion import lower  # noqa: E402
+from tvmfuse.prepare import bind_params  # noqa: E402
+from tvmfuse.frontend.default_model import make_tiny_block  # noqa: E402
+from tvmfuse.frontend.importer import import_model  # noqa: E402
+from tvmfuse.prepare.precision import to_compute_dtype  # noqa: E402
+from tvmfuse.tune.remote import Cluster, _free_port  # noqa: E402
 from tvmfuse.spaces import space_for  # noqa: E402
 from tvmfuse.targets import resolve_target  # noqa: E402
-from tvmfuse.tune import tune  # noqa: E402
+from tvmfuse.tune.search import tune  # noqa: E402
 
 
 def workload(name: str, dtype: str):

@@ -80,7 +80,7 @@ def tune(case, pf, target, trials, wd, per_iter):
     from tvm.s_tir import meta_schedule as ms
     from tvmfuse.spaces.gemm import BUILD_CONFIG
     from tvmfuse.spaces import space_for
-    from tvmfuse.builder import fast_build
+    from tvmfuse.tune.builder import fast_build
     space = space_for(pf, target)
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
     recfile = os.path.join(wd, "database_tuning_record.json")

@@ -40,7 +40,7 @@ def kernel(m, k, n, gelu):
     """The fused PrimFunc tvmfuse builds for y = [gelu](x @ W^T [+ b]) in fp16, fp32 accumulation, W stored [N, K]."""
     from tvm import relax, tirx
 
-    from tvmfuse.fuse import lower
+    from tvmfuse.fuse.fusion import lower
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, m, k), "float16"))
     w = relax.Var("w", relax.TensorType((n, k), "float16"))
@@ -138,7 +138,7 @@ def main():
 
     from tvmfuse.spaces import smallm
     from tvmfuse.targets import resolve_target
-    from tvmfuse.tune import _builder
+    from tvmfuse.tune.search import make_builder as _builder
 
     target = resolve_target("cuda")
     res = {"gpu": torch.cuda.get_device_name(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": {}}

@@ -39,7 +39,7 @@ def knob_sets():
 def variants_for(fn, m, k, n):
     from tvm import s_tir
 
-    from tvmfuse.baseline import default_rule
+    from tvmfuse.spaces.defaults import default_rule
     from tvmfuse.spaces import tcgemm
     from tvmfuse.targets import resolve_target
 
@@ -69,7 +69,7 @@ def main():
 
     from tvmfuse.spaces import tcgemm
     from tvmfuse.targets import resolve_target
-    from tvmfuse.tune import _builder
+    from tvmfuse.tune.search import make_builder as _builder
 
     target = resolve_target("cuda")
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": {}}

@@ -49,8 +49,8 @@ PREFILL_TILES = ("128x256x4", "128x192x4", "128x176x4", "128x160x4", "128x144x4"
 
 
 def _tile(kernel, spec):
-    from tvmfuse.kernels.mma_smallm import SmallMTile
-    from tvmfuse.kernels.wgmma_tile import WgmmaTile
+    from tvmfuse.kernels.hopper.mma_smallm import SmallMTile
+    from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile
     spec, _, group = spec.partition("g")  # "128x176x4g4": groups of 4 row tiles, rows fastest (g1: columns)
     vals = [int(v) for v in spec.rstrip("d").split("x")]
     if kernel == "smallm":
@@ -61,7 +61,7 @@ def _tile(kernel, spec):
 
 def _chosen(m, k, n):
     """The product's tile at this shape (tvmfuse.hopper.choose_tile) as a tile spec, or None."""
-    from tvmfuse.hopper import choose_tile
+    from tvmfuse.kernels.hopper.select import choose_tile
     t = choose_tile(m, n, k)
     return t and f"{t.bm}x{t.bn}x{t.stages}" + ("d" if t.dual else "") + f"g{t.group_m}"
 
@@ -84,7 +84,7 @@ def precompile(mods) -> float:
     import tvm_ffi
     from tvm.support import nvcc
 
-    from tvmfuse.kernels.gemm_bench import hopper_target
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
 
     def compile_one(code):
         with hopper_target():  # nvcc's arch comes from the current target (sm_90a: wgmma, TMA)
@@ -104,9 +104,9 @@ def _build(kernel, job):
     m, k, n, gelu, spec, _ = job
     import tvm
 
-    from tvmfuse.kernels.gemm_bench import hopper_target, make_wgmma_gemm
-    from tvmfuse.kernels.mma_smallm import check_smallm_shape, make_smallm_gemm
-    from tvmfuse.kernels.wgmma_tile import check_wgmma_shape
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+    from tvmfuse.kernels.hopper.mma_smallm import check_smallm_shape, make_smallm_gemm
+    from tvmfuse.kernels.hopper.wgmma_tile import check_wgmma_shape
     check, make = (check_smallm_shape, make_smallm_gemm) if kernel == "smallm" else (check_wgmma_shape, make_wgmma_gemm)
     tile = _tile(kernel, spec)
     why = check(m, n, k, tile)

@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tvmfuse.cli import main  # noqa: E402
+from tvmfuse.cli.tune import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,11 +2,12 @@
 
 from tvm import relax
 
-from tvmfuse.build import build
-from tvmfuse.fuse import lower
-from tvmfuse.importer import import_model, random_inputs
+from tvmfuse.build.compile import build
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.frontend.importer import import_model
+from tvmfuse.verify import random_inputs
 from tvmfuse.targets import device_for
-from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
+from tvmfuse.verify.outputs import compare, onnxruntime_outputs, run_vm
 
 
 def lower_model(model, shapes=None):
@@ -40,7 +41,7 @@ def cuda_sources(executable) -> list[str]:
 def assert_bad_inputs_exit_2(cases: dict, tmp_path, capsys, extra=()) -> None:
     """Each case {name: (args, message)} run through the CLI: exit 2, `message` in one `error:` line, nothing
     written under its --out. `extra` args go after each case's own."""
-    from tvmfuse.cli import main  # pylint: disable=import-outside-toplevel
+    from tvmfuse.cli.tune import main  # pylint: disable=import-outside-toplevel
 
     for case, (args, message) in cases.items():
         out = tmp_path / f"out-{case.replace(' ', '_')}"
@@ -59,7 +60,7 @@ def decode_attention(kv_len: int, mask_value: float | None = None, dt: str = "fl
     import numpy as np
     from tvm import relax
 
-    from tvmfuse.fuse import lower
+    from tvmfuse.fuse.fusion import lower
     from tvmfuse.patterns import fusion_patterns
 
     bb = relax.BlockBuilder()

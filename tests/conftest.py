@@ -58,9 +58,9 @@ def tuned_rms(tmp_path_factory, llvm):
     """One 4-trial tune of the RMSNorm+residual kernel (16 x 64) on llvm, shared by test_tune and test_baseline:
     (fused module, progress per kernel, the trial counts on_progress saw, the work dir)."""
     import onnx_models  # pylint: disable=import-outside-toplevel
-    from tvmfuse.fuse import lower  # pylint: disable=import-outside-toplevel
-    from tvmfuse.importer import import_model  # pylint: disable=import-outside-toplevel
-    from tvmfuse.tune import tune  # pylint: disable=import-outside-toplevel
+    from tvmfuse.fuse.fusion import lower  # pylint: disable=import-outside-toplevel
+    from tvmfuse.frontend.importer import import_model  # pylint: disable=import-outside-toplevel
+    from tvmfuse.tune.search import tune  # pylint: disable=import-outside-toplevel
 
     imp = import_model(onnx_models.rms_norm_residual(rows=16, hidden=64))
     fused = lower(imp.mod, imp.params)

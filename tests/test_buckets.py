@@ -9,8 +9,8 @@ from onnx import TensorProto, helper
 
 import onnx_models
 from checks import assert_bad_inputs_exit_2
-from tvmfuse.buckets import bucket_shapes, function_name, verification_dims
-from tvmfuse.cli import main
+from tvmfuse.fuse.buckets import bucket_shapes, function_name, verification_dims
+from tvmfuse.cli.tune import main
 from tvmfuse.jobs import load_jobs, parse_buckets
 
 

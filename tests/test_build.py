@@ -8,11 +8,13 @@ from tvm import relax
 
 import onnx_models
 from checks import cuda_sources
-from tvmfuse.build import DEFAULT, apply_default_schedules, build
-from tvmfuse.fuse import lower
-from tvmfuse.importer import import_model, random_inputs
+from tvmfuse.build.compile import DEFAULT, build
+from tvmfuse.spaces import apply_default_schedules
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.frontend.importer import import_model
+from tvmfuse.verify import random_inputs
 from tvmfuse.targets import resolve_target
-from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
+from tvmfuse.verify.outputs import compare, onnxruntime_outputs, run_vm
 
 
 def _fused(model):
@@ -64,8 +66,8 @@ def test_fused_module_runs_on_gpu_and_matches_onnxruntime():
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_cuda_graph_option_captures_kernel_launches(cuda_graph):
-    from tvmfuse.build import compile_module
-    from tvmfuse.default_model import make_tiny_block
+    from tvmfuse.build.compile import compile_module
+    from tvmfuse.frontend.default_model import make_tiny_block
 
     cuda = resolve_target("cuda")
     imp = import_model(make_tiny_block())  # 4 kernels: after the first, they read only planned memory
@@ -83,7 +85,7 @@ def test_compile_module_scopes_the_target(monkeypatch):
     push its target, or a build worker that sees no GPU fails ("No CUDA architecture was specified")."""
     import tvm as _tvm
 
-    from tvmfuse.build import compile_module
+    from tvmfuse.build.compile import compile_module
     from tvmfuse.targets import resolve_target
 
     seen = []
@@ -110,8 +112,8 @@ def _skip_layer_norm(rows: int, hidden: int, lead: tuple = ()):
 
 
 def _fused_fp16(model):
-    from tvmfuse.fuse import bind_params
-    from tvmfuse.precision import to_compute_dtype
+    from tvmfuse.prepare import bind_params
+    from tvmfuse.prepare.precision import to_compute_dtype
 
     imp = import_model(model)
     return lower(to_compute_dtype(bind_params(imp.mod, imp.params), "float16", "float16"))
@@ -121,8 +123,8 @@ def _fused_fp16(model):
 def test_skip_layer_norm_gets_the_row_reduction_default_on_cuda():
     """dlight's reduction rules give up on the two-output skip-LayerNorm (its Fallback ran one thread per row and
     took 427 us at 512 x 768 fp16 on the H200): tvmfuse's row schedule takes it, 192 threads x 4-wide vectors."""
-    from tvmfuse.baseline import ROW_DEFAULT
-    from tvmfuse.build import compile_module
+    from tvmfuse.spaces.defaults import ROW_DEFAULT
+    from tvmfuse.build.compile import compile_module
 
     cuda = resolve_target("cuda")
     fused = _fused_fp16(_skip_layer_norm(512, 768))
@@ -145,8 +147,8 @@ def test_row_default_takes_a_batch_of_one_fp32_skip_layer_norm():
     """GPT-2's real skip-LayerNorm: [1, 512, 768], fp32 (the residual stream stays fp32 under --dtype fp16). The
     staging buffer keeps its full (1, 512, 768) shape until lowering compacts it to one row: sized per row, it fits
     (sized whole it did not, and the kernel fell back to dlight's Fallback: 434 us per call on the H200)."""
-    from tvmfuse.baseline import ROW_DEFAULT
-    from tvmfuse.build import schedule_kinds
+    from tvmfuse.spaces.defaults import ROW_DEFAULT
+    from tvmfuse.build.compile import schedule_kinds
 
     imp, fused = _fused(_skip_layer_norm(512, 768, lead=(1,)))
     assert set(schedule_kinds(fused.mod, resolve_target("cuda")).values()) == {ROW_DEFAULT}
@@ -167,7 +169,7 @@ def test_skip_layer_norm_on_llvm_keeps_dlight_and_matches_onnxruntime(llvm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,hidden", [(512, 768), (64, 100), (8, 4096)])
 def test_row_reduction_default_runs_on_gpu_and_matches_onnxruntime(rows, hidden):
-    from tvmfuse.baseline import ROW_DEFAULT
+    from tvmfuse.spaces.defaults import ROW_DEFAULT
 
     cuda = resolve_target("cuda")
     model = _skip_layer_norm(rows, hidden)

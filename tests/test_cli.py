@@ -12,7 +12,7 @@ import pytest
 
 import onnx_models
 from conftest import ROOT
-from tvmfuse.cli import main
+from tvmfuse.cli.tune import main
 
 TUNE = os.path.join(ROOT, "scripts", "tune.py")
 
@@ -177,7 +177,7 @@ def test_cuda_target_without_gpu_needs_trials_0(tmp_path, capsys):
 
 
 def test_tolerance_reaches_every_job_and_a_jobs_file_overrides_it(tmp_path):
-    from tvmfuse.cli import collect_jobs, parser
+    from tvmfuse.cli.tune import collect_jobs, parser
 
     (tmp_path / "jobs.toml").write_text('[[model]]\npath = "a.onnx"\n[[model]]\npath = "b.onnx"\n'
                                         'tolerance = [0.5, 0]\n')
@@ -204,7 +204,7 @@ def test_user_tolerance_is_used_and_reported_in_the_manifest(tmp_path):
 ])
 def test_failed_verification_says_the_tolerance_and_how_to_change_it(tmp_path, monkeypatch, capsys, extra, applied):
     from tvmfuse import pipeline
-    from tvmfuse.verify import Verification
+    from tvmfuse.verify.outputs import Verification
 
     real = pipeline.compare_at_dims
 

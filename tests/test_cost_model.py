@@ -6,7 +6,7 @@ import pytest
 from tvm import relax, tirx
 from tvm.script import relax as R
 
-from tvmfuse import cost_model as cm
+from tvmfuse.decide import cost_model as cm
 
 
 def _bindings(func):

@@ -14,9 +14,9 @@ import onnx
 import pytest
 
 import onnx_models
-from tvmfuse.cli import main
-from tvmfuse.runtime import load
-from tvmfuse.verify import onnxruntime_outputs
+from tvmfuse.cli.tune import main
+from tvmfuse.export.runtime import load
+from tvmfuse.verify.outputs import onnxruntime_outputs
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cpp")
 

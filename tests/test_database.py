@@ -12,10 +12,10 @@ import tvm_ffi
 from onnx import TensorProto, helper
 from tvm.s_tir import meta_schedule as ms
 
-from tvmfuse.database import FILE, TuningDatabase
-from tvmfuse.fuse import lower
-from tvmfuse.importer import import_model
-from tvmfuse.tune import tunable_tasks
+from tvmfuse.records.database import FILE, TuningDatabase
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.frontend.importer import import_model
+from tvmfuse.tune.search import tunable_tasks
 
 
 def two_kernels(rows=8, d=32, one=False) -> onnx.ModelProto:
@@ -39,8 +39,8 @@ def two_kernels(rows=8, d=32, one=False) -> onnx.ModelProto:
 
 def kernel_mods(target, one=False):
     """(fused module, [task IRModule per kernel]) of `two_kernels`, exactly as the pipeline tunes them."""
-    from tvmfuse.decide import decide
-    from tvmfuse.pipeline import prepare_module
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.prepare import prepare_module
 
     bound = prepare_module(import_model(two_kernels(one=one)))  # bind, precision, weight layout
     fused = lower(bound, plan=decide(bound, target))

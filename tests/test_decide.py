@@ -6,9 +6,10 @@ import pytest
 from tvm.target import Target
 
 from test_patterns import attention, matmul_bias, skip_layer_norm
-from tvmfuse.decide import KEPT, REJECTED, Candidate, Settings, _resolve_overlaps, decide
-from tvmfuse.fuse import bind_params, lower
-from tvmfuse.importer import import_model
+from tvmfuse.decide.decision import KEPT, REJECTED, Candidate, Settings, _resolve_overlaps, decide
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.prepare import bind_params
+from tvmfuse.frontend.importer import import_model
 from tvmfuse.patterns import Match
 
 

@@ -1,8 +1,8 @@
 """The embedded default job's model: both starting patterns fire, and it is valid ONNX."""
 
-from tvmfuse.default_model import make_tiny_block
-from tvmfuse.fuse import lower
-from tvmfuse.importer import import_model
+from tvmfuse.frontend.default_model import make_tiny_block
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.frontend.importer import import_model
 
 
 def test_tiny_block_holds_both_patterns():

@@ -13,16 +13,19 @@ import test_patterns
 import tvm
 from tvm import relax
 
-from tvmfuse.build import build
-from tvmfuse.cli import main
-from tvmfuse.default_model import make_tiny_block
+from tvmfuse.build.compile import build
+from tvmfuse.cli.tune import main
+from tvmfuse.frontend.default_model import make_tiny_block
 from tvmfuse.errors import JobError
-from tvmfuse.fuse import bind_params, lower
-from tvmfuse.importer import import_model, random_inputs
-from tvmfuse.jobs import load_jobs, parse_dtype
-from tvmfuse.precision import to_compute_dtype
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.prepare import bind_params
+from tvmfuse.frontend.importer import import_model
+from tvmfuse.verify import random_inputs
+from tvmfuse.jobs import load_jobs
+from tvmfuse.prepare.dtypes import parse_dtype
+from tvmfuse.prepare.precision import to_compute_dtype
 from tvmfuse.targets import device_for
-from tvmfuse.verify import compare, onnxruntime_outputs, run_vm
+from tvmfuse.verify.outputs import compare, onnxruntime_outputs, run_vm
 
 
 def _export(tmp_path, model: onnx.ModelProto, name: str, dtype: str, io_dtype: str = "fp32") -> dict:
@@ -306,8 +309,8 @@ def test_hf_exports_keep_their_fp32_fusions_in_fp16_and_bf16(name, exporter, hf_
         pytest.importorskip("onnxscript")
     from collections import Counter
 
-    from tvmfuse.decide import decide
-    from tvmfuse.importer import load_onnx
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.frontend.importer import load_onnx
 
     imported = import_model(load_onnx(hf_exports(name, exporter)), {"batch": [1], "seq": [16]})
     bound = bind_params(imported.mod, imported.params)
@@ -380,7 +383,7 @@ def _embedding(vocab=32, hidden=16, rows=6) -> onnx.ModelProto:
 
 
 def test_fp16_embedding_lookups_make_the_residual_stream_fp16_unless_turned_off():
-    from tvmfuse.precision import has_fp16_lookups
+    from tvmfuse.prepare.precision import has_fp16_lookups
     imp = import_model(_embedding())
     bound = bind_params(imp.mod, imp.params)
     assert has_fp16_lookups(to_compute_dtype(bound, "float16"))
@@ -393,7 +396,7 @@ def test_fp16_embedding_lookups_make_the_residual_stream_fp16_unless_turned_off(
 def test_failed_verification_with_fp16_lookups_builds_again_with_them_in_fp32(tmp_path, monkeypatch, capsys):
     """A build whose fp16 residual stream misses the tolerance is built again with fp32 lookups, and says so."""
     from tvmfuse import pipeline
-    from tvmfuse.verify import Verification
+    from tvmfuse.verify.outputs import Verification
     real, calls = pipeline.compare_at_dims, []
 
     def first_fails(*args, **kwargs):

@@ -7,9 +7,10 @@ from checks import cuda_sources
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
-from tvmfuse.baseline import VectorizedInjective, default_rule
-from tvmfuse.build import apply_default_schedules, compile_module
-from tvmfuse.fuse import lower
+from tvmfuse.spaces.defaults import VectorizedInjective, default_rule
+from tvmfuse.build import compile_module
+from tvmfuse.spaces import apply_default_schedules
+from tvmfuse.fuse.fusion import lower
 from tvmfuse.targets import resolve_target
 
 

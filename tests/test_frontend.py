@@ -16,9 +16,9 @@ from tvm import relax
 from tvm.relax.frontend import detach_params
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
-import tvmfuse.frontend as fe
+import tvmfuse.frontend.convert as fe
 from tvmfuse.errors import ModelError
-from tvmfuse.frontend.importer import import_graph
+from tvmfuse.frontend.graph_importer import import_graph
 from tvmfuse.frontend.preprocess import inline_small_initializers
 
 warnings.filterwarnings("ignore", category=UserWarning)

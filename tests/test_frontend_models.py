@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend import detach_params
 
-import tvmfuse.frontend as fe
+import tvmfuse.frontend.convert as fe
 
 pytest.importorskip("transformers")
 import hf_export  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)

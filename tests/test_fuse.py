@@ -5,8 +5,8 @@ import pytest
 
 import onnx_models
 from checks import check_against_ort, lower_model
-from tvmfuse.fuse import DEFAULT_FUSION, launches, lower, symbolic_kernels
-from tvmfuse.importer import import_model
+from tvmfuse.fuse.fusion import DEFAULT_FUSION, launches, lower, symbolic_kernels
+from tvmfuse.frontend.importer import import_model
 
 
 def test_rms_norm_residual_with_both_outputs_is_one_kernel(llvm):

@@ -10,7 +10,7 @@ from tvm.s_tir.schedule import Trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import cases
-from tvmfuse.builder import fast_build
+from tvmfuse.tune.builder import fast_build
 from tvmfuse.spaces import gemm, space_for
 
 H100 = tvm.target.Target("nvidia/nvidia-h100")

@@ -8,25 +8,25 @@ from checks import cuda_sources
 from test_smallm import _kernel, _projection
 from tvm import relax
 
-from tvmfuse.build import (
+from tvmfuse.build.compile import (
     MMA_SMALLM,
     WGMMA,
     apply_default_schedules,
     compile_module,
     schedule_kinds,
 )
-from tvmfuse.fuse import lower
-from tvmfuse.gemm_analysis import analyze_gemm
-from tvmfuse.hopper import (
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm
+from tvmfuse.kernels.hopper.select import (
     apply_hopper_kernels,
     choose_smallm_tile,
     choose_tile,
     estimate_us,
     gemm_kernel_from_fused,
 )
-from tvmfuse.kernels.mma_smallm import SmallMTile, check_smallm_shape
-from tvmfuse.kernels.wgmma_gemm import TIRX_ATTR
-from tvmfuse.kernels.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
+from tvmfuse.kernels.hopper.mma_smallm import SmallMTile, check_smallm_shape
+from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
+from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
 from tvmfuse.targets import resolve_target
 
 
@@ -269,7 +269,7 @@ def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(tmp_path, capsys):
     import onnx
     import onnx_models
 
-    from tvmfuse.cli import main
+    from tvmfuse.cli.tune import main
 
     if tvm.cuda(0).exist:
         pytest.skip("this machine has a GPU (the job would verify and time on it)")
@@ -292,7 +292,7 @@ def test_bucket_functions_get_the_wgmma_kernel_and_the_generic_one_does_not(tmp_
     import onnx
     from onnx import TensorProto, helper
 
-    from tvmfuse.cli import main
+    from tvmfuse.cli.tune import main
 
     if tvm.cuda(0).exist:
         pytest.skip("this machine has a GPU (the job would verify and time on it)")
@@ -317,7 +317,7 @@ def test_bucket_functions_get_the_wgmma_kernel_and_the_generic_one_does_not(tmp_
 def _epilogue_on_cpu(func):
     """A CPU function computing, for every (row, col), what the GEMM kernels store: `finish` of a given fp32
     product at `place` (the epilogue as rebuilt from the fused kernel, without the GEMM)."""
-    from tvmfuse.gemm_analysis import epilogue
+    from tvmfuse.kernels.hopper.gemm_analysis import epilogue
 
     info, why = analyze_gemm(func)
     assert info is not None, why

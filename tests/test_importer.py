@@ -5,7 +5,8 @@ import pytest
 
 import onnx_models
 from tvmfuse.errors import ModelError
-from tvmfuse.importer import import_model, load_onnx, random_inputs
+from tvmfuse.frontend.importer import import_model, load_onnx
+from tvmfuse.verify import random_inputs
 
 
 def test_static_model_imports_with_detached_weights():

@@ -11,7 +11,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, lookup, substitute
-from tvmfuse.kernels.attention_decode import chunk_of
+from tvmfuse.kernels.attention.decode import chunk_of
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
 
@@ -103,7 +103,7 @@ def test_registry_lookup_and_knobs():
 
 def _attention_module(mask: bool, kv_heads: int = 4):
     """softmax(Q K^T * 1/sqrt(d) [+ mask]) V in [B,H,S,D] fp16, lowered by the fuse stage."""
-    from tvmfuse.fuse import lower
+    from tvmfuse.fuse.fusion import lower
     from tvmfuse.patterns import fusion_patterns
     bb, dt = relax.BlockBuilder(), "float16"
     q, k, v = (relax.Var(n, relax.TensorType((1, 4, 64, 64), dt)) for n in "qkv")
@@ -238,7 +238,7 @@ def _export_like_module(dt: str = "float16", kv_heads: int = 2):
     """What the exports fuse: Q, K, V in [B,S,H,D] with the head permutes inside, the scale split in two
     (sqrt(1/sqrt(d)) into Q and into K^T), isnan -> where with a rank-1 zero, a GQA repeat of K and V inside,
     the output permuted back to [B,S,H,D]."""
-    from tvmfuse.fuse import lower
+    from tvmfuse.fuse.fusion import lower
     from tvmfuse.patterns import fusion_patterns
     bb, B, S, H, D = relax.BlockBuilder(), 1, 64, 4, 16
     q = relax.Var("q", relax.TensorType((B, S, H, D), dt))
@@ -292,7 +292,7 @@ def test_hf_fp16_export_builds_for_cuda_with_the_template(name, hf_exports, tmp_
     """The product path (`tune --target cuda --dtype fp16 --trials 0`, compile only): the job log says the
     attention kernel was replaced by the prefill template, and the export has one attention kernel."""
     import json
-    from tvmfuse.cli import main
+    from tvmfuse.cli.tune import main
 
     out = tmp_path / "out"
     rc = main([hf_exports(name, "legacy"), "--target", "cuda", "--trials", "0", "--dtype", "fp16",
@@ -332,11 +332,12 @@ def test_hf_exports_take_the_prefill_template(name, exporter, hf_exports, llvm):
     if exporter == "dynamo":
         pytest.importorskip("onnxscript")
     import onnxruntime as ort
-    from tvmfuse.build import build
-    from tvmfuse.decide import decide
-    from tvmfuse.fuse import bind_params, lower
-    from tvmfuse.importer import import_model, load_onnx
-    from tvmfuse.precision import to_compute_dtype
+    from tvmfuse.build.compile import build
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.fuse.fusion import lower
+    from tvmfuse.prepare import bind_params
+    from tvmfuse.frontend.importer import import_model, load_onnx
+    from tvmfuse.prepare.precision import to_compute_dtype
 
     model = load_onnx(hf_exports(name, exporter))
     imp = import_model(model, {"batch": [1], "seq": [64]})
@@ -483,7 +484,7 @@ def test_hf_decode_export_builds_for_cuda_with_the_decode_template(name, decode_
     nvcc): every attention kernel is the decode template."""
     import json
 
-    from tvmfuse.cli import main
+    from tvmfuse.cli.tune import main
 
     out = tmp_path / "out"
     rc = main([decode_exports(name), "--target", "cuda", "--trials", "0", "--dtype", "fp16", "--out", str(out),
@@ -503,11 +504,12 @@ def test_hf_decode_exports_match_onnxruntime_with_the_decode_template(name, deco
     llvm: logits and the new K/V match onnxruntime within fp16's tolerance."""
     import onnxruntime as ort
 
-    from tvmfuse.build import build
-    from tvmfuse.decide import decide
-    from tvmfuse.fuse import bind_params, lower
-    from tvmfuse.importer import import_model, load_onnx
-    from tvmfuse.precision import to_compute_dtype
+    from tvmfuse.build.compile import build
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.fuse.fusion import lower
+    from tvmfuse.prepare import bind_params
+    from tvmfuse.frontend.importer import import_model, load_onnx
+    from tvmfuse.prepare.precision import to_compute_dtype
 
     model = load_onnx(decode_exports(name))
     imp = import_model(model, {})
@@ -555,12 +557,12 @@ def test_gpt2_head_merge_is_in_the_attention_kernel(gpt2_prefill):
     """fp16 for CUDA (prepare_module, decide, lower): the head merge after attention (same-shape reshape, permute
     [0,2,1,3]) is in the attention kernel, so no transpose kernel runs between attention and the output
     projection (only the [B,S,H*D] reshape, a view); the roles read out as BSHD and the prefill template takes it."""
-    from tvmfuse.decide import decide
-    from tvmfuse.fuse import lower
-    from tvmfuse.importer import import_model, load_onnx
-    from tvmfuse.kernels import template_sites
-    from tvmfuse.kernels.roles import attention_roles
-    from tvmfuse.pipeline import prepare_module
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.fuse.fusion import lower
+    from tvmfuse.frontend.importer import import_model, load_onnx
+    from tvmfuse.kernels.substitute import template_sites
+    from tvmfuse.kernels.attention.roles import attention_roles
+    from tvmfuse.prepare import prepare_module
     from tvmfuse.targets import resolve_target
 
     bound = prepare_module(import_model(load_onnx(gpt2_prefill), {}), "fp16")

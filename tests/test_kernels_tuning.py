@@ -15,22 +15,22 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
 from test_kernels import _attention_module
-from tvmfuse.database import FILE, TuningDatabase
-from tvmfuse.kernels import ATTENTION_PREFILL, substitute, template_sites, tuning
-from tvmfuse.kernels.check import VariantCheck
-from tvmfuse.kernels.tuning import (
-    FAILED_SECS,
-    best_knobs,
-    candidate_knobs,
-    failed_knobs,
-    measured,
-    tune_templates,
-    variant_workload,
-)
-from tvmfuse.progress import kernel_records
-from tvmfuse.schedules import open_database
-from tvmfuse.schedules_upkeep import add_from_database
-from tvmfuse.tune import _builder, _evaluator, _runner
+from tvmfuse.records.database import FILE, TuningDatabase
+from tvmfuse.kernels import ATTENTION_PREFILL, substitute, template_sites
+from tvmfuse.tune import templates as tuning
+from tvmfuse.verify.kernels import VariantCheck
+from tvmfuse.records.knobs import best_knobs, failed_knobs, measured
+from tvmfuse.tune.templates import FAILED_SECS, candidate_knobs, variant_workload
+from tvmfuse.tune.templates import tune_templates as _tune_templates
+from tvmfuse.tune.progress import kernel_records
+from tvmfuse.records.library import open_database
+from tvmfuse.records.upkeep import add_from_database
+from tvmfuse.tune.search import evaluator_config as _evaluator, make_builder as _builder, make_runner as _runner
+
+
+def tune_templates(*args, **kwargs):
+    """The kernels phase's call: every knob set checked against the generic kernel (the verify stage's check)."""
+    return _tune_templates(*args, make_check=VariantCheck, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,8 @@ def test_cuda_build_applies_a_template_record():
     """For cuda, the pipeline's order (substitute with the database's best knobs -> apply_database -> build):
     the template record replays on the substituted kernel (kind 'tuned', its latency in kernel_records), the
     kernel keeps the chosen knobs, and the module compiles with nvcc."""
-    from tvmfuse.build import apply_database, apply_default_schedules, compile_module, schedule_kinds
+    from tvmfuse.build import apply_database, compile_module, schedule_kinds
+    from tvmfuse.spaces import apply_default_schedules
     from tvmfuse.targets import resolve_target
 
     cuda = resolve_target("cuda")
@@ -294,7 +295,8 @@ def test_half_precision_reference_computes_in_float32(tmp_path, llvm, monkeypatc
     from tvm.support.tar import tar
 
     from checks import decode_attention
-    from tvmfuse.kernels import _call_sites, check
+    from tvmfuse.kernels.substitute import call_sites as _call_sites
+    from tvmfuse.verify import kernels as check
 
     fused = decode_attention(4096)
     (gv, name, tmpl, shapes, perm), = template_sites(fused.mod, fused.kernel_patterns, target="llvm")

@@ -7,11 +7,12 @@ import tvm
 from checks import check_against_ort
 from tvm import relax, tirx
 
-from tvmfuse.baseline import default_rule
-from tvmfuse.decide import decide
-from tvmfuse.fuse import bind_params, lower
-from tvmfuse.importer import import_model
-from tvmfuse.layout import transpose_weights
+from tvmfuse.spaces.defaults import default_rule
+from tvmfuse.decide.decision import decide
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.prepare import bind_params
+from tvmfuse.frontend.importer import import_model
+from tvmfuse.prepare.layout import transpose_weights
 from tvmfuse.targets import resolve_target
 
 
@@ -95,7 +96,7 @@ def test_decode_projection_gets_dlight_gemv_on_cuda():
 def test_bare_projection_is_kept_for_its_layout_not_for_a_predicted_saving():
     """The permute of a constant costs nothing unfused (FoldConstant folds it), so the group saves no predicted
     time; it is kept, at any threshold, because only inside it does the kernel read W as [N, K]."""
-    from tvmfuse.decide import Settings
+    from tvmfuse.decide.decision import Settings
 
     _, bound = _bound(onnx_models.projection(rows=3, k=64, n=96))
     (cand,) = decide(transpose_weights(bound), None, Settings(threshold_us=5.0)).candidates

@@ -10,9 +10,9 @@ from checks import check_against_ort, cuda_sources, lower_model
 from onnx import TensorProto, helper
 from tvm import relax
 
-from tvmfuse import fuse
-from tvmfuse.fuse import lower
-from tvmfuse.importer import import_model
+from tvmfuse.fuse import fusion as fuse
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.frontend.importer import import_model
 from tvmfuse.targets import resolve_target
 
 
@@ -45,7 +45,8 @@ def test_other_powers_keep_tvm_pow():
 
 def test_cuda_source_has_no_powf_for_the_gelu_cube():
     """The CUDA kernel multiplies (CUDA builds use --use_fast_math: powf(x<0, 3) would be NaN)."""
-    from tvmfuse.build import apply_default_schedules, compile_module
+    from tvmfuse.build import compile_module
+    from tvmfuse.spaces import apply_default_schedules
 
     target = resolve_target("cuda")
     mod = apply_default_schedules(_power_module(3.0, "float16"), target)
@@ -169,7 +170,8 @@ def test_onnx_rotary_embedding_matches_numpy():
 
 
 def _rope_cuda_source(mod) -> str:
-    from tvmfuse.build import apply_default_schedules, compile_module
+    from tvmfuse.build import compile_module
+    from tvmfuse.spaces import apply_default_schedules
 
     target = resolve_target("cuda")
     (src,) = cuda_sources(compile_module(apply_default_schedules(mod, target), target))
@@ -275,7 +277,8 @@ def test_split_read_by_elementwise_ops_only_keeps_tvm_split(llvm):
 def test_cuda_one_kernel_split_moves_16_byte_vectors():
     """On CUDA the three parts are written by one kernel with 16-byte loads and stores (the injective schedule
     takes a loop nest of several blocks)."""
-    from tvmfuse.build import apply_default_schedules, compile_module
+    from tvmfuse.build import compile_module
+    from tvmfuse.spaces import apply_default_schedules
 
     target = resolve_target("cuda")
     _, fused = lower_model(_split_attention(b=2, s=64, h=4, d=16), None)

@@ -10,11 +10,11 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvmfuse.fuse import lower
-from tvmfuse.kernels import template_sites
-from tvmfuse.opmath import EXACT_SCALARS, exact_scalar
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.kernels.substitute import template_sites
+from tvmfuse.prepare.opmath import EXACT_SCALARS, exact_scalar
 from tvmfuse.patterns import fusion_patterns
-from tvmfuse.precision import to_compute_dtype
+from tvmfuse.prepare.precision import to_compute_dtype
 
 S, H, D = 16, 2, 32
 
@@ -168,7 +168,8 @@ def test_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
     the negation stays fp16, exact there), and x, cos and sin still move in 16-byte vectors."""
     from checks import cuda_sources  # pylint: disable=import-outside-toplevel
 
-    from tvmfuse.build import apply_default_schedules, compile_module  # pylint: disable=import-outside-toplevel
+    from tvmfuse.build import compile_module
+    from tvmfuse.spaces import apply_default_schedules  # pylint: disable=import-outside-toplevel
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 
     monkeypatch.setattr(sys.modules[__name__], "D", 128)
@@ -184,7 +185,8 @@ def test_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
 def test_gpu_rotary_group_rounds_once(permute, monkeypatch):
     """On the GPU (head dim 128, 8-lane vectors, Llama's K and Q forms): the fp32 rope of the fp16 inputs rounded
     once, to 1 ulp (an FMA may contract the fp32 sum)."""
-    from tvmfuse.build import apply_default_schedules, compile_module  # pylint: disable=import-outside-toplevel
+    from tvmfuse.build import compile_module
+    from tvmfuse.spaces import apply_default_schedules  # pylint: disable=import-outside-toplevel
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 
     monkeypatch.setattr(sys.modules[__name__], "D", 128)
@@ -209,8 +211,8 @@ def test_matmul_epilogue_runs_on_the_fp32_sums_and_rounds_once(act, llvm):
     import onnx
     from test_patterns import matmul_act
 
-    from tvmfuse.importer import import_model
-    from tvmfuse.pipeline import prepare_module
+    from tvmfuse.frontend.importer import import_model
+    from tvmfuse.prepare import prepare_module
 
     model = matmul_act(act, rows=64, k=256, n=128)
     fused = lower(prepare_module(import_model(model), "fp16", "fp16"), patterns=fusion_patterns())

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 import onnx_models
 from checks import check_against_ort, lower_model
-from tvmfuse.importer import import_model
+from tvmfuse.frontend.importer import import_model
 
 RNG = np.random.default_rng(0)
 
@@ -198,8 +198,8 @@ def test_rotate_not_by_half_is_rejected_with_reason():
 
 
 def test_attention_candidate_records_shapes_for_templates():
-    from tvmfuse.decide import decide
-    from tvmfuse.fuse import bind_params
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.prepare import bind_params
 
     imp = import_model(attention(b=2, h=4, s=8, d=16))
     plan = decide(bind_params(imp.mod, imp.params))
@@ -219,7 +219,7 @@ def test_key_reshape_that_is_not_a_transpose_is_rejected_with_reason():
 
 def test_dynamo_attention_kernel_reads_k_as_bhsd():
     """The fused K^T is one 4-D permute of the [B,H,S,D] input, so the kernel templates find its role."""
-    from tvmfuse.kernels.roles import attention_roles
+    from tvmfuse.kernels.attention.roles import attention_roles
 
     _, fused = lower_model(attention_dynamo())
     (kernel,) = fused.kernel_patterns
@@ -263,7 +263,7 @@ def attention_head_merge(b=2, h=4, s=8, d=16, leak=None, mid=None, perm=(0, 2, 1
 def test_attention_takes_the_head_merge_permute(llvm):
     """The head merge after attention (same-shape reshape, permute [0,2,1,3]) is in the attention kernel (its
     out stored BSHD): no transpose kernel is left, only the [B,S,H*D] reshape; numbers match onnxruntime."""
-    from tvmfuse.kernels.roles import attention_roles
+    from tvmfuse.kernels.attention.roles import attention_roles
 
     model = attention_head_merge()
     imp, fused = lower_model(model)

@@ -6,11 +6,12 @@ import onnx
 import pytest
 
 from test_database import two_kernels
-from tvmfuse.cli import main
+from tvmfuse.cli.tune import main
 from tvmfuse.errors import TvmfuseError
 from tvmfuse.jobs import Job
 from tvmfuse.pipeline import run_job
-from tvmfuse.remote import Cluster, _free_port, free_servers, parse_address, queue_main
+from tvmfuse.cli.serve import queue_main
+from tvmfuse.tune.remote import Cluster, _free_port, free_servers, parse_address
 
 
 @pytest.fixture(scope="module")

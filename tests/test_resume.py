@@ -11,11 +11,11 @@ import onnx
 import pytest
 
 from test_database import kernel_mods, record_for, two_kernels
-from tvmfuse.cli import main as tune_main
-from tvmfuse.database import FILE, TuningDatabase
-from tvmfuse.export import export
-from tvmfuse.runtime import load
-from tvmfuse.tune import tune
+from tvmfuse.cli.tune import main as tune_main
+from tvmfuse.records.database import FILE, TuningDatabase
+from tvmfuse.export.library import export
+from tvmfuse.export.runtime import load
+from tvmfuse.tune.search import tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUNE = os.path.join(ROOT, "scripts", "tune.py")
@@ -131,7 +131,7 @@ def test_two_concurrent_tunes_on_one_database(one_kernel_model, tmp_path):
 
 
 def test_budget_counts_stored_trials_and_cost_model_is_retrained(tmp_path, monkeypatch):
-    import tvmfuse.tune as tune_mod  # pylint: disable=import-outside-toplevel
+    import tvmfuse.tune.search as tune_mod  # pylint: disable=import-outside-toplevel
 
     target = _llvm()
     fused, (task,) = kernel_mods(target, one=True)

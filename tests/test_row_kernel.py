@@ -13,17 +13,19 @@ import tvm
 from onnx import helper
 from tvm import relax, tirx
 
-from tvmfuse.fuse import bind_params, lower
-from tvmfuse.importer import import_model
-from tvmfuse.kernels.row_analysis import analyze_rows
-from tvmfuse.kernels.row_kernel import (
+from tvmfuse.fuse.fusion import lower
+
+from tvmfuse.prepare import bind_params
+from tvmfuse.frontend.importer import import_model
+from tvmfuse.kernels.hopper.row_analysis import analyze_rows
+from tvmfuse.kernels.hopper.row_kernel import (
     RowKnobs,
     default_knobs,
     row_kernel,
     row_kernel_from_fused,
 )
-from tvmfuse.kernels.wgmma_gemm import TIRX_ATTR
-from tvmfuse.precision import to_compute_dtype
+from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
+from tvmfuse.prepare.precision import to_compute_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.rowk import ptxas_usage

@@ -10,11 +10,11 @@ import tvm_ffi
 
 from conftest import ROOT
 from test_database import kernel_mods, record_for, two_kernels
-from tvmfuse.cli import main as tune_main
-from tvmfuse.database import TuningDatabase
-from tvmfuse.schedules import lookup
-from tvmfuse.schedules_upkeep import add_from_database, load_index, prune, verify
-from tvmfuse.schedules_cli import main
+from tvmfuse.cli.tune import main as tune_main
+from tvmfuse.records.database import TuningDatabase
+from tvmfuse.records.library import lookup
+from tvmfuse.records.upkeep import add_from_database, load_index, prune, verify
+from tvmfuse.cli.schedules import main
 from tvmfuse.targets import resolve_target
 
 LLVM = resolve_target("llvm")

@@ -6,9 +6,10 @@ import tvm
 from checks import cuda_sources
 from tvm import relax, tirx
 
-from tvmfuse.baseline import SmallBatchMatmul, default_rule
-from tvmfuse.build import apply_default_schedules, compile_module
-from tvmfuse.fuse import lower
+from tvmfuse.spaces.defaults import SmallBatchMatmul, default_rule
+from tvmfuse.build import compile_module
+from tvmfuse.spaces import apply_default_schedules
+from tvmfuse.fuse.fusion import lower
 from tvmfuse.spaces import smallm
 from tvmfuse.targets import resolve_target
 

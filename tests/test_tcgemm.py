@@ -7,8 +7,9 @@ from checks import cuda_sources
 from test_smallm import _kernel, _projection
 from tvm.s_tir import meta_schedule as ms
 
-from tvmfuse.baseline import TensorCoreGemm, TensorCoreMatmul, default_rule
-from tvmfuse.build import apply_default_schedules, compile_module
+from tvmfuse.spaces.defaults import TensorCoreGemm, TensorCoreMatmul, default_rule
+from tvmfuse.build import compile_module
+from tvmfuse.spaces import apply_default_schedules
 from tvmfuse.spaces import gemm, space_for, tcgemm
 from tvmfuse.targets import resolve_target
 

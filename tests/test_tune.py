@@ -3,11 +3,11 @@
 from tvm.s_tir import meta_schedule as ms
 
 import onnx_models
-from tvmfuse.build import TUNED, build
-from tvmfuse.fuse import lower
-from tvmfuse.importer import import_model
-from tvmfuse.progress import kernel_records
-from tvmfuse.tune import tunable_tasks
+from tvmfuse.build.compile import TUNED, build
+from tvmfuse.fuse.fusion import lower
+from tvmfuse.frontend.importer import import_model
+from tvmfuse.tune.progress import kernel_records
+from tvmfuse.tune.search import tunable_tasks
 
 
 def test_tune_records_progress_and_build_uses_them(tuned_rms, llvm):
@@ -33,7 +33,7 @@ def test_loggers_survive_an_unnamed_handler(tmp_path):
     """A handler without a name on MetaSchedule's logger (e.g. a test runner's) must not break tuning."""
     import logging  # pylint: disable=import-outside-toplevel
 
-    from tvmfuse.tune import task_loggers  # pylint: disable=import-outside-toplevel
+    from tvmfuse.tune.search import task_loggers  # pylint: disable=import-outside-toplevel
 
     logger = logging.getLogger("tvm.s_tir.meta_schedule")
     foreign = logging.NullHandler()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tvmfuse.verify import compare, module_inputs
+from tvmfuse.verify.outputs import compare, module_inputs
 
 
 def test_fp32_tolerance_is_1e4():
@@ -83,7 +83,7 @@ def test_tolerance_text_says_what_was_applied():
 
 
 def test_compare_counts_elements_outside_tolerance_and_the_rms_error():
-    from tvmfuse.verify import compare
+    from tvmfuse.verify.outputs import compare
     want = [np.zeros(4, np.float32), np.ones(2, np.float32)]
     got = [np.array([0, 2e-4, 0, 0], np.float32), np.array([1, 1 + 3e-4], np.float32)]
     check = compare(got, want)  # fp32: atol 1e-4 + rtol 1e-4 * |want|: 2e-4 and 3e-4 are both outside

@@ -14,12 +14,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from .errors import JobError
-from .export import check_safe_name
-
-#: accepted spellings (CLI `--dtype`, jobs files `dtype = "..."`) -> the compute dtype (see tvmfuse.precision)
-DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-                 "bf16": "bfloat16", "bfloat16": "bfloat16"}
+from tvmfuse.errors import JobError
+from tvmfuse.export.library import check_safe_name
+from tvmfuse.prepare.dtypes import check_io_dtype, parse_dtype
 
 MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype", "buckets", "tolerance"}
 TOP_KEYS = {"trials", "model", "dtype", "io_dtype", "tolerance"}
@@ -160,14 +157,6 @@ def _trials(path: str, where: str, value) -> int | None:
     return value
 
 
-def parse_dtype(text, where: str = "--dtype") -> str:
-    """'fp16' / 'float16' -> 'float16' (likewise fp32, bf16); anything else is one JobError."""
-    dtype = DTYPE_ALIASES.get(text.strip().lower()) if isinstance(text, str) else None
-    if dtype is None:
-        raise JobError(f"{where} {text!r} is not supported: use fp32, fp16 or bf16")
-    return dtype
-
-
 def _in_file(path: str, where: str, parse, *args):
     """parse(*args), its JobError naming the jobs file and the entry."""
     try:
@@ -182,14 +171,6 @@ def _dtype(path: str, where: str, value, key: str = "dtype") -> str:
 
 def _tolerance(path: str, where: str, value) -> tuple[float, float] | None:
     return None if value is None else _in_file(path, where, parse_tolerance, value, "tolerance")
-
-
-def check_io_dtype(io_dtype: str, dtype: str, where: str = "--io-dtype") -> str:
-    """The interface dtype, which must be fp32 or the compute dtype (a module takes and returns one or the other)."""
-    io_dtype = parse_dtype(io_dtype, where)
-    if io_dtype not in ("float32", dtype):
-        raise JobError(f"{where} {io_dtype} does not fit compute dtype {dtype}: use fp32 or the compute dtype")
-    return io_dtype
 
 
 def _io_dtype(path: str, where: str, value, dtype: str) -> str:

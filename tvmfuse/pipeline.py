@@ -1,4 +1,10 @@
-"""The pipeline: the one place that decides stage order — import, fuse, tune, build, verify, export."""
+"""The pipeline: the one place that decides stage order. Each phase takes what the one before returned and hands a
+typed value on; `run_job` chains them:
+
+    frontend -> prepare -> fuse (match + decide) -> kernels -> tune -> build -> verify -> export
+
+A job lowers its module once and compiles it once.
+"""
 
 from __future__ import annotations
 
@@ -12,31 +18,25 @@ from typing import Callable
 import tvm
 from tvm import relax
 
-from .baseline import kernels_keeping_default
-from .buckets import add_dispatch, check_buckets, lower_buckets, verification_dims
-from .build import TUNED, apply_database, apply_default_schedules, compile_module, schedule_kinds
-from .default_model import NAME as DEFAULT_NAME
-from .default_model import make_tiny_block
-from .errors import TvmfuseError, VerificationError
-from .export import export, export_dir
-from .decide import decide
-from .fuse import bind_params, lower
-from .report import fusion_report, report_files
-from .importer import import_model, load_onnx, random_inputs
-from .manifest import make_manifest
-from .measure import compare_at_dims, latency_us
-from .layout import transpose_weights
-from .precision import has_fp16_lookups, to_compute_dtype
-from .jobs import Job
-from .spaces import space_for
-from .targets import device_for, has_device, target_name
-from .templates import apply_templates
-from .schedules import DEFAULT_DIR as SCHEDULES_DIR
-from .schedules import open_database
-from .progress import TaskProgress, kernel_records
-from .tune import TuningInterrupted, tune
+from tvmfuse.build.compile import TUNED, apply_database, compile_module, schedule_kinds
+from tvmfuse.decide import Plan, Settings, decide, fusion_report, report_files
+from tvmfuse.errors import TvmfuseError, VerificationError
+from tvmfuse.export import export, export_dir, make_manifest
+from tvmfuse.frontend import DEFAULT_MODEL, Imported, import_model, load_onnx, make_tiny_block
+from tvmfuse.fuse import Bucketed, Fused, add_dispatch, check_buckets, kernel_calls, lower, lower_buckets
+from tvmfuse.fuse import verification_dims
+from tvmfuse.jobs import Job
+from tvmfuse.kernels import apply_hopper_kernels, substitute
+from tvmfuse.prepare import prepare_module
+from tvmfuse.prepare.precision import has_fp16_lookups
+from tvmfuse.records import SCHEDULES_DIR, TuningDatabase, open_database
+from tvmfuse.spaces import apply_default_schedules, space_for
+from tvmfuse.targets import device_for, has_device, resolve_target, target_name
+from tvmfuse.tune import TaskProgress, TuningInterrupted, kernel_records, kernels_keeping_default, tune, tune_templates
+from tvmfuse.verify import VariantCheck, Verification, compare_at_dims, latency_us, random_inputs
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
+Say = Callable[[str], None]
 
 
 @dataclass
@@ -56,8 +56,167 @@ class JobResult:
     details: dict = field(default_factory=dict)
 
 
+@dataclass
+class Lowered:
+    """The fuse phase's result: the fused module (with the bucket functions, if any) and its kernels."""
+
+    fused: Fused
+    bucketed: Bucketed | None
+
+    @property
+    def kernels(self) -> list[str]:
+        return self.bucketed.kernels() if self.bucketed else self.fused.kernels()
+
+    def with_dispatch(self, mod: tvm.IRModule) -> tvm.IRModule:
+        """`mod` with `main` dispatching to the bucket functions (unchanged without buckets)."""
+        return add_dispatch(mod, self.bucketed.shapes) if self.bucketed else mod
+
+
+@dataclass
+class Built:
+    """The build phase's result: the VM executable and, per kernel, how it is scheduled and what was measured."""
+
+    executable: object
+    kinds: dict[str, str]  # kernel -> "tuned", "default", a TIRx kernel, ...
+    records: dict[str, tuple[int, float | None]]  # kernel -> (trials recorded, best µs)
+    defaults_us: dict[str, float]  # kernel -> its default schedule's measured µs (tuned kernels only)
+
+    @property
+    def tuned(self) -> list[str]:
+        return [k for k, kind in self.kinds.items() if kind == TUNED]
+
+
+@dataclass
+class Verified:
+    """The verify phase's result: the manifest's `verification`, the summary's text and the measured latency."""
+
+    verification: dict
+    text: str
+    latency_us: float | None = None
+    before_us: float | None = None  # estimated: the tuned kernels at their default schedules' measured times
+
+
+# ---------------------------------------------------------------------------------------------------------- phases
+
+def frontend_phase(job: Job) -> Imported:
+    """Read the job's ONNX file (or build the embedded default model) and import it into Relax."""
+    source = job.path or f"<embedded {DEFAULT_MODEL}>"
+    model = load_onnx(job.path) if job.path else make_tiny_block()
+    return import_model(model, job.shapes, source)
+
+
+def fuse_phase(bound: tvm.IRModule, target: tvm.target.Target, settings: Settings | None = None) -> Fused:
+    """Match the pattern table, decide with the cost model which candidates to fuse, fuse them (one PrimFunc each)."""
+    return lower(bound, plan=decide(bound, target, settings))
+
+
+def kernels_phase(fused: Fused, target: tvm.target.Target, database: TuningDatabase, trials: int, rpc,
+                  on_progress: Callable[[TaskProgress], None], log: Say) -> Fused:
+    """On CUDA: the hand-written templates where they take a kernel's shapes (their knobs measured into the
+    database first, each checked against the generic kernel; the best measured applied), then on sm_90a the TIRx
+    GEMM and row kernels where they fit. One log line per kernel considered."""
+    if target.kind.name != "cuda":
+        return fused
+    tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc, on_progress=on_progress,
+                   say=log, make_check=VariantCheck)  # wrong knob sets, one line each
+    outcomes: list = []
+    fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=outcomes, database=database)
+    for kernel, outcome in outcomes:
+        log(f"{kernel}: {outcome}")
+    fused.mod = apply_hopper_kernels(fused.mod, target, log)
+    return fused
+
+
+def buckets_phase(bound: tvm.IRModule, fused: Fused, job: Job, target, database, trials: int, rpc,
+                  say: Say) -> Bucketed:
+    """Static copies of `main` for the named bucket sizes, each fused and given its kernels like `main`."""
+    def fuse_static(mod: tvm.IRModule, name: str) -> Fused:
+        return kernels_phase(fuse_phase(mod, target), target, database, trials, rpc, _progress_printer(job.name, say),
+                             lambda s: say(f"[{job.name}] {name}: {s}"))
+
+    return lower_buckets(bound, fused, job.buckets, fuse_static)
+
+
+def tune_phase(lowered: Lowered, target, database, work_dir: str, trials: int, job: Job, rpc,
+               say: Say) -> dict[str, TaskProgress]:
+    """MetaSchedule + XGBoost over every static-shape kernel (function by function with buckets); records go to the
+    database as they are measured, so an interrupted job resumes."""
+    progress: dict[str, TaskProgress] = {}
+    if trials <= 0:
+        return progress
+    say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
+    views = lowered.bucketed.tuning_views() if lowered.bucketed else [lowered.fused.mod]
+    try:
+        for view in views:
+            for name, task in tune(view, target, work_dir, trials, on_progress=_progress_printer(job.name, say),
+                                   rpc=rpc, database=database, space_for=space_for, batch=job.batch).items():
+                progress.setdefault(name, task)  # a kernel two functions share was tuned with the first
+    except TuningInterrupted:
+        raise TuningInterrupted(f"interrupted: {sum(database.spent.values())} records kept in {work_dir}; "
+                                "rerun the same command to resume") from None
+    resumed = sum(p.resumed for p in progress.values())
+    if resumed:
+        say(f"[{job.name}] resumed: {resumed} trials were already recorded and counted toward the budget; "
+            f"{sum(p.trials - p.resumed for p in progress.values())} run now")
+    return progress
+
+
+def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProgress], cuda_graph: bool) -> Built:
+    """Each kernel takes its best record unless its default schedule measured faster; every other kernel gets its
+    default schedule; then one compile to a VM executable."""
+    mod = lowered.fused.mod
+    records = kernel_records(mod, database) if database is not None else {}
+    defaults = {p.workload: p.default_us for p in progress.values() if p.default_us is not None}
+    keep = kernels_keeping_default(mod, records, defaults)
+    tuned_mod = apply_database(mod, target, database, keep_default=keep)
+    kinds = {**schedule_kinds(tuned_mod, target), **{k: "default (measured faster than every tuned schedule)"
+                                                      for k in keep}}
+    records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
+    executable = compile_module(lowered.with_dispatch(apply_default_schedules(tuned_mod, target)), target,
+                                cuda_graph=cuda_graph)
+    defaults_us = {name: p.default_us for name, p in progress.items()
+                   if p.default_us is not None and kinds.get(name) == TUNED}
+    return Built(executable, kinds, records, defaults_us)
+
+
+def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, target, bound) -> Verified:
+    """Run the build and onnxruntime on the same seeded inputs (with buckets: at the first bucket's shape and at a
+    shape no bucket covers) and time the build; a failed comparison raises VerificationError."""
+    if not has_device(target):
+        return Verified({"status": "skipped", "reason": f"no {target.kind.name} device here"}, "skipped")
+    device = device_for(target)
+    vm = relax.VirtualMachine(built.executable, device)
+    checks = compare_at_dims(vm, device, imported.onnx_model, imported.inputs,
+                             verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype,
+                             job.tolerance)
+    dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
+    if not check.ok:
+        raise VerificationError(_failed(job, check, dims), job.fp16_lookups and has_fp16_lookups(bound))
+    feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
+    after = latency_us(vm, device, feeds, job.io_dtype)
+    shapes = lowered.bucketed.shapes if lowered.bucketed else {}
+    function = next((fn for fn, shape in shapes.items() if shape == checks[0][0]), "main")  # the one timed
+    return Verified({**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {})},
+                    f"ok {check.max_abs_err:.1e}", after, after + _tuning_gain_us(built, lowered, function))
+
+
+def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: Imported, bound, job: Job, target,
+                 work_dir: str, dest: str) -> tuple[str, dict]:
+    """Write `model.so`, `manifest.json` and the fusion report into `dest`, atomically."""
+    fused = lowered.fused
+    manifest = make_manifest(job, target, imported.source, imported, bound, fused, lowered.kernels, built.kinds,
+                             built.records, verified.verification,
+                             {"tuned": verified.latency_us, "default_schedules_estimated": verified.before_us},
+                             work_dir, lowered.bucketed)
+    report = fusion_report(fused.plan, fused, {k: us for k, (_, us) in built.records.items() if us is not None})
+    manifest["fusion"] = report["totals"]
+    return export(built.executable, manifest, dest, extra_files=report_files(report)), manifest
+
+
+# ------------------------------------------------------------------------------------------------------------- jobs
+
 def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tuning_logs",
-            say: Callable[[str], None] = print, rpc: tuple[str, str] | None = None,
+            say: Say = print, rpc: tuple[str, str] | None = None,
             schedules: str | None = SCHEDULES_DIR) -> JobResult:
     """Run one job end to end; user errors become a failed JobResult, never a traceback."""
     try:
@@ -76,132 +235,78 @@ def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tun
                          details={"exit_code": 1})
 
 
-def _run(job: Job, target, out, logs_root, say, rpc, schedules) -> JobResult:
+def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -> JobResult:
     tname = target_name(target)
     dest = export_dir(out, job.name, tname)
-    source = job.path or f"<embedded {DEFAULT_NAME}>"
-    model = load_onnx(job.path) if job.path else make_tiny_block()
-    imported = import_model(model, job.shapes, source)
-    check_buckets(job.buckets, imported, source)
-    if imported.symbolic_dims:
-        say(f"[{job.name}] symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them "
-            "get default schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
-    bound = prepare_module(imported, job.dtype, job.io_dtype, job.fp16_lookups)
-    plan = decide(bound, target)  # match, cost model, decision: which candidates get fused
-    fused = lower(bound, plan=plan)
-    kernels = fused.kernels()
-    say(f"[{job.name}] {len(kernels)} kernels, {len(fused.kernel_patterns)} fused by pattern: "
-        + ", ".join(sorted(set(fused.kernel_patterns.values()))) if fused.kernel_patterns else
-        f"[{job.name}] {len(kernels)} kernels, none fused by pattern")
-
     trials = job.trials if job.trials is not None else DEFAULT_TRIALS.get(target.kind.name, 16)
     work_dir = os.path.join(logs_root, f"{job.name}-{tname}")
-    runnable = has_device(target)
-    if trials > 0 and not runnable and rpc is None:
+    if trials > 0 and not has_device(target) and rpc is None:
         raise TvmfuseError(f"{job.name}: no {target.kind.name} device on this machine to measure on; "
                            "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
                            "with default schedules")
-    database = open_database(work_dir, target, schedules, lambda s: say(f"[{job.name}] {s}"), fused.mod)
-    apply_templates(fused, target, database, trials, rpc, _progress_printer(job.name, say),
-                    lambda s: say(f"[{job.name}] {s}"))
-    bucketed = None
-    if job.buckets:  # static copies of main for the named sizes (their kernels tune); main dispatches on the dims
-        bucketed = lower_buckets(bound, fused, job.buckets, _fuse_static(job.name, target, database, trials, rpc, say))
-        fused, kernels = bucketed.fused, bucketed.kernels()
-        say(f"[{job.name}] buckets: {', '.join(bucketed.shapes)}, {len(kernels)} kernels in all; "
-            "other sizes run main_generic")
+    log = lambda s: say(f"[{job.name}] {s}")  # noqa: E731
+
+    imported = frontend_phase(job)
+    check_buckets(job.buckets, imported, imported.source)
+    if imported.symbolic_dims:
+        log(f"symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them get default "
+            "schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
+    bound = prepare_module(imported, job.dtype, job.io_dtype, job.fp16_lookups)
+    fused = fuse_phase(bound, target)
+    kernels = fused.kernels()
+    log(f"{len(kernels)} kernels, {len(fused.kernel_patterns)} fused by pattern: "
+        + ", ".join(sorted(set(fused.kernel_patterns.values())))
+        if fused.kernel_patterns else f"{len(kernels)} kernels, none fused by pattern")
+
+    database = open_database(work_dir, target, schedules, log, fused.mod)
+    fused = kernels_phase(fused, target, database, trials, rpc, _progress_printer(job.name, say), log)
+    bucketed = buckets_phase(bound, fused, job, target, database, trials, rpc, say) if job.buckets else None
+    lowered = Lowered(bucketed.fused if bucketed else fused, bucketed)
+    if bucketed:
+        log(f"buckets: {', '.join(bucketed.shapes)}, {len(lowered.kernels)} kernels in all; other sizes run "
+            "main_generic")
         left = [d for d in imported.symbolic_dims if d not in job.buckets]
         if left:
-            say(f"[{job.name}] {', '.join(left)} stay symbolic in the bucket functions too: their kernels that use "
-                f"them get default schedules (bucket them too, e.g. --buckets {left[0]}=1, to tune those)")
-    with_dispatch = (lambda m: add_dispatch(m, bucketed.shapes)) if bucketed else (lambda m: m)
-    progress: dict[str, TaskProgress] = {}
-    if trials > 0:
-        say(f"[{job.name}] tuning, {trials} trials per kernel, records in {work_dir}")
-        try:
-            for view in bucketed.tuning_views() if bucketed else [fused.mod]:  # buckets: function by function
-                for name, task in tune(view, target, work_dir, trials, on_progress=_progress_printer(job.name, say),
-                                       rpc=rpc, database=database, space_for=space_for, batch=job.batch).items():
-                    progress.setdefault(name, task)  # a kernel two functions share was tuned with the first
-        except TuningInterrupted:
-            raise TuningInterrupted(f"interrupted: {sum(database.spent.values())} records kept in {work_dir}; "
-                                    "rerun the same command to resume") from None
-        resumed = sum(p.resumed for p in progress.values())
-        if resumed:
-            say(f"[{job.name}] resumed: {resumed} trials were already recorded and counted toward the budget; "
-                f"{sum(p.trials - p.resumed for p in progress.values())} run now")
+            log(f"{', '.join(left)} stay symbolic in the bucket functions too: their kernels that use them get "
+                f"default schedules (bucket them too, e.g. --buckets {left[0]}=1, to tune those)")
 
-    records = kernel_records(fused.mod, database) if database is not None else {}
-    keep = kernels_keeping_default(fused.mod, records, {p.workload: p.default_us for p in progress.values()
-                                                        if p.default_us is not None})
-    tuned_mod = apply_database(fused.mod, target, database, keep_default=keep)
-    kinds = {**schedule_kinds(tuned_mod, target), **{k: "default (measured faster than every tuned schedule)" for k in keep}}
-    records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
-    executable = compile_module(with_dispatch(apply_default_schedules(tuned_mod, target)), target,
-                                cuda_graph=job.cuda_graph)
-
-    result = JobResult(job.name, ok=True, kernels=len(kernels), fused=len(fused.kernel_patterns),
-                       tuned=sum(kinds.get(k) == TUNED for k in kernels))
-    verification = {"status": "skipped", "reason": f"no {target.kind.name} device here"}
-    if runnable:  # with buckets: at the first bucket's shape (latency too) and at a shape no bucket covers
-        device = device_for(target)
-        vm = relax.VirtualMachine(executable, device)
-        checks = compare_at_dims(vm, device, model, imported.inputs,
-                                 verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype,
-                                 job.tolerance)
-        dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
-        verification = {**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {})}
-        feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
-        result.latency_after_us = latency_us(vm, device, feeds, job.io_dtype)
-        if result.tuned:
-            untuned = compile_module(with_dispatch(apply_default_schedules(fused.mod, target)), target)
-            result.latency_before_us = latency_us(relax.VirtualMachine(untuned, device), device, feeds, job.io_dtype)
-        else:
-            result.latency_before_us = result.latency_after_us
-        if not check.ok:
-            raise VerificationError(f"{job.name}: verification against onnxruntime FAILED "
-                                    f"(max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g}"
-                                    + (f" at {dims}" if job.buckets else "") + f"; tolerance {check.tolerance_text()}: "
-                                    "pass --tolerance ATOL,RTOL or set `tolerance` in the jobs file if the model "
-                                    "needs more)",
-                                    job.fp16_lookups and has_fp16_lookups(bound))
-        result.verification = f"ok {check.max_abs_err:.1e}"
-    else:
-        result.verification = "skipped"
-
-    manifest = make_manifest(job, target, source, imported, bound, fused, kernels, kinds, records, verification,
-                             {"default_schedules": result.latency_before_us, "tuned": result.latency_after_us},
-                             work_dir, bucketed)
-    report = fusion_report(plan, fused, lower(bound, patterns=[]),
-                           {k: us for k, (_, us) in records.items() if us is not None})
-    manifest["fusion"] = report["totals"]
-    result.output = export(executable, manifest, dest, extra_files=report_files(report))
-    result.details = manifest
-    say(f"[{job.name}] exported {result.output}")
-    return result
+    progress = tune_phase(lowered, target, database, work_dir, trials, job, rpc, say)
+    built = build_phase(lowered, target, database, progress, job.cuda_graph)
+    verified = verify_phase(built, lowered, imported, job, target, bound)
+    output, manifest = export_phase(built, lowered, verified, imported, bound, job, target, work_dir, dest)
+    log(f"exported {output}")
+    return JobResult(job.name, ok=True, kernels=len(lowered.kernels), fused=len(lowered.fused.kernel_patterns),
+                     tuned=sum(built.kinds.get(k) == TUNED for k in lowered.kernels),
+                     latency_before_us=verified.before_us, latency_after_us=verified.latency_us,
+                     verification=verified.text, output=output, details=manifest)
 
 
-def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None,
-                   fp16_lookups: bool = True) -> tvm.IRModule:
-    """The imported model as decide and fuse see it: weights bound as constants, precision (fp16/bf16 kernels),
-    then the weight layout (constant weights [N, K], read through a permute the kernel absorbs)."""
-    bound = bind_params(imported.mod, imported.params)
-    return transpose_weights(to_compute_dtype(bound, dtype, io_dtype, fp16_lookups))
+def plan_model(path: str, target: str, settings: Settings, shapes: dict | None = None) -> dict:
+    """`python -m tvmfuse plan`: the fusion report of a model (fp32, as a job sees it), beside stock TVM fusion."""
+    imported = import_model(load_onnx(path), shapes, path)
+    bound = prepare_module(imported)
+    fused = fuse_phase(bound, resolve_target(target), settings)
+    return fusion_report(fused.plan, fused, stock=lower(bound, patterns=[]))
 
 
-def _fuse_static(job_name: str, target, database, trials: int, rpc, say: Callable[[str], None]):
-    """How a bucket's static copy of main (`name`) is fused: decide, fuse, and on CUDA the templates that take
-    its shapes, their knobs measured like main's (templates logged with the function's name)."""
-    def fuse(mod: tvm.IRModule, name: str):
-        fused = lower(mod, plan=decide(mod, target))
-        apply_templates(fused, target, database, trials, rpc, _progress_printer(job_name, say),
-                        lambda s: say(f"[{job_name}] {name}: {s}"))
-        return fused
+# ---------------------------------------------------------------------------------------------------------- helpers
 
-    return fuse
+def _failed(job: Job, check: Verification, dims: dict) -> str:
+    return (f"{job.name}: verification against onnxruntime FAILED (max abs err {check.max_abs_err:.3g}, "
+            f"max rel err {check.max_rel_err:.3g}" + (f" at {dims}" if job.buckets else "")
+            + f"; tolerance {check.tolerance_text()}: pass --tolerance ATOL,RTOL or set `tolerance` in the jobs "
+            "file if the model needs more)")
 
 
-def _progress_printer(name: str, say: Callable[[str], None]) -> Callable[[TaskProgress], None]:
+def _tuning_gain_us(built: Built, lowered: Lowered, function: str) -> float:
+    """What tuning saved per run of `function`: each tuned kernel's measured default minus its best record, times
+    the calls to it (the "before" column is the build's measured latency plus this, not a second build)."""
+    calls = kernel_calls(lowered.fused.mod, function)
+    return sum(calls.get(k, 0) * (default - built.records[k][1]) for k, default in built.defaults_us.items()
+               if built.records.get(k, (0, None))[1] is not None)
+
+
+def _progress_printer(name: str, say: Say) -> Callable[[TaskProgress], None]:
     def report(task: TaskProgress) -> None:
         elapsed = time.time() - task.started
         eta = elapsed / max(task.trials - task.resumed, 1) * max(task.budget - task.trials, 0)
@@ -210,3 +315,7 @@ def _progress_printer(name: str, say: Callable[[str], None]) -> Callable[[TaskPr
         say(f"[{name}]   {task.name}: {task.trials}/{task.budget} trials{failed}, best {best}, ETA {eta:.0f} s")
 
     return report
+
+
+__all__ = ["Built", "JobResult", "Lowered", "Plan", "Verified", "build_phase", "buckets_phase", "export_phase",
+           "frontend_phase", "fuse_phase", "kernels_phase", "plan_model", "run_job", "tune_phase", "verify_phase"]

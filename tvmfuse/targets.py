@@ -7,7 +7,7 @@ import os
 
 import tvm
 
-from .errors import TvmfuseError
+from tvmfuse.errors import TvmfuseError
 
 #: What `--target cuda` means when the user gives no JSON: the H100 tag (sm_90a), which the H200 shares.
 DEFAULT_CUDA_TAG = "nvidia/nvidia-h100"

@@ -1,33 +1,8 @@
-"""Robust ONNX -> Relax import: graph pre-processing plus tvmfuse's converter overrides for TVM's frontend."""
+"""Frontend stage: an ONNX file (or the embedded default model) becomes a Relax module with detached weights,
+through tvmfuse's converter (TVM's ONNX importer with overrides for what exporters emit)."""
 
-from __future__ import annotations
+from tvmfuse.frontend.default_model import NAME as DEFAULT_MODEL
+from tvmfuse.frontend.default_model import make_tiny_block
+from tvmfuse.frontend.importer import Imported, TensorInfo, import_model, load_onnx
 
-import warnings
-
-import onnx
-import tvm
-
-from ..errors import ModelError
-from .convert_map import unsupported_ops
-from .importer import import_graph
-from .preprocess import inline_small_initializers, ort_fold, pin_input_dims
-
-__all__ = ["from_onnx", "unsupported_ops"]
-
-
-def from_onnx(model: onnx.ModelProto, shape_dict: dict[str, list[int | str]] | None = None,
-              keep_params_in_input: bool = True) -> tvm.IRModule:
-    """Drop-in for `tvm.relax.frontend.onnx.from_onnx`: dims in `shape_dict` are specialised, the rest stay symbolic."""
-    missing = unsupported_ops(model)
-    if missing:
-        op, name = missing[0]
-        more = f" ({len(missing) - 1} more unsupported nodes)" if len(missing) > 1 else ""
-        raise ModelError(f"cannot import ONNX op {op} (node {name!r}): no Relax converter for it{more}")
-    pinned = pin_input_dims(model, shape_dict)
-    try:
-        folded = ort_fold(pinned)
-    except Exception as exc:  # noqa: BLE001 - folding is an optimisation; convert the unfolded graph instead
-        warnings.warn(f"onnxruntime constant folding skipped: {str(exc).strip().splitlines()[0][:200]}")
-        folded = pinned
-    # The pinned dims are now in the graph inputs themselves (TVM's shape_dict takes no symbolic names).
-    return import_graph(inline_small_initializers(folded), None, keep_params_in_input)
+__all__ = ["DEFAULT_MODEL", "Imported", "TensorInfo", "import_model", "load_onnx", "make_tiny_block"]

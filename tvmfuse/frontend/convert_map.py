@@ -7,6 +7,8 @@ import functools
 import onnx
 from tvm.relax.frontend.onnx import onnx_frontend as _tvm_onnx
 
+from tvmfuse.frontend import mask_ops, shape_ops
+
 # Ops that TVM's importer handles itself rather than through the converter map.
 DIRECT_OPS = frozenset({"If", "Constant"})
 
@@ -14,8 +16,6 @@ DIRECT_OPS = frozenset({"If", "Constant"})
 @functools.cache
 def convert_map() -> dict[str, type]:
     """TVM's converter map with tvmfuse's overriding converter classes substituted (a fresh dict, never TVM's)."""
-    from . import mask_ops, shape_ops  # noqa: PLC0415 - imported late to avoid a cycle
-
     cmap = dict(_tvm_onnx._get_convert_map())
     cmap.update(shape_ops.OVERRIDES)
     cmap.update(mask_ops.OVERRIDES)

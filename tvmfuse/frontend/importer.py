@@ -1,101 +1,156 @@
-"""A subclass of TVM's Relax ONNX graph importer that uses tvmfuse's converter map and names failing nodes."""
+"""Import stage: read an ONNX file, check it, and turn it into a Relax module with detached weights."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import warnings
+import os
+from dataclasses import dataclass, field
 
 import onnx
 import tvm
 from tvm import relax
-from tvm.relax.frontend.onnx import onnx_frontend as _tvm_onnx
 
-from ..errors import ModelError
-from .convert_map import convert_map, unsupported_nodes
+from tvmfuse.errors import ModelError
+from tvmfuse.frontend.convert import from_onnx, unsupported_ops
 
-
-# Ops whose TVM (or tvmfuse) converters accept shape-valued (relax.ShapeExpr) inputs.
-SHAPE_AWARE_OPS = frozenset({"Reshape", "Resize", "ConstantOfShape", "Gather", "Slice", "Shape", "Expand",
-                             "Concat", "Equal", "Where", "Cast", "CastLike", "Squeeze"})
+ShapeSpec = dict[str, list[int | str]]  # input name -> dims (ints, or names kept symbolic)
 
 
-class Importer(_tvm_onnx.ONNXGraphImporter):
-    """ONNXGraphImporter whose op lookups go through `convert_map()` instead of TVM's module global."""
+@dataclass
+class TensorInfo:
+    """Name, dims (ints, or str for symbolic dims) and dtype of a model input or output."""
 
-    def _check_for_unsupported_ops(self, graph: onnx.GraphProto):
-        bad = unsupported_nodes(graph)
-        if bad:
-            op, name = bad[0]
-            raise ModelError(f"cannot import ONNX op {op} (node {name!r}): no Relax converter for it"
-                             + (f" ({len(bad) - 1} more unsupported nodes)" if len(bad) > 1 else ""))
+    name: str
+    shape: list[int | str]
+    dtype: str
 
-    def _shape_inputs_as_tensors(self, node: onnx.NodeProto) -> onnx.NodeProto:
-        """TVM refuses shape-valued inputs for ops outside its shape-aware list; feed those an int64 tensor."""
-        if node.op_type in SHAPE_AWARE_OPS:
-            return node
-        renamed = None
-        for i, name in enumerate(node.input):
-            value = self._nodes.get(name)
-            if value is not None and isinstance(getattr(value, "ty", None), relax.ShapeType):
-                alias = f"{name}__as_tensor"
-                if alias not in self._nodes:
-                    self._nodes[alias] = self.bb.normalize(relax.op.shape_to_tensor(value))
-                if renamed is None:
-                    renamed = onnx.NodeProto()
-                    renamed.CopyFrom(node)
-                renamed.input[i] = alias
-        return renamed or node
-
-    def _name_lost_dims(self, node: onnx.NodeProto):
-        """Give a tensor whose rank is known but whose dims were lost fresh symbolic dims (a MatchCast), so later
-        ops that need dims (Reshape with -1, Expand, Slice) still import."""
-        for k, name in enumerate(node.output):
-            value = self._nodes.get(name)
-            ty = getattr(value, "ty", None)
-            if isinstance(ty, relax.TensorType) and ty.shape is None and ty.ndim > 0:
-                dims = [tvm.tirx.Var(f"{node.op_type.lower()}{k}_d{i}", "int64") for i in range(ty.ndim)]
-                self._nodes[name] = self.bb.match_cast(value, relax.TensorType(dims, ty.dtype))
-
-    def _construct_nodes(self, graph: onnx.GraphProto):
-        # TVM converts node by node; run it one node at a time so a failure can name the node.
-        for node in graph.node:
-            sub = onnx.GraphProto()
-            sub.node.append(self._shape_inputs_as_tensors(node))
-            try:
-                with contextlib.redirect_stdout(io.StringIO()):  # TVM prints its own partial message first
-                    super()._construct_nodes(sub)
-                self._name_lost_dims(node)
-            except ModelError:
-                raise
-            except Exception as err:  # noqa: BLE001 - any converter failure becomes one clear line
-                why = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                raise ModelError(f"cannot import ONNX op {node.op_type} (node {node.name!r}): {why}") from err
-
-    def _convert_operator(self, op_name, inputs, attrs, opset):
-        cmap = convert_map()
-        if op_name not in cmap:
-            raise NotImplementedError(f"Operator {op_name} not implemented.")
-        sym = cmap[op_name].get_converter(opset)(self.bb, inputs, attrs, [self._nodes, self._params])
-        if isinstance(sym, relax.Expr):
-            sym = self.bb.normalize(sym)
-        return sym
+    def as_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    for ident in model.opset_import:
-        if ident.domain in ("", "ai.onnx"):
-            return ident.version
-    return 1
+@dataclass
+class Imported:
+    """What the import stage hands to the next: the Relax module (weights as trailing params) and facts."""
+
+    mod: tvm.IRModule
+    params: list[tvm.runtime.Tensor]
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    onnx_model: onnx.ModelProto = field(repr=False)
+    source: str = "model"  # the file (or what stands for it) that error messages name
+
+    @property
+    def symbolic_dims(self) -> list[str]:
+        return sorted({d for t in self.inputs for d in t.shape if isinstance(d, str)})
 
 
-def import_graph(model: onnx.ModelProto, shape_dict=None, keep_params_in_input: bool = True) -> tvm.IRModule:
-    """Convert an (already pre-processed) ONNX model with the tvmfuse importer."""
-    if model.ir_version < 3:
-        raise ModelError(f"ONNX IR version {model.ir_version} is too old (need >= 3)")
+def load_onnx(path: str) -> onnx.ModelProto:
+    """Read and check an ONNX file; every failure is one ModelError naming the file and the problem."""
+    if not os.path.exists(path):
+        raise ModelError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelError(f"{path}: is a directory, not an ONNX file")
+    if os.path.getsize(path) == 0:
+        raise ModelError(f"{path}: empty file")
+    try:
+        model = onnx.load(path)
+    except Exception as err:  # protobuf raises DecodeError, onnx raises several others
+        raise ModelError(f"{path}: not a readable ONNX model ({type(err).__name__}: {_first_line(err)})") from None
+    if not model.graph.node and not model.graph.output:
+        raise ModelError(f"{path}: not an ONNX model (no graph: truncated or another kind of file)")
     try:
         onnx.checker.check_model(model)
-    except Exception as exc:  # noqa: BLE001 - same as TVM: checker problems are only warnings
-        warnings.warn(str(exc))
-    importer = Importer(shape_dict, "float32", keep_params_in_input=keep_params_in_input, sanitize=True)
-    return importer.from_onnx(model.graph, _opset(model))
+    except Exception as err:
+        raise ModelError(f"{path}: invalid ONNX model: {_first_line(err)}") from None
+    return model
+
+
+def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source: str = "model") -> Imported:
+    """ONNX -> Relax with weights detached; `shapes` fixes input dims (by input name or by dim name)."""
+    _check_supported(model, source)
+    inputs = _graph_inputs(model)
+    shape_dict = _resolve_shapes(inputs, shapes or {}, source)
+    try:
+        mod = from_onnx(model, shape_dict=shape_dict or None, keep_params_in_input=True)
+    except ModelError:
+        raise
+    except Exception as err:
+        raise ModelError(f"{source}: import failed: {type(err).__name__}: {_first_line(err)}") from None
+    mod, params = relax.frontend.detach_params(mod)
+    main = mod["main"]
+    n_in = int(main.attrs["num_input"])
+    infos = [_info(p.name, p.ty) for p in main.params[:n_in]]
+    outputs = _output_infos(model, main.ret_ty)
+    return Imported(mod, list(params.get("main", [])), infos, outputs, model, source)
+
+
+def _check_supported(model: onnx.ModelProto, source: str) -> None:
+    missing = unsupported_ops(model)
+    if missing:
+        op, node = missing[0]
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelError(f"{source}: operator {op} (node {node or '?'}) is not supported by the importer{more}")
+
+
+def _graph_inputs(model: onnx.ModelProto) -> list[TensorInfo]:
+    weights = {t.name for t in model.graph.initializer}
+    infos = []
+    for value in model.graph.input:
+        if value.name in weights:
+            continue
+        ttype = value.type.tensor_type
+        dims = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else "?")
+                for d in ttype.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type).name
+        infos.append(TensorInfo(value.name, dims, dtype))
+    return infos
+
+
+def _resolve_shapes(inputs: list[TensorInfo], shapes: ShapeSpec, source: str) -> dict[str, list]:
+    """Apply `--shape` entries; a name is an input (full dims) or a symbolic dim (one int)."""
+    by_input = {t.name: t for t in inputs}
+    dim_values = {}
+    out = {}
+    for name, dims in shapes.items():
+        if name in by_input:
+            if len(dims) != len(by_input[name].shape):
+                raise ModelError(f"{source}: --shape {name} has {len(dims)} dims, the input has "
+                                 f"{len(by_input[name].shape)} ({_fmt(by_input[name].shape)})")
+            out[name] = list(dims)
+        elif len(dims) == 1 and any(name in t.shape for t in inputs):
+            dim_values[name] = dims[0]
+        else:
+            dims_known = sorted({d for t in inputs for d in t.shape if isinstance(d, str)})
+            raise ModelError(f"{source}: --shape {name}: no input or symbolic dim of that name "
+                             f"(inputs: {', '.join(by_input)}; symbolic dims: {', '.join(dims_known) or 'none'})")
+    if dim_values:
+        for t in inputs:
+            if t.name not in out and any(d in dim_values for d in t.shape):
+                out[t.name] = [dim_values.get(d, d) if isinstance(d, str) else d for d in t.shape]
+    for t in inputs:  # fixed inputs must be fully static ints; keep others as the model says
+        if t.name in out:
+            out[t.name] = [d if isinstance(d, str) and not d.isdigit() else int(d) for d in out[t.name]]
+            if any(isinstance(d, int) and d <= 0 for d in out[t.name]):
+                raise ModelError(f"{source}: --shape {t.name}: dims must be positive ({_fmt(out[t.name])})")
+    return out
+
+
+def _info(name: str, ty) -> TensorInfo:
+    dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in ty.shape]
+    return TensorInfo(name, dims, str(ty.dtype))
+
+
+def _output_infos(model: onnx.ModelProto, ret_ty) -> list[TensorInfo]:
+    names = [o.name for o in model.graph.output]
+    fields = list(ret_ty.fields) if isinstance(ret_ty, relax.TupleType) else [ret_ty]
+    return [_info(n, f) for n, f in zip(names, fields)]
+
+
+def _fmt(dims) -> str:
+    return "x".join(str(d) for d in dims)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as _tvm
 
-from .values import const_array, resolve
+from tvmfuse.frontend.values import const_array, resolve
 
 
 class Equal(_tvm.Equal):

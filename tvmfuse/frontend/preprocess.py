@@ -18,7 +18,7 @@ def pin_input_dims(model: onnx.ModelProto, shape_dict: dict | None) -> onnx.Mode
         dims = inp.type.tensor_type.shape.dim
         want = list(shape_dict[inp.name])
         if len(dims) != len(want):
-            from ..errors import ModelError  # noqa: PLC0415
+            from tvmfuse.errors import ModelError  # noqa: PLC0415
 
             raise ModelError(f"shape for input {inp.name!r} has {len(want)} dims, the model has {len(dims)}")
         for dim, value in zip(dims, want):

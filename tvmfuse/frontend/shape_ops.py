@@ -7,7 +7,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as _tvm
 
-from .values import const_array, int_list, resolve, scalar
+from tvmfuse.frontend.values import const_array, int_list, resolve, scalar
 
 
 class Range(_tvm.Range):

@@ -11,13 +11,13 @@ from typing import Callable
 
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
-from .attention import check_attention, check_rotary_embedding, make_attention_pattern, make_rotary_embedding_pattern
-from .builders import Annotated
-from .common import Match, Recorder, check_private_intermediates, current, reject, start, stop
-from .matmul import check_geglu, check_matmul, check_matmul_act, check_matmul_bias, check_matmul_multiply, \
+from tvmfuse.patterns.attention import check_attention, check_rotary_embedding, make_attention_pattern, make_rotary_embedding_pattern
+from tvmfuse.patterns.builders import Annotated
+from tvmfuse.patterns.common import Match, Recorder, check_private_intermediates, current, reject, start, stop
+from tvmfuse.patterns.matmul import check_geglu, check_matmul, check_matmul_act, check_matmul_bias, check_matmul_multiply, \
     check_swiglu, make_geglu_pattern, make_matmul_act_pattern, make_matmul_bias_pattern, make_matmul_multiply_pattern, \
     make_matmul_pattern, make_swiglu_pattern
-from .norms import (check_layer_norm_gelu, check_rms_norm, check_rms_norm_residual, check_skip_layer_norm,
+from tvmfuse.patterns.norms import (check_layer_norm_gelu, check_rms_norm, check_rms_norm_residual, check_skip_layer_norm,
                     check_skip_layer_norm_bias, make_layer_norm_gelu_pattern, make_rms_norm_pattern,
                     make_rms_norm_residual_pattern, make_skip_layer_norm_bias_pattern, make_skip_layer_norm_pattern)
 
@@ -65,15 +65,4 @@ def _candidate_attrs(annotated) -> dict[str, str]:
     return {}
 
 
-def collect_rejections() -> tuple[list, object]:
-    """Start recording rejections (no decision: every passing match fuses); returns the list and a token."""
-    rec = Recorder()
-    return rec.rejections, start(rec)
-
-
-def stop_collecting(token) -> None:
-    stop(token)
-
-
-__all__ = ["PATTERN_TABLE", "fusion_patterns", "check_private_intermediates", "reject", "collect_rejections",
-           "stop_collecting", "Recorder", "Match", "start", "stop"]
+__all__ = ["PATTERN_TABLE", "fusion_patterns", "check_private_intermediates", "reject", "Recorder", "Match", "start", "stop"]

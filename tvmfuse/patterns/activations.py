@@ -7,8 +7,8 @@ import math
 
 from tvm.relax.dpl import DFPattern, is_op
 
-from .builders import cast, const, upcast
-from .readers import has_constants
+from tvmfuse.patterns.builders import cast, const, upcast
+from tvmfuse.patterns.readers import has_constants
 
 
 def _mul(a, b) -> DFPattern:

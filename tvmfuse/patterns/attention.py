@@ -6,9 +6,9 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, is_tuple, wildcard
 from tvm.relax.transform import PatternCheckContext
 
-from .builders import Annotated, cast, const, upcast
-from .common import finish, only_cast_follows, producer, reject
-from .readers import as_int, dim_str, dtype_of, ndim, same_dim, scalar, shape_of
+from tvmfuse.patterns.builders import Annotated, cast, const, upcast
+from tvmfuse.patterns.common import finish, only_cast_follows, producer, reject
+from tvmfuse.patterns.readers import as_int, dim_str, dtype_of, ndim, same_dim, scalar, shape_of
 
 _COMPARE = {"relax.less", "relax.less_equal", "relax.greater", "relax.greater_equal"}
 

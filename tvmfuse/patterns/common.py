@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from tvm import relax
 from tvm.relax.transform import PatternCheckContext
 
-from .readers import dtype_of, leaf_args
+from tvmfuse.patterns.readers import dtype_of, leaf_args
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 

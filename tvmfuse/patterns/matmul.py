@@ -7,10 +7,10 @@ from typing import Callable
 from tvm.relax.dpl import DFPattern, is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 
-from . import activations as act
-from .builders import Annotated, cast
-from .common import finish, reject
-from .readers import dim_str, ndim, same_dim, shape_of
+from tvmfuse.patterns import activations as act
+from tvmfuse.patterns.builders import Annotated, cast
+from tvmfuse.patterns.common import finish, reject
+from tvmfuse.patterns.readers import dim_str, ndim, same_dim, shape_of
 
 ACTIVATIONS: dict[str, tuple[Callable[[DFPattern], DFPattern], Callable | None]] = {
     "gelu": (act.gelu_erf, act.gelu_erf_problem),

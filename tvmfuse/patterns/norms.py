@@ -5,10 +5,10 @@ from __future__ import annotations
 from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 
-from . import activations as act
-from .builders import Annotated, cast, upcast
-from .common import finish, only_cast_follows, reject
-from .readers import dim_str, last_axis, ndim, same_dim, shape_of
+from tvmfuse.patterns import activations as act
+from tvmfuse.patterns.builders import Annotated, cast, upcast
+from tvmfuse.patterns.common import finish, only_cast_follows, reject
+from tvmfuse.patterns.readers import dim_str, last_axis, ndim, same_dim, shape_of
 
 
 def _layer_norm(x: DFPattern) -> DFPattern:

@@ -1,69 +1,9 @@
-"""Per-kernel-family MetaSchedule design spaces for tvmfuse's fused kernels, chosen from the PrimFunc's shape."""
+"""Spaces stage: the MetaSchedule design spaces of tvmfuse's fused kernels (chosen from the PrimFunc's shape) and the
+default schedules of every kernel tuning does not improve."""
 
-from __future__ import annotations
+from tvmfuse.spaces.defaults import (ROW_DEFAULT, apply_default_schedules, default_kind, default_rule, default_rules,
+                                     default_schedule)
+from tvmfuse.spaces.table import classify, space_for
 
-import tvm
-from tvm import tirx
-from tvm.s_tir import meta_schedule as ms
-
-from . import gemm, gemv, rowreduce, smallm, tcgemm
-
-__all__ = ["classify", "space_for", "default_schedule"]
-
-
-def _is_gpu(target: tvm.target.Target) -> bool:
-    return "gpu" in target.keys
-
-
-def classify(func: tirx.PrimFunc) -> str | None:
-    """'row' (row reduction + epilogue), 'gemv' (matmul, small M), 'gemm' (matmul on tensor cores) or None."""
-    info = gemv.matmul_shape(func)
-    if info is not None:
-        m, _n, _k, dtype = info
-        if m <= gemv.MAX_M:
-            return "gemv"
-        if dtype == "float16":
-            return "gemm"
-        return None
-    if rowreduce.is_row_reduction(func):
-        return "row"
-    return None
-
-
-def space_for(func: tirx.PrimFunc, target: tvm.target.Target) -> ms.space_generator.SpaceGenerator | None:
-    """The design space to tune `func` with on `target`; None means MetaSchedule's default space."""
-    if not _is_gpu(target) or target.kind.name != "cuda":
-        return None
-    kind = classify(func)
-    if kind == "row":
-        return ms.space_generator.ScheduleFn(rowreduce.space_fn, sch_rules=[], postprocs="cuda", mutator_probs="cuda")
-    if kind == "gemv":
-        spaces = [ms.space_generator.ScheduleFn(gemv.space_fn, sch_rules=[], postprocs="cuda", mutator_probs="cuda")]
-        if smallm.applies(func):  # the small-M default's knobs, sampled
-            spaces.append(ms.space_generator.ScheduleFn(smallm.space_fn, sch_rules=[], postprocs="cuda",
-                                                        mutator_probs="cuda"))
-        m, _n, _k, dtype = gemv.matmul_shape(func)
-        tensor_cores = dtype == "float16" and m % 32 == 0  # the mma tiling loads A in 32-row ldmatrix tiles
-        if tensor_cores:
-            spaces.append(gemm.space())
-        if len(spaces) == 1:
-            return spaces[0]
-        kind = "cuda-tensorcore" if tensor_cores else "cuda"  # tuning picks among the sketches
-        posts = gemm.postprocs() if tensor_cores else kind  # a union's postprocs are the ones tuning applies
-        return ms.space_generator.SpaceGeneratorUnion(spaces, sch_rules=[], postprocs=posts, mutator_probs=kind)
-    if kind == "gemm":
-        if not tcgemm.applies(func):
-            return gemm.space()
-        tiles = ms.space_generator.ScheduleFn(tcgemm.space_fn, sch_rules=[], postprocs=gemm.tensorcore_postprocs(),
-                                              mutator_probs="cuda-tensorcore")  # the measured tile sets
-        return ms.space_generator.SpaceGeneratorUnion([tiles, gemm.space()], sch_rules=[],
-                                                      postprocs=gemm.tensorcore_postprocs(),
-                                                      mutator_probs="cuda-tensorcore")
-    return None
-
-
-def default_schedule(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """dlight's default schedules on a copy of `mod`: the build stage's own (tvmfuse.build)."""
-    from ..build import apply_default_schedules  # pylint: disable=import-outside-toplevel
-
-    return apply_default_schedules(mod, target)
+__all__ = ["ROW_DEFAULT", "apply_default_schedules", "classify", "default_kind", "default_rule", "default_rules",
+           "default_schedule", "space_for"]

@@ -15,7 +15,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
 
-from .common import schedule_or_none
+from tvmfuse.spaces.common import schedule_or_none
 
 THREADS = 256
 ALLOWED_CODES = {tvm_ffi.dtype("int32").type_code, tvm_ffi.dtype("uint8").type_code,

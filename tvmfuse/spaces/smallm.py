@@ -15,7 +15,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
-from .common import schedule_or_none
+from tvmfuse.spaces.common import schedule_or_none
 
 MAX_M = 32
 LANES = 32

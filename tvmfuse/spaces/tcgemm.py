@@ -17,7 +17,7 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline_producers, get_index_map,
                                           get_reduction_blocks)
 
-from .common import schedule_or_none
+from tvmfuse.spaces.common import schedule_or_none
 
 WARP = 32
 MICRO = 16  # the wmma fragment is 16x16x16

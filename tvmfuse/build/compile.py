@@ -1,0 +1,106 @@
+"""Build stage: apply tuning records, give every other kernel a default schedule, compile for the target."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+from tvm.s_tir import meta_schedule as ms
+
+from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
+from tvmfuse.spaces.defaults import apply_default_schedules, default_kind
+
+TUNED, DEFAULT = "tuned", "default"
+
+
+def tirx_kind(kernel: str) -> str:
+    """The manifest's schedule kind of a TIRx kernel named `kernel` (the value of its TIRX_ATTR)."""
+    return f"{kernel} (TIRx kernel)"
+
+
+WGMMA, MMA_SMALLM = tirx_kind("wgmma"), tirx_kind("mma_smallm")
+TIR_PIPELINE = "tvmfuse"  # registered below: TVM's s_tir pipeline, and its tirx pipeline for TIRx kernels
+
+
+def _is_tirx(func) -> bool:
+    return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and TIRX_ATTR in func.attrs
+
+
+def _mixed_tir_pipeline():
+    """TVM lowers a module through one TIR pipeline; the wgmma kernels (tvmfuse.hopper) need the tirx one and
+    every scheduled kernel the s_tir one, so this runs each on its own functions and merges the results."""
+    s_pass, host, device = tvm.tirx.get_tir_pipeline("s_tir")
+    x_pass = tvm.tirx.get_tir_pipeline("tirx")[0]
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmfuse.MixedTIRPipeline")
+    def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        ours = {gv: f for gv, f in mod.functions.items() if _is_tirx(f)}
+        if not ours:
+            return s_pass(mod)
+        merged = s_pass(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in ours}, attrs=mod.attrs))
+        for gv, func in x_pass(tvm.IRModule(ours, attrs=mod.attrs)).functions.items():
+            merged[gv] = func
+        return merged
+
+    return run, host, device
+
+
+tvm.tirx.register_tir_pipeline(TIR_PIPELINE, _mixed_tir_pipeline)
+
+
+def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None,
+                   keep_default=()) -> tvm.IRModule:
+    """Schedule each kernel that has a record, except those in `keep_default` (their default schedule
+    measured faster); the module must be exactly the one that was tuned."""
+    if database is None:
+        return mod
+    with target, database:
+        tuned = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+    for name in keep_default:
+        tuned[name] = mod[name]
+    for gv, func in mod.functions.items():  # TIRx kernels are never scheduled from records
+        if _is_tirx(func):
+            tuned[gv] = func
+    return tuned
+
+
+def schedule_kinds(mod: tvm.IRModule, target: tvm.target.Target | None = None) -> dict[str, str]:
+    """Which kernels carry a tuned schedule (after `apply_database`) and which do not; with `target`, the
+    untuned ones that get tvmfuse's row-reduction default say so (baseline.ROW_DEFAULT)."""
+    return {gv.name_hint: tirx_kind(str(fn.attrs[TIRX_ATTR])) if _is_tirx(fn)
+            else TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False)
+            else default_kind(fn, target) if target is not None else DEFAULT
+            for gv, fn in mod.functions.items() if isinstance(fn, tirx.PrimFunc)}
+
+
+def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: bool = False):
+    """Lower the already-fused, scheduled module to a VM executable (no re-fusion: records stay valid).
+
+    `cuda_graph` (CUDA targets only): TVM's `RewriteCUDAGraph` (in the CUDA finalize passes, switched on by the
+    pass config `relax.backend.use_cuda_graph`) lifts each run of kernel launches on statically planned memory
+    into a function the VM captures as a CUDA graph on the first call and replays afterwards
+    (`vm.builtin.cuda_graph.run_or_capture`). Launches that read `main`'s inputs stay outside the graphs.
+    """
+    cuda = target.kind.name == "cuda"
+    backend = relax.backend.cuda.pipeline if cuda else relax.backend.cpu_generic.pipeline
+    passes = backend.dataflow_lower_passes(target) + backend.finalize_passes(target)
+    pipeline = tvm.transform.Sequential(passes)
+    # CUDA: cp.async for the software-pipelined shared-memory copies, as the tuning builds (tvmfuse.builder) have
+    # them: without it the tensor-core GEMM's 3-deep ring ran as plain loads and stores, and the kernel that was
+    # 1.2x faster than dlight's alone made the Llama prefill slower (bench/results/models_run7.json)
+    config = {"tirx.use_async_copy": True} if cuda else {}
+    if cuda_graph and cuda:
+        config["relax.backend.use_cuda_graph"] = True
+    outer = tvm.transform.PassContext.current()  # keep the caller's settings, add these options
+    # `with target`: TVM's CUDA compile callback takes the arch from Target.current() and otherwise asks the GPU,
+    # so a process that sees no GPU (a build worker) failed with "No CUDA architecture was specified".
+    with target, tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
+                                           disabled_pass=list(outer.disabled_pass),
+                                           config={**dict(outer.config), **config}):
+        return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None = None):
+    """Apply the database, then defaults; returns (executable, {kernel: "tuned" | "default" | baseline.ROW_DEFAULT})."""
+    tuned = apply_database(mod, target, database)
+    kinds = schedule_kinds(tuned, target)
+    return compile_module(apply_default_schedules(tuned, target), target), kinds

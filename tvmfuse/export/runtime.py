@@ -1,0 +1,57 @@
+"""Load an exported model: check the manifest's sha256, load the library, run it in a Relax VM."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from tvmfuse.errors import TvmfuseError
+from tvmfuse.export.library import LIBRARY, MANIFEST, sha256_of
+from tvmfuse.targets import device_for
+from tvmfuse.verify.outputs import to_numpy
+
+
+class LoadedModel:
+    """A callable over an exported module: `model(x, ...)` or `model(x=...)` -> list of numpy arrays."""
+
+    def __init__(self, path: str, device=None):
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        manifest_path = os.path.join(folder, MANIFEST)
+        if not os.path.exists(manifest_path):
+            raise TvmfuseError(f"{folder}: no {MANIFEST}; not a tvmfuse export")
+        with open(manifest_path, encoding="utf-8") as f:
+            self.manifest = json.load(f)
+        lib = os.path.join(folder, self.manifest.get("library", LIBRARY))
+        if not os.path.exists(lib):
+            raise TvmfuseError(f"{lib}: missing")
+        if sha256_of(lib) != self.manifest.get("sha256"):
+            raise TvmfuseError(f"{lib}: sha256 does not match {MANIFEST}; the library was changed or damaged")
+        if device is None:
+            device = device_for(self.manifest["target"]["kind"])
+        elif isinstance(device, str):
+            device = tvm.device(device, 0)
+        self.device = device
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(lib), device)
+        self.input_names = [t["name"] for t in self.manifest["inputs"]]
+
+    def __call__(self, *args, **kwargs) -> list[np.ndarray]:
+        if kwargs:
+            missing = [n for n in self.input_names if n not in kwargs]
+            if missing or args:
+                raise TypeError(f"pass all inputs by name ({', '.join(self.input_names)}) or all by position")
+            args = tuple(kwargs[n] for n in self.input_names)
+        if len(args) != len(self.input_names):
+            raise TypeError(f"expected {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(args)}")
+        tensors = [a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(np.asarray(a), self.device)
+                   for a in args]
+        out = self.vm["main"](*tensors)
+        return to_numpy(out)
+
+
+def load(path: str, device=None) -> LoadedModel:
+    """Load `<out>/<model>-<target>/` (or its model.so) after checking the manifest's sha256."""
+    return LoadedModel(path, device)

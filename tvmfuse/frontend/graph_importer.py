@@ -1,0 +1,101 @@
+"""A subclass of TVM's Relax ONNX graph importer that uses tvmfuse's converter map and names failing nodes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+
+import onnx
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend as _tvm_onnx
+
+from tvmfuse.errors import ModelError
+from tvmfuse.frontend.convert_map import convert_map, unsupported_nodes
+
+
+# Ops whose TVM (or tvmfuse) converters accept shape-valued (relax.ShapeExpr) inputs.
+SHAPE_AWARE_OPS = frozenset({"Reshape", "Resize", "ConstantOfShape", "Gather", "Slice", "Shape", "Expand",
+                             "Concat", "Equal", "Where", "Cast", "CastLike", "Squeeze"})
+
+
+class Importer(_tvm_onnx.ONNXGraphImporter):
+    """ONNXGraphImporter whose op lookups go through `convert_map()` instead of TVM's module global."""
+
+    def _check_for_unsupported_ops(self, graph: onnx.GraphProto):
+        bad = unsupported_nodes(graph)
+        if bad:
+            op, name = bad[0]
+            raise ModelError(f"cannot import ONNX op {op} (node {name!r}): no Relax converter for it"
+                             + (f" ({len(bad) - 1} more unsupported nodes)" if len(bad) > 1 else ""))
+
+    def _shape_inputs_as_tensors(self, node: onnx.NodeProto) -> onnx.NodeProto:
+        """TVM refuses shape-valued inputs for ops outside its shape-aware list; feed those an int64 tensor."""
+        if node.op_type in SHAPE_AWARE_OPS:
+            return node
+        renamed = None
+        for i, name in enumerate(node.input):
+            value = self._nodes.get(name)
+            if value is not None and isinstance(getattr(value, "ty", None), relax.ShapeType):
+                alias = f"{name}__as_tensor"
+                if alias not in self._nodes:
+                    self._nodes[alias] = self.bb.normalize(relax.op.shape_to_tensor(value))
+                if renamed is None:
+                    renamed = onnx.NodeProto()
+                    renamed.CopyFrom(node)
+                renamed.input[i] = alias
+        return renamed or node
+
+    def _name_lost_dims(self, node: onnx.NodeProto):
+        """Give a tensor whose rank is known but whose dims were lost fresh symbolic dims (a MatchCast), so later
+        ops that need dims (Reshape with -1, Expand, Slice) still import."""
+        for k, name in enumerate(node.output):
+            value = self._nodes.get(name)
+            ty = getattr(value, "ty", None)
+            if isinstance(ty, relax.TensorType) and ty.shape is None and ty.ndim > 0:
+                dims = [tvm.tirx.Var(f"{node.op_type.lower()}{k}_d{i}", "int64") for i in range(ty.ndim)]
+                self._nodes[name] = self.bb.match_cast(value, relax.TensorType(dims, ty.dtype))
+
+    def _construct_nodes(self, graph: onnx.GraphProto):
+        # TVM converts node by node; run it one node at a time so a failure can name the node.
+        for node in graph.node:
+            sub = onnx.GraphProto()
+            sub.node.append(self._shape_inputs_as_tensors(node))
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):  # TVM prints its own partial message first
+                    super()._construct_nodes(sub)
+                self._name_lost_dims(node)
+            except ModelError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any converter failure becomes one clear line
+                why = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                raise ModelError(f"cannot import ONNX op {node.op_type} (node {node.name!r}): {why}") from err
+
+    def _convert_operator(self, op_name, inputs, attrs, opset):
+        cmap = convert_map()
+        if op_name not in cmap:
+            raise NotImplementedError(f"Operator {op_name} not implemented.")
+        sym = cmap[op_name].get_converter(opset)(self.bb, inputs, attrs, [self._nodes, self._params])
+        if isinstance(sym, relax.Expr):
+            sym = self.bb.normalize(sym)
+        return sym
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    for ident in model.opset_import:
+        if ident.domain in ("", "ai.onnx"):
+            return ident.version
+    return 1
+
+
+def import_graph(model: onnx.ModelProto, shape_dict=None, keep_params_in_input: bool = True) -> tvm.IRModule:
+    """Convert an (already pre-processed) ONNX model with the tvmfuse importer."""
+    if model.ir_version < 3:
+        raise ModelError(f"ONNX IR version {model.ir_version} is too old (need >= 3)")
+    try:
+        onnx.checker.check_model(model)
+    except Exception as exc:  # noqa: BLE001 - same as TVM: checker problems are only warnings
+        warnings.warn(str(exc))
+    importer = Importer(shape_dict, "float32", keep_params_in_input=keep_params_in_input, sanitize=True)
+    return importer.from_onnx(model.graph, _opset(model))

@@ -1,0 +1,130 @@
+"""Decode template's CUDA kernel: a split-KV pass (per block one KV head's query group over one chunk of keys,
+16-byte loads, warp-shuffle dot products, an in-block combine in shared memory) and a combine pass over the splits."""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, f32, tshape
+from tvmfuse.kernels.attention.decode_guards import guards
+from tvmfuse.kernels.attention.decode_knobs import VEC, chunk_of, group
+
+
+def gpu_kernel(s: dict, knobs: dict):
+    """The CUDA PrimFunc (q, k, v, out) for these shapes and knobs (split, warps, unroll)."""
+    B, H, HKV, L, D, dt, scale = dims(s)
+    SQ, split, lq, lk, lv, lo = s["seq_q"], knobs["split"], s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
+    HQ, G = H * SQ, group(s)  # rows as heads: row r of head h is head h * SQ + r of the group of KV head h // G
+    chunk, qs = chunk_of(s, knobs), float(scale * LOG2E)
+    LANES = D // VEC
+    RPW, W, U = 32 // LANES, knobs["warps"], knobs["unroll"]
+    SLOTS, NT, steps = W * RPW, W * 32, chunk // (W * RPW * U)
+    NOUT = G * D
+    has, qo, score = guards(s, knobs)
+
+    @T.prim_func(s_tir=True)
+    def gpu(q: T.Buffer(tshape(lq, B, H, SQ, D), dt), k: T.Buffer(tshape(lk, B, HKV, L, D), dt),
+            v: T.Buffer(tshape(lv, B, HKV, L, D), dt), out: T.Buffer(tshape(lo, B, H, SQ, D), dt)):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        Op = T.alloc_buffer((B, HQ, split, D), "float32")
+        Mp = T.alloc_buffer((B, HQ, split), "float32")
+        Lp = T.alloc_buffer((B, HQ, split), "float32")
+        for bx in T.thread_binding(B * HKV * split, thread="blockIdx.x"):
+            for ty in T.thread_binding(W, thread="threadIdx.y"):
+                for tx in T.thread_binding(32, thread="threadIdx.x"):
+                    with T.sblock("partial"):
+                        T.reads()
+                        T.writes()
+                        qr = T.sblock_alloc_buffer((G, VEC), "float32", scope="local")
+                        kr = T.sblock_alloc_buffer((U, VEC), dt, scope="local")
+                        vr = T.sblock_alloc_buffer((U, VEC), dt, scope="local")
+                        sc = T.sblock_alloc_buffer((U, G), "float32", scope="local")
+                        acc = T.sblock_alloc_buffer((G, VEC), "float32", scope="local")
+                        m = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        l = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        t = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        o_sm = T.sblock_alloc_buffer((SLOTS, G, D), "float32", scope="shared")
+                        ml_sm = T.sblock_alloc_buffer((2, SLOTS, G), "float32", scope="shared")
+                        b: T.let[T.int32] = bx // (HKV * split)
+                        hk: T.let[T.int32] = bx // split % HKV
+                        sp: T.let[T.int32] = bx % split
+                        slot: T.let[T.int32] = ty * RPW + tx // LANES
+                        d0: T.let[T.int32] = tx % LANES * VEC
+                        for g in T.unroll(G):
+                            for e in T.unroll(VEC):
+                                qr[g, e] = f32(q[qo(lq, b, hk * G + g, d0 + e)]) * qs
+                                acc[g, e] = T.float32(0)
+                            m[g] = T.float32(NEG)
+                            l[g] = T.float32(0)
+                        for it in T.serial(steps):
+                            if has(sp * chunk + it * U * SLOTS):  # the block's step holds keys (block-uniform)
+                                for u in T.unroll(U):
+                                    if has(sp * chunk + (it * U + u) * SLOTS + slot):
+                                        for e in T.vectorized(VEC):
+                                            kr[u, e] = k[at(lk, b, hk, sp * chunk + (it * U + u) * SLOTS + slot, d0 + e)]
+                                        for e in T.vectorized(VEC):
+                                            vr[u, e] = v[at(lv, b, hk, sp * chunk + (it * U + u) * SLOTS + slot, d0 + e)]
+                                    else:
+                                        for e in T.vectorized(VEC):
+                                            kr[u, e] = T.Cast(dt, 0)
+                                        for e in T.vectorized(VEC):
+                                            vr[u, e] = T.Cast(dt, 0)
+                                for u in T.unroll(U):
+                                    for g in T.unroll(G):
+                                        sc[u, g] = T.float32(0)
+                                        for e in T.unroll(VEC):
+                                            sc[u, g] = sc[u, g] + qr[g, e] * f32(kr[u, e])
+                                        sc[u, g] = T.cuda.warp_sum(sc[u, g], width=LANES)  # every lane: full-mask shuffles
+                                        sc[u, g] = score(sc[u, g], sp * chunk + (it * U + u) * SLOTS + slot)
+                                for g in T.unroll(G):
+                                    t[0] = m[g]
+                                    for u in T.unroll(U):
+                                        t[0] = T.max(t[0], sc[u, g])
+                                    t[1] = T.exp2(m[g] - t[0])
+                                    l[g] = l[g] * t[1]
+                                    for e in T.unroll(VEC):
+                                        acc[g, e] = acc[g, e] * t[1]
+                                    for u in T.unroll(U):
+                                        sc[u, g] = T.exp2(sc[u, g] - t[0])
+                                        l[g] = l[g] + sc[u, g]
+                                        for e in T.unroll(VEC):
+                                            acc[g, e] = acc[g, e] + sc[u, g] * f32(vr[u, e])
+                                    m[g] = t[0]
+                        for g in T.unroll(G):
+                            for e in T.unroll(VEC):
+                                o_sm[slot, g, d0 + e] = acc[g, e]
+                            ml_sm[0, slot, g] = m[g]
+                            ml_sm[1, slot, g] = l[g]
+                        T.tvm_storage_sync("shared")
+                        for i in T.serial((NOUT + NT - 1) // NT):
+                            if i * NT + ty * 32 + tx < NOUT:
+                                t[0] = T.float32(NEG)
+                                for r in T.serial(SLOTS):
+                                    t[0] = T.max(t[0], ml_sm[0, r, (i * NT + ty * 32 + tx) // D])
+                                acc[0, 0] = T.float32(0)
+                                acc[0, 1] = T.float32(0)
+                                for r in T.serial(SLOTS):
+                                    t[1] = T.exp2(ml_sm[0, r, (i * NT + ty * 32 + tx) // D] - t[0])
+                                    acc[0, 0] = acc[0, 0] + ml_sm[1, r, (i * NT + ty * 32 + tx) // D] * t[1]
+                                    acc[0, 1] = acc[0, 1] + o_sm[r, (i * NT + ty * 32 + tx) // D, (i * NT + ty * 32 + tx) % D] * t[1]
+                                Op[b, hk * G + (i * NT + ty * 32 + tx) // D, sp, (i * NT + ty * 32 + tx) % D] = acc[0, 1]
+                                if (i * NT + ty * 32 + tx) % D == 0:
+                                    Mp[b, hk * G + (i * NT + ty * 32 + tx) // D, sp] = t[0]
+                                    Lp[b, hk * G + (i * NT + ty * 32 + tx) // D, sp] = acc[0, 0]
+        for bh in T.thread_binding(B * HQ, thread="blockIdx.x"):
+            for d in T.thread_binding(D, thread="threadIdx.x"):
+                with T.sblock("combine"):
+                    T.reads()
+                    T.writes()
+                    c = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                    c[0] = T.float32(NEG)
+                    c[1] = T.float32(0)
+                    c[2] = T.float32(0)
+                    for s_ in T.serial(split):
+                        c[0] = T.max(c[0], Mp[bh // HQ, bh % HQ, s_])
+                    for s_ in T.serial(split):
+                        c[1] = c[1] + Lp[bh // HQ, bh % HQ, s_] * T.exp2(Mp[bh // HQ, bh % HQ, s_] - c[0])
+                        c[2] = c[2] + Op[bh // HQ, bh % HQ, s_, d] * T.exp2(Mp[bh // HQ, bh % HQ, s_] - c[0])
+                    out[qo(lo, bh // HQ, bh % HQ, d)] = T.Cast(dt, c[2] / c[1])
+
+    return gpu

@@ -1,0 +1,160 @@
+"""Small-M GEMM kernel (decode batches, M <= 64) on tensor cores, written in TIRx: mma.sync m16n8k16 streaming the weight once, split K across a block's warps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
+
+# 16-byte loads: the weight streams past L1 (read once), the activations go through it (every block reads them).
+STREAM_SRC = ("__device__ __forceinline__ void tvmfuse_ld_stream(const void* p, unsigned& a, unsigned& b, unsigned& c,"
+              " unsigned& d) { asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\" : \"=r\"(a), \"=r\"(b),"
+              " \"=r\"(c), \"=r\"(d) : \"l\"(p)); }")
+LOAD_SRC = ("__device__ __forceinline__ void tvmfuse_ld16(const void* p, unsigned& a, unsigned& b, unsigned& c, "
+            "unsigned& d) { uint4 v = *reinterpret_cast<const uint4*>(p); a = v.x; b = v.y; c = v.z; d = v.w; }")
+MMA_SRC = ("__device__ __forceinline__ void tvmfuse_mma16816(float& d0, float& d1, float& d2, float& d3, unsigned a0, "
+           "unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) { asm volatile(\"mma.sync.aligned."
+           "m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\" : \"+f\"(d0), "
+           "\"+f\"(d1), \"+f\"(d2), \"+f\"(d3) : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"r\"(b0), \"r\"(b1)); }")
+
+MAX_M = 64
+
+
+@dataclass(frozen=True)
+class SmallMTile:
+    """A block of `warps` warps computes M x 8*`n8` outputs; each warp takes every `warps`-th chunk of K (32*`vec`
+    wide: `vec` 16-byte loads per row per lane), `unroll` chunks' weights loaded before their mma."""
+
+    n8: int = 4
+    warps: int = 8
+    vec: int = 1
+    unroll: int = 4
+
+    @property
+    def bn(self) -> int:
+        return 8 * self.n8
+
+
+def check_smallm_shape(m: int, n: int, k: int, tile: SmallMTile) -> str | None:
+    """Why this kernel cannot compute an m x n x k GEMM with `tile`, or None when it can."""
+    if not 1 <= m <= MAX_M:
+        return f"M={m} is not in 1..{MAX_M}"
+    if k % 8:
+        return f"K={k} is not a multiple of 8 (16-byte loads of each row)"
+    if tile.n8 < 1 or tile.warps < 1 or tile.vec not in (1, 2) or tile.unroll < 1:
+        return f"unsupported tile {tile}"
+    return None
+
+
+def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, place, params, name: str,
+                  setup=lambda: None):
+    """The TIRx PrimFunc computing out = finish(a @ b^T) for small m: `a` holds [m, k] rows (any leading dims, K
+    innermost, contiguous), `b` is [n, k] (fp16); `finish(acc, row, col)` is the fp32 value of element (row, col)
+    from its fp32 sum, `place(row, col)` its indices in `out`; `params` (buffers) the PrimFunc's signature; `setup()`
+    runs first in the kernel (declares the views the epilogue reads).
+
+    Lane (g, q) of a warp (g = lane / 4, q = lane % 4) loads 8*vec consecutive k of weight row g and of activation
+    rows g and g + 8 with 16-byte loads; the k order inside a chunk is permuted the same way for both operands, so
+    the registers are the mma fragments as loaded (no shuffles, no shared memory on the way in). The warps' partial
+    sums meet in shared memory; the block sums them and applies the epilogue."""
+    why = check_smallm_shape(m, n, k, tile)
+    if why:
+        raise ValueError(why)
+    n8, warps, vec, unroll = tile.n8, tile.warps, tile.vec, tile.unroll
+    mt = -(-m // 16)  # m16 tiles
+    chunk = 32 * vec
+    chunks = -(-k // chunk)
+    rounds = -(-chunks // (warps * unroll))
+    guard = k % chunk != 0 or chunks % (warps * unroll) != 0  # some loads fall past K: zero them
+    threads = warps * 32
+    per_warp = mt * n8 * 128  # partial sums one warp leaves in shared memory
+    out_dtype = str(out.dtype)
+    A, B = a, b
+
+    # fmt: off
+    @T.prim_func(check_well_formed=False)
+    def gemm():
+        T.device_entry()
+        setup()  # what the epilogue reads declared first (views of 0-d parameters)
+        bid = T.cta_id([-(-n // tile.bn)])
+        tx = T.thread_id([threads])
+        A2 = T.decl_buffer((m, k), "float16", data=A.data)
+        red = T.alloc_buffer((warps * per_warp,), "float32", scope="shared.dyn")
+        wreg = T.alloc_local((unroll * n8 * vec * 4,), "uint32")
+        areg = T.alloc_local((mt * 2 * vec * 4,), "uint32")
+        acc = T.alloc_local((mt * n8 * 4,), "float32")
+        tot = T.alloc_local((1,), "float32")
+        warp = T.meta_var(tx // 32)
+        lane = T.meta_var(tx % 32)
+        for i in T.unroll(mt * n8 * 4):
+            acc[i] = T.float32(0)
+        for r in T.serial(rounds):
+            for u in T.unroll(unroll):  # the weights of `unroll` chunks in flight at once
+                for t in T.unroll(n8):
+                    for v in T.unroll(vec):
+                        kk = T.meta_var(((r * unroll + u) * warps + warp) * chunk + (lane % 4) * 8 * vec + v * 8)
+                        col = T.meta_var(T.min(bid * tile.bn + t * 8 + lane // 4, n - 1))
+                        ws = T.meta_var([wreg[((u * n8 + t) * vec + v) * 4 + j] for j in range(4)])
+                        if guard:
+                            if kk < k:
+                                T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws, source_code=STREAM_SRC)
+                            else:
+                                for j in T.unroll(4):
+                                    wreg[((u * n8 + t) * vec + v) * 4 + j] = T.uint32(0)
+                        else:
+                            T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws, source_code=STREAM_SRC)
+            for u in T.unroll(unroll):
+                for i in T.unroll(mt):
+                    for h in T.unroll(2):
+                        for v in T.unroll(vec):
+                            kk = T.meta_var(((r * unroll + u) * warps + warp) * chunk + (lane % 4) * 8 * vec + v * 8)
+                            row = T.meta_var(T.min(i * 16 + h * 8 + lane // 4, m - 1))
+                            ars = T.meta_var([areg[((i * 2 + h) * vec + v) * 4 + j] for j in range(4)])
+                            if guard:
+                                if kk < k:
+                                    T.cuda.func_call("tvmfuse_ld16", T.address_of(A2[row, kk]), *ars, source_code=LOAD_SRC)
+                                else:
+                                    for j in T.unroll(4):
+                                        areg[((i * 2 + h) * vec + v) * 4 + j] = T.uint32(0)
+                            else:
+                                T.cuda.func_call("tvmfuse_ld16", T.address_of(A2[row, kk]), *ars, source_code=LOAD_SRC)
+                for i in T.unroll(mt):
+                    for t in T.unroll(n8):
+                        for s in T.unroll(2 * vec):  # mma step s: halves 4s..4s+3 of each lane's 8*vec
+                            ai = T.meta_var((i * 2 * vec + s // 2) * 4 + (s % 2) * 2)
+                            bi = T.meta_var(((u * n8 + t) * vec + s // 2) * 4 + (s % 2) * 2)
+                            ci = T.meta_var((i * n8 + t) * 4)
+                            T.cuda.func_call("tvmfuse_mma16816", acc[ci], acc[ci + 1], acc[ci + 2], acc[ci + 3],
+                                             areg[ai], areg[ai + vec * 4], areg[ai + 1], areg[ai + vec * 4 + 1],
+                                             wreg[bi], wreg[bi + 1], source_code=MMA_SRC)
+        for i in T.unroll(mt * n8 * 4):  # [warp][m16 tile][n8 tile][fragment i][lane]
+            red[warp * per_warp + (i // 4) * 128 + (i % 4) * 32 + lane] = acc[i]
+        T.cuda.cta_sync()
+        for j in T.serial(-(-per_warp // threads)):
+            e = T.meta_var(j * threads + tx)
+            if e < per_warp:
+                tot[0] = T.float32(0)
+                for w in T.unroll(warps):
+                    tot[0] = tot[0] + red[w * per_warp + e]
+                # fragment i of lane l in tile (m16 i0, n8 t): row i0*16 + l/4 + 8*(i/2), column t*8 + 2*(l%4) + i%2
+                row = T.meta_var(e // (128 * n8) * 16 + (e % 32) // 4 + ((e // 32) % 4) // 2 * 8)
+                col = T.meta_var(bid * tile.bn + (e // 128) % n8 * 8 + (e % 32) % 4 * 2 + (e // 32) % 2)
+                if row < m and col < n:
+                    out[place(row, col)] = T.Cast(out_dtype, finish(tot[0], row, col))
+    # fmt: on
+    return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True,
+                                                      TIRX_ATTR: "mma_smallm",
+                                                      "tirx.is_scheduled": True})
+
+
+def make_smallm_gemm(m: int, n: int, k: int, tile: SmallMTile = SmallMTile(), epilogue: str = "none"):
+    """C[m, n] = epilogue(A[m, k] @ B[n, k]^T (+ bias[n])) in fp16, fp32 accumulation: the benchmark's kernel,
+    parameters (A, B, bias, C)."""
+    from tvmfuse.kernels.hopper.gemm_bench import bench_operands
+
+    bufs, finish = bench_operands(m, n, k, epilogue)
+    return smallm_kernel(m, n, k, tile, bufs[0], bufs[1], bufs[3], finish, lambda row, col: (row, col), bufs,
+                         f"smallm_gemm_{m}x{n}x{k}_{tile.n8}_{tile.warps}_{tile.vec}_{tile.unroll}_{epilogue}")

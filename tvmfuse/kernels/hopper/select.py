@@ -1,0 +1,118 @@
+"""Hopper stage (sm_90a): fused GEMMs become a TIRx kernel (wgmma, or mma.sync for small M), epilogue included, and fused row reductions the row kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import tirx
+
+from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, epilogue
+from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, smallm_kernel
+from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
+from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
+from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
+
+#: microseconds one CTA of each tile spends per 64-deep k-step on the H200, and per tile besides (pipeline fill,
+#: epilogue): fitted to wgmma_run4.json and wgmma_run5.json (bench/results/archive-sessions-5-7.tar.xz; 17 GPT-2 /
+#: Llama prefill projections, 6-11 tiles each), where the cheapest estimate is the measured best tile at 16 shapes
+#: and within 4% at the 17th
+TILE_COSTS = {WgmmaTile(256, 4): 0.83, WgmmaTile(192, 4): 0.70, WgmmaTile(176, 4): 0.62, WgmmaTile(144, 4): 0.55,
+              WgmmaTile(128, 4, dual=True): 0.47, WgmmaTile(128, 6, 64, dual=True): 0.35,
+              WgmmaTile(64, 8, 64, dual=True): 0.21}
+TILE_FIXED_US = 1.0
+SMS = 132  # the H200's streaming multiprocessors: one CTA of these tiles each at a time (shared memory)
+
+#: analysis outcomes that mean "not a matmul kernel at all" (not logged)
+NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before",
+              "operands are not matrices")
+
+
+def is_hopper(target: tvm.target.Target) -> bool:
+    """True for CUDA targets with wgmma and TMA (arch sm_90a)."""
+    return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) == "sm_90a"
+
+
+def estimate_us(m: int, n: int, k: int, tile: WgmmaTile) -> float:
+    """TILE_COSTS' estimate of an m x n x k GEMM with `tile`: waves of SMS CTAs, each k-steps x cost + fixed."""
+    tiles = -(-m // tile.bm) * -(-n // tile.bn)
+    waves = -(-tiles // SMS)
+    return waves * (-(-k // tile.bk) * TILE_COSTS[tile] + TILE_FIXED_US)
+
+
+def choose_tile(m: int, n: int, k: int) -> WgmmaTile | None:
+    """The tile of TILE_COSTS with the lowest estimate (wave quantization included); None when none fits."""
+    fits = [t for t in TILE_COSTS if check_wgmma_shape(m, n, k, t) is None]
+    return min(fits, key=lambda t: estimate_us(m, n, k, t)) if fits else None
+
+
+def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
+    """Columns per block: 32, else 16, else 8, the widest that still makes 256 blocks; warps (K split): the
+    fewest of 4, 8, 16 that make 2560 in all (more weight bytes in flight), 4 above M = 16 (4 m16 tiles of
+    accumulators per warp). On the H200 (smallm_tc_run1.json in the results archive, 10 tiles per shape) this picks the
+    measured best, or a tile within 3% of it, at 8 of the 10 shapes; at M = 4 one 13% slower; at M x K x N =
+    16x3072x768 a tile not measured (1x16: the 2x16 tile was the best)."""
+    n8 = next((c for c in (4, 2) if -(-n // (8 * c)) >= 256), 1)
+    blocks = -(-n // (8 * n8))
+    warps = 4 if m > 16 else next((w for w in (4, 8) if blocks * w >= 2560), 16)
+    return SmallMTile(n8=n8, warps=warps, vec=1, unroll=2 if warps == 16 else 4)
+
+
+def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | None, str]:
+    """The TIRx kernel computing what `func` computes (same parameters): mma.sync for 2 <= M <= 64, wgmma
+    above; or (None, why not)."""
+    info, why = analyze_gemm(func)
+    if info is None:
+        return None, why
+    m, n, k = info["m"], info["n"], info["k"]
+    if m == 1:  # measured in the models (decode b1); this kernel at M = 1 only alone (smallm_tc_run1.json)
+        return None, f"1x{n}x{k}: M=1 stays with the GEMV schedule"
+    if m <= MAX_M:
+        small = choose_smallm_tile(m, n, k)
+        why = check_smallm_shape(m, n, k, small)
+        tile, make, desc = small, smallm_kernel, f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns"
+    else:
+        tile = choose_tile(m, n, k)
+        why = None if tile else check_wgmma_shape(m, n, k, WgmmaTile())
+        make = wgmma_kernel
+        desc = tile and (f"wgmma {m}x{n}x{k}, tile {tile.bm}x{tile.bn}, {tile.stages} stages"
+                        + (", two accumulator sets" if tile.dual else ""))
+    if why:
+        return None, f"{m}x{n}x{k}: {why}"
+    # the kernel declares its own parameter buffers (same names, shapes, dtypes): the TIRx pipeline's FlattenBuffer
+    # does not see an s_tir function's parameters as definitions ("used before its definition")
+    fresh = {p: tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=16) for p in func.params}
+    a, b, out = (next(v for k, v in fresh.items() if k.same_as(info[r])) for r in ("a", "b", "out"))
+    finish, place, setup = epilogue(info, fresh)
+    try:  # once outside the kernel's script, so an epilogue it cannot take is a reason, not a parse error
+        finish(tirx.const(0.0, "float32"), tirx.Var("row", "int32"), tirx.Var("col", "int32"))
+    except ValueError as err:
+        return None, str(err)
+    return make(m, n, k, tile, a, b, out, finish, place, list(fresh.values()), name, setup=setup), desc
+
+
+def apply_hopper_kernels(mod: tvm.IRModule, target: tvm.target.Target, log: Callable[[str], None]) -> tvm.IRModule:
+    """On sm_90a, replace each fused GEMM kernel a GEMM kernel takes, and each fused row reduction (LayerNorm,
+    RMSNorm, their epilogues) the row kernel takes; the rest is untouched."""
+    if not is_hopper(target):
+        return mod
+    out = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc) or TIRX_ATTR in (func.attrs or {}):
+            continue
+        for make in (gemm_kernel_from_fused, row_kernel_from_fused):
+            try:
+                new, why = make(func, gv.name_hint)
+            except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
+                new, why = None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
+            if new is not None:
+                out[gv] = new
+                log(f"{gv.name_hint}: {why}")
+                break
+            if make is gemm_kernel_from_fused and not why.startswith(NOT_A_GEMM):  # a GEMM left alone: say why
+                log(f"{gv.name_hint}: generic GEMM schedule ({why})")
+                break
+    if not out:
+        return mod
+    return tvm.IRModule({gv: out.get(gv, func) for gv, func in mod.functions.items()}, attrs=mod.attrs,
+                        global_infos=mod.global_infos)

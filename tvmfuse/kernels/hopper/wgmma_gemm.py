@@ -1,0 +1,171 @@
+"""Hopper GEMM kernel (TMA loads, mbarrier ring, wgmma) written in TIRx, for static K-innermost operands."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
+
+# keeps the compiler from moving accumulator registers across an in-flight wgmma (CUTLASS's warpgroup_fence_operand)
+FENCE_SRC = '__device__ __forceinline__ void tvmfuse_fence_acc(float& r) { asm volatile("" : "+f"(r) :: "memory"); }'
+BAR_SRC = ('__device__ __forceinline__ void tvmfuse_bar_sync(int id, int n) '
+           '{ asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }')
+STORE_SRC = ("__device__ __forceinline__ void tvmfuse_store_half2(half* p, float a, float b) "
+             "{ *reinterpret_cast<half2*>(p) = __floats2half2_rn(a, b); }")
+
+#: attribute marking a PrimFunc written in TIRx (compiled by TVM's tirx pipeline, never scheduled); its value names
+#: the kernel ("wgmma", "mma_smallm") for the manifest
+TIRX_ATTR = "tvmfuse.tirx"
+
+
+def _tma_args(inner: int, outer: int, box_outer: int) -> list[int]:
+    # cuTensorMapEncodeTiled: dims, byte stride of the outer dim, box, element strides,
+    # interleave none, swizzle 128B (3), L2 promotion 256B (3), OOB fill none
+    return [inner, outer, inner * 2, 64, box_outer, 1, 1, 0, 3, 3, 0]
+
+
+def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, place, params, name: str,
+                 setup=lambda: None):
+    """The TIRx PrimFunc computing out = finish(a @ b^T): `a` holds [m, k] rows and `b` is [n, k] (fp16, K
+    innermost, contiguous); `finish(acc, row, col)` is the fp32 value of element (row, col) from its fp32
+    accumulator, `place(row, col)` its indices in `out`; `params` (buffers) are the PrimFunc's signature: a, b,
+    out and whatever else finish reads."""
+    why = check_wgmma_shape(m, n, k, tile)
+    if why:
+        raise ValueError(why)
+    bm, bn, bk, stages, cons = tile.bm, tile.bn, tile.bk, tile.stages, tile.consumers
+    k_tiles = -(-k // bk)
+    tiles_n, tiles_m = -(-n // bn), -(-m // bm)
+    group = min(tile.group_m, tiles_m)
+    acc_n = bn // 2  # fp32 accumulators per thread for m64 x bn
+    a_stage, b_stage = bm * bk, bn * bk  # elements per stage
+    stage_bytes = (a_stage + b_stage) * 2
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16"
+    tma = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+    a_args, b_args = _tma_args(k, m, bm), _tma_args(k, n, bn)
+    A, B = a, b
+
+    out_dtype = str(out.dtype)
+    # two neighbouring fp16 outputs (col even) in one 4-byte store; one by one where N is odd or the output fp32
+    paired = n % 2 == 0 and out_dtype == "float16"
+    # odd N (GPT-2's 50257-wide logits): rows staged in shared memory, then written by consecutive lanes (one
+    # 2-byte store per lane from the registers touched 8 rows per warp store, 16 of each 256 bytes)
+    staged = n % 2 == 1 and out_dtype == "float16"
+    sets, ld = (2 if tile.dual else 1), bn + 8  # accumulator sets; staged row stride (8 more: no bank conflicts)
+
+    def store(acc0, acc1, row, col):
+        return T.cuda.func_call("tvmfuse_store_half2", T.address_of(out[place(row, col)]),
+                                finish(acc0, row, col), finish(acc1, row, col + 1), source_code=STORE_SRC)
+
+    def total(acc, i):  # the sum of accumulator i over the sets
+        return acc[i] + acc[acc_n + i] if sets == 2 else acc[i]
+
+    # fmt: off
+    @T.macro
+    def k_step(acc, st, kt, As, Bs, full, empty, desc_a, desc_b, cw, tx):
+        """k-tile kt into accumulator set st; releases the stage of the k-tile whose group is done."""
+        T.cuda.mbarrier_wait(T.address_of(full[kt % stages]), (kt // stages) % 2)
+        for i in T.unroll(acc_n):
+            T.cuda.func_call("tvmfuse_fence_acc", acc[st * acc_n + i], source_code=FENCE_SRC)
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(bk // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[kt % stages, cw * 64 * bk + kk * 16]), 1, 64, 3)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, kk * 16]), 1, 64, 3)
+            T.ptx[mma](*[acc[st * acc_n + i] for i in range(acc_n)], desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(sets - 1)
+        for i in T.unroll(acc_n):
+            T.cuda.func_call("tvmfuse_fence_acc", acc[(sets - 1 - st) * acc_n + i], source_code=FENCE_SRC)
+        # every consumer warp releases a stage once its own group that read it is done: warp 0 alone (one arrival
+        # per warpgroup) let the loader overwrite a stage that warps 1-3 were still reading (on the H200: wrong
+        # rows 16-63 of each 64 behind a GELU epilogue); one set: the group just issued; two: the one before
+        if tx % 32 == 0 and kt + 1 >= sets:
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(kt + 1 - sets) % stages]))
+
+    @T.prim_func(check_well_formed=False)
+    def gemm():
+        a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", a_map, "float16", 2, A.data, *a_args)
+        b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", b_map, "float16", 2, B.data, *b_args)
+
+        T.device_entry()
+        setup()  # what the epilogue reads declared first (views of 0-d parameters)
+        # one grid dimension: with T.cta_id([x, y]) TVM's simplifier took the y extent as x's bound and dropped
+        # the column guards of ragged N as always true
+        bid = T.cta_id([tiles_n * tiles_m])
+        bx = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
+        by = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
+        tx = T.thread_id([128 * (1 + cons)])
+        arena = T.alloc_buffer((stages * (a_stage + b_stage),), "float16", scope="shared.dyn", align=1024)
+        As = T.decl_buffer((stages, a_stage), "float16", data=arena.data, scope="shared.dyn")
+        Bs = T.decl_buffer((stages, b_stage), "float16", data=arena.data, elem_offset=stages * a_stage, scope="shared.dyn")
+        full = T.alloc_shared((stages,), "uint64")
+        empty = T.alloc_shared((stages,), "uint64")
+        acc = T.alloc_local((acc_n * sets,), "float32")
+        Cs = T.decl_buffer((bm * ld,), "float16", data=arena.data, scope="shared.dyn")  # staged rows (odd N)
+        desc_a: T.uint64
+        desc_b: T.uint64
+        cw = T.meta_var(tx // 128 - 1)  # consumer warpgroup 0 (or 1 where bm = 128; warpgroup 0 loads)
+        lane = T.meta_var(tx % 32)
+        warp = T.meta_var((tx % 128) // 32)
+
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(4 * cons))
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+        if tx < 128:
+            if tx == 0:
+                for kt in T.serial(k_tiles):
+                    if kt >= stages:
+                        T.cuda.mbarrier_wait(T.address_of(empty[kt % stages]), (kt // stages + 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[kt % stages]), T.uint32(stage_bytes))
+                    T.ptx[tma](T.address_of(As[kt % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[kt % stages]))
+                    T.ptx[tma](T.address_of(Bs[kt % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[kt % stages]))
+        else:
+            for i in T.unroll(acc_n * sets):
+                acc[i] = T.float32(0)
+            for kt2 in T.serial(k_tiles // sets):
+                k_step(acc, 0, kt2 * sets, As, Bs, full, empty, desc_a, desc_b, cw, tx)  # noqa: F821
+                if sets == 2:
+                    k_step(acc, 1, kt2 * 2 + 1, As, Bs, full, empty, desc_a, desc_b, cw, tx)  # noqa: F821
+            if k_tiles % sets == 1:
+                k_step(acc, 0, k_tiles - 1, As, Bs, full, empty, desc_a, desc_b, cw, tx)  # noqa: F821
+            if sets == 2:
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                for i in T.unroll(acc_n * 2):
+                    T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
+            if staged:  # every consumer is past its last wgmma: the stage ring holds this tile's rows now
+                T.cuda.func_call("tvmfuse_bar_sync", 1, 128 * cons, source_code=BAR_SRC)
+                for j in T.unroll(bn // 8):
+                    for h in T.unroll(2):
+                        for c in T.unroll(2):
+                            r = T.meta_var(cw * 64 + warp * 16 + lane // 4 + h * 8)
+                            col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2 + c)
+                            if by * bm + r < m and col < n:
+                                Cs[r * ld + j * 8 + (lane % 4) * 2 + c] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2 + c), by * bm + r, col))
+                T.cuda.func_call("tvmfuse_bar_sync", 2 + cw, 128, source_code=BAR_SRC)
+                for it in T.serial(bn // 2):  # 64 rows x bn per warpgroup, consecutive lanes on consecutive columns
+                    r = T.meta_var(cw * 64 + (it * 128 + tx % 128) // bn)
+                    col = T.meta_var(bx * bn + (it * 128 + tx % 128) % bn)
+                    if by * bm + r < m and col < n:
+                        out[place(by * bm + r, col)] = Cs[r * ld + (it * 128 + tx % 128) % bn]
+            if not staged:
+                for j in T.unroll(bn // 8):  # the epilogue, from the registers (every group already waited for)
+                    for h in T.unroll(2):
+                        row = T.meta_var(by * bm + cw * 64 + warp * 16 + lane // 4 + h * 8)
+                        col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2)
+                        if row < m and col < n:  # TVM drops the guards where the tile divides M and N
+                            if paired:
+                                store(total(acc, j * 4 + h * 2), total(acc, j * 4 + h * 2 + 1), row, col)
+                            else:
+                                out[place(row, col)] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2), row, col))
+                                if col + 1 < n:
+                                    out[place(row, col + 1)] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2 + 1), row, col + 1))
+    # fmt: on
+    return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True,
+                                                      TIRX_ATTR: "wgmma",
+                                                      "tirx.is_scheduled": True})

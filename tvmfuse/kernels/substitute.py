@@ -1,0 +1,178 @@
+"""Template substitution: find the fused kernels a hand-written template takes (`template_sites`) and put the
+template in their place (`substitute`)."""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax, tirx
+
+from tvmfuse.kernels.attention.common import Template, normalize
+from tvmfuse.kernels.attention.roles import attention_roles
+from tvmfuse.kernels.table import TEMPLATES
+from tvmfuse.prepare.opmath import exact_scalar
+from tvmfuse.records.knobs import best_knobs, failed_knobs
+
+def templates(pattern_name: str) -> list[Template]:
+    """The templates of a pattern, in the table's order."""
+    return list(TEMPLATES.get(pattern_name, ()))
+
+
+def lookup(pattern_name: str, shapes: dict) -> Template | None:
+    """The first template of the pattern whose check accepts these shapes, else None."""
+    return next((t for t in TEMPLATES.get(pattern_name, ()) if t.check(shapes) is None), None)
+
+
+def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
+                   target: str = "cuda", log: list | None = None) -> list[tuple]:
+    """(global var, kernel name, template, shapes, argument order) for each PrimFunc named in `patterns`
+    ({primfunc: pattern}) whose argument roles, shapes and softmax scale are understood and that a registered
+    template accepts. `info` ({primfunc: candidate info}) may give `scale`, `causal`; `log` collects
+    (primfunc, outcome) pairs, also for the kernels no template takes."""
+    log = log if log is not None else []
+    calls, sites = call_sites(mod), []
+    for gv, fn in mod.functions.items():
+        name = gv.name_hint
+        if not isinstance(fn, tirx.PrimFunc) or name not in patterns or not templates(patterns[name]):
+            continue  # only kernels of patterns that have templates are considered (and logged)
+        pattern = patterns[name]
+        try:
+            roles = attention_roles(fn) if pattern == "tvmfuse.attention" else None
+        except Exception as err:  # noqa: BLE001 - anything unexpected means: keep the generic kernel
+            roles = None
+            log.append((name, f"generic: roles not found ({type(err).__name__}: {err})"))
+            continue
+        if roles is None:
+            log.append((name, "generic: no registered role analysis" if pattern != "tvmfuse.attention"
+                        else "generic: argument roles not recognised"))
+            continue
+        call = calls.get(name)
+        if call is None:
+            log.append((name, "generic: no call site in main"))
+            continue
+        shapes = {**roles["shapes"], **{k: v for k, v in (info or {}).get(name, {}).items() if k in ("causal", "scale")}}
+        scale = shapes.get("scale") or _scale(roles, call, mod)
+        if scale is None or not math.isclose(scale, 1 / math.sqrt(shapes["head_dim"]), rel_tol=1e-3):
+            log.append((name, f"generic: softmax scale {scale} is not 1/sqrt(head_dim)"))
+            continue
+        guard = _where_guard(roles["order"], call)
+        if guard is not None:  # the template gives 0 for a row with no finite logit: so must the graph's guard
+            log.append((name, f"generic: {guard}"))
+            continue
+        shapes["scale"] = scale
+        if shapes.get("mask") == "additive" and _all_zero(call, roles["order"].index("mask")):
+            shapes["mask"] = "none"  # exporters write a constant zero mask where none was given: adding it is a no-op
+        shapes["target"] = "llvm" if str(target) == "llvm" else "cuda"
+        tmpl = lookup(pattern, shapes)
+        if tmpl is None:
+            reasons = "; ".join(f"{t.name}: {t.check(shapes)}" for t in templates(pattern))
+            log.append((name, f"generic: no template accepts ({reasons})"))
+            continue
+        sites.append((gv, name, tmpl, shapes, [roles["order"].index(r) for r in _signature(normalize(shapes)) if r != "out"]))
+    return sites
+
+
+def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
+               knobs: dict[str, dict] | None = None, target: str = "cuda", log: list | None = None,
+               database=None) -> tvm.IRModule:
+    """Replace each kernel a template takes (`template_sites`) by the template; everything else is left
+    untouched. Knobs: `knobs` ({primfunc: knobs}) if given, else the best measured in `database`
+    (`records.knobs.best_knobs`: records of the tuning database or the schedules library), else the defaults when none
+    was measured; when every measured knob set failed (wrong output, build or run error) the generic kernel stays."""
+    log = log if log is not None else []
+    rewrite = {}
+    for gv, name, tmpl, shapes, perm in template_sites(mod, patterns, info, target, log):
+        chosen, why = (knobs or {}).get(name), ""
+        if chosen is None and database is not None:
+            chosen, us = best_knobs(database, tmpl, shapes, target)
+            failed = failed_knobs(database, tmpl, shapes, target) if chosen is None else 0
+            if failed:
+                log.append((name, f"generic: every measured knob set failed ({failed})"))
+                continue
+            why = f", measured knobs {chosen} ({us:.1f} us)" if chosen is not None else ", default knobs (none measured)"
+        rewrite[gv] = (name, tmpl(shapes, chosen, target).with_attr("global_symbol", name), perm)
+        log.append((name, f"template {tmpl.name}{why}"))
+    if not rewrite:
+        return mod
+    out = tvm.IRModule({gv: fn for gv, fn in mod.functions.items() if gv not in rewrite}, attrs=mod.attrs,
+                       global_infos=mod.global_infos)
+    return _CallRewriter(out, rewrite).run()
+
+
+def call_sites(mod: tvm.IRModule) -> dict:
+    """{kernel name: its call_tir in `main`}."""
+    calls = {}
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get("relax.call_tir")):
+            calls[expr.args[0].name_hint] = expr
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return calls
+
+
+def constant_value(arg):
+    """The numpy value of a constant call argument, else None."""
+    value = getattr(arg, "value", None)
+    return value.numpy() if value is not None and hasattr(value, "numpy") else None
+
+
+def _all_zero(call, index: int) -> bool:
+    """Whether the call's argument `index` is a constant tensor of zeros."""
+    value = constant_value(list(call.args[1].fields)[index])
+    return value is not None and not value.any()
+
+
+def _scale(roles: dict, call, mod: tvm.IRModule) -> float | None:
+    """The softmax scale: the product of the scalar constants the call passes, each raised to the number of
+    times the kernel multiplies it in (Q and K may each get one, or share one), divided by those it divides by.
+    The template scales fp32 scores: a constant the precision stage rounded counts with the model's fp32 value
+    (fp16's sqrt(1/sqrt(128)) = 0.29736 for 0.29730 moved every score by 4e-4 of itself)."""
+    scale, args = 1.0, list(call.args[1].fields)
+    for i, (role, arg) in enumerate(zip(roles["order"], args)):
+        if role == "scale":
+            value = constant_value(arg)
+            if value is None or value.size != 1:
+                return None
+            muls, divs = roles["uses"].get(i, (1, 0))
+            scale *= exact_scalar(mod, float(value.reshape(()))) ** (muls - divs)
+    return scale
+
+
+def _where_guard(order: list, call) -> str | None:
+    """None when the isnan -> where guard's value (rank 0 or 1) is the constant 0, else why not."""
+    for role, arg in zip(order, list(call.args[1].fields)):
+        if role == "const":
+            value = constant_value(arg)
+            if value is None or value.size != 1:
+                return "where-guard value is not a scalar constant"
+            if float(value.reshape(())) != 0.0:
+                return f"where-guard value {float(value.reshape(()))} is not 0 (the template gives 0 for fully masked rows)"
+    return None
+
+
+@relax.expr_functor.mutator
+class _CallRewriter(relax.PyExprMutator):
+    """Point the rewritten kernels' call_tir at the template's argument order (scalars dropped)."""
+
+    def __init__(self, mod: tvm.IRModule, rewrite: dict):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.perm = {gv: (self.builder_.add_func(new, name), new, perm) for gv, (name, new, perm) in rewrite.items()}
+
+    def run(self) -> tvm.IRModule:
+        main = self.mod_.get_global_var("main")
+        self.builder_.update_func(main, self.visit_expr(self.mod_[main]))
+        return self.builder_.get()
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        if call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and call.args[0] in self.perm:
+            new_gv, _, perm = self.perm[call.args[0]]
+            args = list(call.args[1].fields)
+            return relax.call_tir(new_gv, relax.Tuple([args[i] for i in perm]), call.ty_args[0])
+        return call
+
+
+def _signature(s: dict) -> list[str]:
+    return ["q", "k", "v"] + (["mask"] if s["mask"] == "additive" else []) + ["out"]

@@ -1,0 +1,30 @@
+"""Prepare stage: the imported module as the later stages see it: weights bound, kernels computing in the compute
+dtype (precision, interface dtypes, opmath), constant weights stored [N, K] (layout)."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from tvmfuse.prepare.layout import transpose_weights
+from tvmfuse.prepare.precision import to_compute_dtype
+
+
+def bind_params(mod: tvm.IRModule, params: list | None) -> tvm.IRModule:
+    """Bind the detached weights back as constants (kept out of fused functions: bind_constants=False)."""
+    if not params:
+        return mod
+    main = mod["main"]
+    names = [p.name for p in main.params[int(main.attrs["num_input"]):]]
+    return relax.transform.BindParams("main", dict(zip(names, params)))(mod)
+
+
+def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None,
+                   fp16_lookups: bool = True) -> tvm.IRModule:
+    """The imported model as decide and fuse see it: weights bound as constants, precision (fp16/bf16 kernels),
+    then the weight layout (constant weights [N, K], read through a permute the kernel absorbs)."""
+    bound = bind_params(imported.mod, imported.params)
+    return transpose_weights(to_compute_dtype(bound, dtype, io_dtype, fp16_lookups))
+
+
+__all__ = ["bind_params", "prepare_module"]

@@ -1,0 +1,235 @@
+"""Precision stage: convert an fp32 Relax module so its kernels compute in fp16 or bf16 (mixed precision).
+
+Runs after import and param binding, before decide/fuse. TVM's own pass does the conversion:
+`relax.transform.ToMixedPrecision(out_dtype="float32", fp16_input_names=<the model's float inputs>)`.
+What it does (observed on TVM 0.27, tests/test_dtype.py):
+
+- without `fp16_input_names` the signature stays fp32 and only matmul/conv and what follows them compute in
+  fp16: everything downstream of an fp32 input (LayerNorm, GELU, RMSNorm, the residual stream) stays fp32. So
+  the inputs are named: those params become float16, and `interface.fp32_interface` gives `main` float32 params
+  again, each cast to fp16 as the first binding. The outputs stay float32 (the pass casts them back itself).
+  By default the exported module's interface is therefore float32 in and out, whatever the compute dtype.
+  Inputs with symbolic dims are not named (the pass stops on them: "no block is being built"): they stay fp32,
+  a matmul reading one casts it to fp16, and only ops applied to them directly compute in fp32;
+- `relax.matmul` (policy "always") gets fp16 inputs and, with `out_dtype="float32"`, accumulates and returns
+  fp32, followed by a cast to fp16;
+- "follow" ops (elementwise, `layer_norm`, `gelu`, reshapes) compute in fp16 when all inputs are fp16 (TVM's
+  fp16 `layer_norm` lowering accumulates its mean/variance in fp32);
+- ops without a policy (`mean`, `sum`, `softmax`, ...) compute in fp32: their inputs are cast up first;
+- except `take` in fp16: an embedding lookup from a constant table fp16 holds computes in fp16 (`_lookups_in_fp16`),
+  so the hidden state after it, the residual stream with its adds and LayerNorms, is fp16 as in a torch fp16
+  model, with no casts between the LayerNorms and the matmuls (without it the lookup's fp32 result kept the
+  residual stream fp32: a cast to fp16 before each matmul and one back to fp32 after it);
+- weights feeding fp16 ops become `astype(const, "float16")`; FoldConstant makes them fp16 constants, except
+  0-d ones (scalar operands: attention scales, GELU constants), which it leaves as casts: `opmath.fold_scalar_casts`
+  folds those, so the patterns see the same constants as in fp32, and records the fp32 value of each it rounded
+  (`opmath.exact_scalar`): a kernel computing in fp32 with one (the attention template's scale) uses the model's value;
+
+`io_dtype` (None or float32: as above; the compute dtype: the module takes and returns its float tensors in
+the compute dtype): the fp32 interface is built as usual, then wrapped in casts to/from `io_dtype`
+(`interface.low_interface`), and each
+exact round trip (`astype(astype(x: fp16, fp32), fp16)`) cancels, so no interface cast kernel remains where
+the first/last op already computes in the compute dtype.
+
+The pass knows only float16. For bf16 the fp16 result is re-typed: casts to float16 become casts to bfloat16
+and types are re-inferred; `layer_norm`/`group_norm`/`power` (TVM lowers them for fp32/fp16 only) compute in
+fp32 between casts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from tvmfuse.prepare.interface import fp32_interface, low_interface
+from tvmfuse.prepare.dtypes import check_io_dtype, parse_dtype
+from tvmfuse.prepare.opmath import fold_scalar_casts, mutate_functions, opmath_fp32
+
+Const = tvm.ir.GenericConst
+FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
+#: what the module's inputs and outputs are by default whatever the compute dtype (ToMixedPrecision keeps the
+#: signature); `io_dtype` may make them the compute dtype
+INTERFACE_DTYPE = FLOAT32
+PASS = "relax.transform.ToMixedPrecision(out_dtype='float32')"
+#: ops whose TVM lowering takes float32/float16 only: in bf16 they compute in fp32 between casts (`power`:
+#: tirx `pow` rejects bfloat16, "power only applies to float": GPT-2's tanh-GELU cube)
+FP32_ONLY_IN_BF16 = ("relax.nn.layer_norm", "relax.nn.group_norm", "relax.power")
+
+
+def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None,
+                     fp16_lookups: bool = True) -> tvm.IRModule:
+    """The module with its kernels computing in `dtype` (fp32 accumulation) and its float inputs and outputs in
+    `io_dtype` (None: float32, or `dtype` itself); fp32: unchanged. `fp16_lookups`: see `_lookups_in_fp16`."""
+    dtype = parse_dtype(dtype, "dtype")
+    io_dtype = interface_dtype(dtype, io_dtype)
+    if dtype == FLOAT32:
+        return mod
+    main = mod["main"]
+    n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
+    # inputs with symbolic dims are not named: TVM 0.27's pass fails on them ("no block is being built", in
+    # TypeMutator, when it re-types the parameter); they stay fp32 parameters, cast to fp16 where a matmul reads
+    # them, so only ops applied to them directly still compute in fp32
+    inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32
+              and _static_shape(p)]
+    with _lookups_in_fp16(mod, dtype) if fp16_lookups else contextlib.nullcontext():
+        mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
+    mod = opmath_fp32(mod)
+    mod = fp32_interface(mod, inputs)
+    if dtype == BFLOAT16:
+        mod = _fp16_to_bf16(mod)
+    mod = relax.transform.FoldConstant()(mod)  # astype(weight) -> a constant in the compute dtype
+    mod = fold_scalar_casts(mod)
+    if io_dtype != FLOAT32:
+        mod = low_interface(mod, io_dtype)
+    mod = relax.transform.DeadCodeElimination(["main"])(relax.transform.CanonicalizeBindings()(mod))
+    return unique_binding_names(mod)
+
+
+@contextlib.contextmanager
+def _lookups_in_fp16(mod: tvm.IRModule, dtype: str):
+    """While ToMixedPrecision runs, `relax.take` has the policy "always" (its float table cast to fp16, an fp16
+    result) where every float `take` in `main` reads a constant table fp16 holds (finite, |x| <= 65504): an
+    embedding lookup. TVM registers no policy for take, which the pass reads as "never": the lookup returned
+    fp32, and every "follow" op after it stayed fp32 with it (the whole residual stream: adds and LayerNorms in
+    fp32, a cast to fp16 before each matmul, one to fp32 after it). ("follow" would not do: the int ids are not
+    fp16-castable.) The hidden state is then fp16 from the lookup on, as in a torch fp16 model. fp16 only: in
+    bf16 the fp32 residual stream keeps the row kernel (which reads and writes fp16/fp32 only) on the LayerNorms."""
+    op = tvm.ir.Op.get("relax.take")
+    if dtype != FLOAT16 or op.get_attr("TMixedPrecisionPolicy") is not None or not _fp16_tables(mod["main"]):
+        yield
+        return
+    op.set_attr("TMixedPrecisionPolicy", 0)  # kAlways
+    op.set_attr("FInferMixedPrecision", lambda call, out_dtype: call)  # nothing to adjust (no out_dtype)
+    try:
+        yield
+    finally:
+        op.reset_attr("TMixedPrecisionPolicy")
+        op.reset_attr("FInferMixedPrecision")
+
+
+def has_fp16_lookups(mod: tvm.IRModule) -> bool:
+    """Whether `main` (after to_compute_dtype) looks up a float table in fp16: the residual stream is fp16."""
+    return any(str(getattr(t.ty, "dtype", "")) == FLOAT16 for t in _takes(mod["main"]))
+
+
+def _fp16_tables(func: relax.Function) -> bool:
+    """Whether `func` has float32 `take`s and each reads a constant table within fp16's range."""
+    tables = [t.args[0] for t in _takes(func) if str(getattr(t.args[0].ty, "dtype", "")) == FLOAT32]
+    for table in tables:
+        data = table.value.numpy() if isinstance(table, Const) else None
+        if data is None or not np.isfinite(data).all() or np.abs(data).max(initial=0.0) > 65504.0:
+            return False
+    return bool(tables)
+
+
+def _takes(func: relax.Function) -> list[relax.Call]:
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) and e.op.name == "relax.take" else None)
+    return found
+
+
+def _static_shape(param) -> bool:
+    shape = getattr(param.ty, "shape", None)
+    values = getattr(shape, "values", None)
+    return values is not None and all(isinstance(v, tvm.tirx.IntImm) for v in values)
+
+
+def interface_dtype(dtype: str, io_dtype: str | None) -> str:
+    """The module's float input/output dtype: float32 (None) or the compute dtype; anything else is a JobError."""
+    return FLOAT32 if io_dtype is None else check_io_dtype(io_dtype, parse_dtype(dtype, "dtype"), "io_dtype")
+
+
+@mutator
+class _UniqueNames(PyExprMutator):
+    """Renames a binding whose name an earlier binding already has (`lv3` -> `lv3_1`)."""
+
+    def __init__(self, mod=None):
+        super().__init__(mod)
+        self.seen: set[str] = set()
+
+    def _fresh(self, var, cls):
+        name, i = var.name, 1
+        if name not in self.seen:
+            self.seen.add(name)
+            return var
+        while f"{name}_{i}" in self.seen:
+            i += 1
+        self.seen.add(f"{name}_{i}")
+        return cls(f"{name}_{i}", var.ty, var.span)
+
+    def visit_var_def_(self, var):
+        return self._fresh(var, relax.Var)
+
+    def visit_dataflow_var_def_(self, var):
+        return self._fresh(var, relax.DataflowVar)
+
+
+def unique_binding_names(mod: tvm.IRModule) -> tvm.IRModule:
+    """ToMixedPrecision reuses binding names; the fusion stages tell candidates apart by name."""
+    out = mod.clone()
+    out["main"] = _UniqueNames(mod).visit_expr(mod["main"])
+    return out
+
+
+def precision_info(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None) -> dict:
+    """What the manifest says about precision: compute dtype, interface dtype, and how many ops compute low."""
+    dtype = parse_dtype(dtype, "dtype")
+    info = {"compute_dtype": dtype, "interface_dtype": interface_dtype(dtype, io_dtype)}
+    if dtype != FLOAT32:
+        ops = _op_dtypes(mod)
+        info.update({"pass": PASS, "accumulation": FLOAT32,
+                     "ops_in_compute_dtype": sum(1 for _, d in ops if d == dtype),
+                     "ops_in_float32": sum(1 for _, d in ops if d == FLOAT32),
+                     "residual_stream": FLOAT16 if has_fp16_lookups(mod) else "as the ops above (lookups in fp32)"})
+    return info
+
+
+def _op_dtypes(mod: tvm.IRModule) -> list[tuple[str, str]]:
+    """(op name, output dtype) of every operator call in `main` except casts."""
+    found = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name != "relax.astype":
+            found.append((expr.op.name, str(getattr(expr.ty, "dtype", ""))))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return found
+
+
+def _fp16_to_bf16(mod: tvm.IRModule) -> tvm.IRModule:
+    return mutate_functions(mod, _Retype)
+
+
+@relax.expr_functor.mutator
+class _Retype(relax.PyExprMutator):
+    """float16 -> bfloat16 in casts, dtype attributes and constants; the mutator re-infers every type."""
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        attrs = call.attrs
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.astype" and str(attrs.dtype) == FLOAT16:
+            return relax.op.astype(call.args[0], BFLOAT16)
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul" and str(attrs.out_dtype) == FLOAT16:
+            return relax.op.matmul(call.args[0], call.args[1], out_dtype=BFLOAT16)
+        if isinstance(call.op, tvm.ir.Op) and call.op.name in FP32_ONLY_IN_BF16 \
+                and any(str(getattr(a.ty, "dtype", "")) == BFLOAT16 for a in call.args):
+            args = [relax.op.astype(a, FLOAT32) if str(getattr(a.ty, "dtype", "")) == BFLOAT16 else a
+                    for a in call.args]
+            return relax.op.astype(relax.Call(call.op, args, attrs), BFLOAT16)
+        if attrs is not None and FLOAT16 in str(attrs):
+            raise NotImplementedError(f"bf16: cannot re-type {call.op} with a float16 attribute ({attrs})")
+        return call
+
+    def visit_constant_(self, const):  # pylint: disable=arguments-renamed
+        value = getattr(const, "value", None)
+        if value is not None and str(value.dtype) == FLOAT16:
+            import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+            data = value.numpy().astype(np.float32).astype(ml_dtypes.bfloat16)
+            return relax.const(tvm.runtime.tensor(data), BFLOAT16)
+        return super().visit_constant_(const)

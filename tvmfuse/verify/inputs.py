@@ -1,0 +1,28 @@
+"""Verification inputs: seeded random values for a model's inputs, at the sizes a check names."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tvmfuse.verify.outputs import cast_array
+
+
+def random_inputs(inputs: list, seed: int = 0, dims: dict[str, int] | None = None,
+                  io_dtype: str | None = None) -> dict[str, np.ndarray]:
+    """Random inputs for verification; symbolic dims take `dims` or 4. Masks are ones, indices small. With
+    `io_dtype` (a module taking fp16/bf16), float32 values are ones that dtype holds exactly, so onnxruntime
+    (fed float32) and the module (fed `verify.module_inputs`) see the same numbers."""
+    rng = np.random.default_rng(seed)
+    data = {}
+    for t in inputs:
+        shape = [d if isinstance(d, int) else (dims or {}).get(d, 4) for d in t.shape]
+        if np.issubdtype(np.dtype(t.dtype), np.integer):
+            arr = np.ones(shape, t.dtype) if "mask" in t.name else rng.integers(0, 2, shape).astype(t.dtype)
+        elif t.dtype == "bool":
+            arr = np.ones(shape, bool)
+        else:
+            arr = rng.standard_normal(shape).astype(t.dtype)
+            if io_dtype not in (None, "float32") and t.dtype == "float32":
+                arr = cast_array(cast_array(arr, io_dtype), "float32")
+        data[t.name] = arr
+    return data
