@@ -1,7 +1,7 @@
 """CPU emulation of tvmfuse's fp16 precision policy on the bench's Llama layer (bench/hf_models.py, prefill): where
 the fp16 build's error against the fp32 reference comes from. Each rounding point (a tensor stored in fp16) can be
 switched on alone or with the others; the layer is written out from the HF modules' fp32 weights (matches HF to
-~1e-5 with no rounding). A helper's study, 2026-12-01 (bench/results/COMMANDS.md, eighth session).
+~1e-5 with no rounding). A helper's study, 2026-12-01 (docs/benchmarks.md, eighth session).
 
     python bench/fp16_error.py [--seq 512] [--seeds 0,1]     # ~1 min per configuration on 2 cores
 """
