@@ -17,6 +17,7 @@ from tvm.relax.frontend import detach_params
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
 import tvmfuse.frontend.convert as fe
+from tvmfuse.frontend.convert_map import convert_map
 from tvmfuse.errors import ModelError
 from tvmfuse.frontend.graph_importer import import_graph
 from tvmfuse.frontend.preprocess import inline_small_initializers
@@ -136,11 +137,11 @@ def test_expand_of_tensor_with_unknown_dims():
     n, m = tvm.tirx.Var("n", "int64"), tvm.tirx.Var("m", "int64")
     x = relax.Var("x", relax.TensorType(ndim=2, dtype="float32"))
     with bb.function("main", [x]):
-        out = fe.convert_map.convert_map()["Expand"].get_converter(18)(
+        out = convert_map()["Expand"].get_converter(18)(
             bb, [x, relax.ShapeExpr([n, m])], {}, [{}, {}])
         assert str(bb.normalize(out).ty) == 'R.Tensor((n, m), dtype="float32")'
         with pytest.raises(ValueError, match="1s"):
-            fe.convert_map.convert_map()["Expand"].get_converter(18)(bb, [x, relax.ShapeExpr([n, 1])], {}, [{}, {}])
+            convert_map()["Expand"].get_converter(18)(bb, [x, relax.ShapeExpr([n, 1])], {}, [{}, {}])
         bb.emit_func_output(x)
 
 
@@ -273,7 +274,7 @@ def test_converter_failure_names_op_and_node():
 def test_tvm_converter_map_is_not_modified():
     fe.from_onnx(_mlp())
     stock = tvm_onnx._get_convert_map()
-    ours = fe.convert_map.convert_map()
+    ours = convert_map()
     for op in ("Range", "Reshape", "Gather", "Expand", "ConstantOfShape"):
         assert stock[op].__module__ == tvm_onnx.__name__
         assert ours[op] is not stock[op] and issubclass(ours[op], stock[op])
