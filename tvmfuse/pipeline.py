@@ -9,6 +9,7 @@ A job lowers its module once and compiles it once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 import traceback
@@ -21,7 +22,9 @@ from tvm import relax
 from tvmfuse.build.compile import TUNED, apply_database, compile_module, schedule_kinds
 from tvmfuse.decide import Plan, Settings, decide, fusion_report, report_files
 from tvmfuse.errors import TvmfuseError, VerificationError
-from tvmfuse.export import export, export_dir, make_manifest
+from tvmfuse.export import MANIFEST, export, export_dir, make_manifest
+from tvmfuse.export import weights as weight_files
+from tvmfuse.frontend.onnx_io import has_external_data, weights_nbytes
 from tvmfuse.frontend import DEFAULT_MODEL, Imported, import_model, load_onnx, make_tiny_block
 from tvmfuse.fuse import Bucketed, Fused, add_dispatch, check_buckets, kernel_calls, lower, lower_buckets
 from tvmfuse.fuse import verification_dims
@@ -62,6 +65,7 @@ class Lowered:
 
     fused: Fused
     bucketed: Bucketed | None
+    weights: list = field(default_factory=list)  # main's trailing weight params (weights outside the library)
 
     @property
     def kernels(self) -> list[str]:
@@ -101,8 +105,9 @@ class Verified:
 def frontend_phase(job: Job) -> Imported:
     """Read the job's ONNX file (or build the embedded default model) and import it into Relax."""
     source = job.path or f"<embedded {DEFAULT_MODEL}>"
-    model = load_onnx(job.path) if job.path else make_tiny_block()
-    return import_model(model, job.shapes, source)
+    model = load_onnx(job.path) if job.path else make_tiny_block()  # external data: the graph only
+    folder = os.path.dirname(os.path.abspath(job.path)) if job.path else None  # external data lies there
+    return import_model(model, job.shapes, source, folder)
 
 
 def fuse_phase(bound: tvm.IRModule, target: tvm.target.Target, settings: Settings | None = None) -> Fused:
@@ -179,21 +184,29 @@ def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProg
     return Built(executable, kinds, records, defaults_us)
 
 
-def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, target, bound) -> Verified:
+def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, target, bound,
+                 weight_bytes: int = 0, say: Say = print) -> Verified:
     """Run the build and onnxruntime on the same seeded inputs (with buckets: at the first bucket's shape and at a
-    shape no bucket covers) and time the build; a failed comparison raises VerificationError."""
+    shape no bucket covers) and time the build; a failed comparison raises VerificationError. A model whose fp32
+    reference would not fit in the free memory (weights outside the library) is not verified, and says why."""
     if not has_device(target):
         return Verified({"status": "skipped", "reason": f"no {target.kind.name} device here"}, "skipped")
+    need, free = weight_files.reference_memory(weight_bytes), weight_files.available_memory()
+    if lowered.weights and free is not None and free < need:
+        reason = (f"too little free memory for the fp32 onnxruntime reference (needs ~{need / 2**30:.1f} GiB beside "
+                  f"the build, {free / 2**30:.1f} GiB available)")
+        say(f"[{job.name}] verification skipped: {reason}")
+        return Verified({"status": "skipped", "reason": reason}, "skipped (memory)")
     device = device_for(target)
     vm = relax.VirtualMachine(built.executable, device)
-    checks = compare_at_dims(vm, device, imported.onnx_model, imported.inputs,
+    checks = compare_at_dims(vm, device, job.path or imported.onnx_model, imported.inputs,
                              verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype,
-                             job.tolerance)
+                             job.tolerance, lowered.weights)
     dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
     if not check.ok:
         raise VerificationError(_failed(job, check, dims), job.fp16_lookups and has_fp16_lookups(bound))
     feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
-    after = latency_us(vm, device, feeds, job.io_dtype)
+    after = latency_us(vm, device, feeds, job.io_dtype, lowered.weights)
     shapes = lowered.bucketed.shapes if lowered.bucketed else {}
     function = next((fn for fn, shape in shapes.items() if shape == checks[0][0]), "main")  # the one timed
     return Verified({**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {})},
@@ -201,8 +214,9 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
 
 
 def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: Imported, bound, job: Job, target,
-                 work_dir: str, dest: str) -> tuple[str, dict]:
-    """Write `model.so`, `manifest.json` and the fusion report into `dest`, atomically."""
+                 work_dir: str, dest: str, started: float, weight_bytes: int) -> tuple[str, dict]:
+    """Write `model.so` (with weights outside it: `weights/`, a raw tensor cache), `manifest.json` and the fusion
+    report into `dest`, atomically; returns the folder and the manifest as written."""
     fused = lowered.fused
     manifest = make_manifest(job, target, imported.source, imported, bound, fused, lowered.kernels, built.kinds,
                              built.records, verified.verification,
@@ -210,7 +224,11 @@ def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: I
                              work_dir, lowered.bucketed)
     report = fusion_report(fused.plan, fused, {k: us for k, (_, us) in built.records.items() if us is not None})
     manifest["fusion"] = report["totals"]
-    return export(built.executable, manifest, dest, extra_files=report_files(report)), manifest
+    output = export(built.executable, manifest, dest, extra_files=report_files(report),
+                    weights=lowered.weights if lowered.weights else None,
+                    late=lambda: {"build": weight_files.build_stats(started, weight_bytes)})
+    with open(os.path.join(output, MANIFEST), encoding="utf-8") as f:
+        return output, json.load(f)  # as written: the library's and weights' sha256s, the build's stats
 
 
 # ------------------------------------------------------------------------------------------------------------- jobs
@@ -245,13 +263,18 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
                            "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
                            "with default schedules")
     log = lambda s: say(f"[{job.name}] {s}")  # noqa: E731
+    started = time.time()
 
     imported = frontend_phase(job)
+    weight_bytes = weights_nbytes(imported.onnx_model)
+    outside = bool(job.path) and weight_files.outside(has_external_data(imported.onnx_model), weight_bytes)
+    if outside:
+        weight_files.check_unsupported(job.buckets, imported.source)
     check_buckets(job.buckets, imported, imported.source)
     if imported.symbolic_dims:
         log(f"symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them get default "
             "schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
-    bound = prepare_module(imported, job.dtype, job.io_dtype, job.fp16_lookups)
+    bound = prepare_module(imported, job.dtype, job.io_dtype, job.fp16_lookups, one_copy=outside)
     fused = fuse_phase(bound, target)
     kernels = fused.kernels()
     log(f"{len(kernels)} kernels, {len(fused.kernel_patterns)} fused by pattern: "
@@ -262,6 +285,8 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
     fused = kernels_phase(fused, target, database, trials, rpc, _progress_printer(job.name, say), log)
     bucketed = buckets_phase(bound, fused, job, target, database, trials, rpc, say) if job.buckets else None
     lowered = Lowered(bucketed.fused if bucketed else fused, bucketed)
+    if outside:  # main's large constants (the weights as the kernels read them) become its trailing params
+        lowered.fused.mod, lowered.weights = weight_files.unbind_weights(lowered.fused.mod)
     if bucketed:
         log(f"buckets: {', '.join(bucketed.shapes)}, {len(lowered.kernels)} kernels in all; other sizes run "
             "main_generic")
@@ -272,8 +297,9 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
 
     progress = tune_phase(lowered, target, database, work_dir, trials, job, rpc, say)
     built = build_phase(lowered, target, database, progress, job.cuda_graph)
-    verified = verify_phase(built, lowered, imported, job, target, bound)
-    output, manifest = export_phase(built, lowered, verified, imported, bound, job, target, work_dir, dest)
+    verified = verify_phase(built, lowered, imported, job, target, bound, weight_bytes, say)
+    output, manifest = export_phase(built, lowered, verified, imported, bound, job, target, work_dir, dest, started,
+                                    weight_bytes)
     log(f"exported {output}")
     return JobResult(job.name, ok=True, kernels=len(lowered.kernels), fused=len(lowered.fused.kernel_patterns),
                      tuned=sum(built.kinds.get(k) == TUNED for k in lowered.kernels),
@@ -283,7 +309,7 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
 
 def plan_model(path: str, target: str, settings: Settings, shapes: dict | None = None) -> dict:
     """`python -m tvmfuse plan`: the fusion report of a model (fp32, as a job sees it), beside stock TVM fusion."""
-    imported = import_model(load_onnx(path), shapes, path)
+    imported = import_model(load_onnx(path), shapes, path, os.path.dirname(os.path.abspath(path)))
     bound = prepare_module(imported)
     fused = fuse_phase(bound, resolve_target(target), settings)
     return fusion_report(fused.plan, fused, stock=lower(bound, patterns=[]))

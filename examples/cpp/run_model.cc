@@ -1,6 +1,11 @@
 // Load a tvmfuse export (model.so) with the TVM C++ runtime, run its Relax VM `main` on CPU, print outputs.
 //
-//   run_model MODEL.so INPUT.bin DIMS [INPUT.bin DIMS ...]
+//   run_model MODEL.so [--weights DIR] INPUT.bin DIMS [INPUT.bin DIMS ...]
+//
+// --weights DIR: an export whose weights are outside the library (manifest "weights": "tvm-tensor-cache"; DIR is
+// its weights/ folder): the TVM runtime's tensor cache loads them (vm.builtin.tensor_cache.load) and they are
+// passed to `main` after the inputs, in the order param_0, param_1, ... (check their sha256 against the
+// manifest before trusting them: tvmfuse.load does).
 //
 // Each input is a raw little-endian float32 file; DIMS is its shape, e.g. 4,32 (the manifest's "inputs"
 // list gives names, order, shapes and dtypes; this runner feeds float32: exports built without --io-dtype).
@@ -97,11 +102,28 @@ void PrintTensor(int index, const tvm::ffi::Tensor& t) {
   std::cout << buf;
 }
 
+// The export's weights, read by the runtime's tensor cache from `dir` (tensor-cache.json + params_shard_*.bin).
+std::vector<tvm::ffi::Tensor> LoadWeights(const std::string& dir, DLDevice dev) {
+  tvm::ffi::Function::GetGlobalRequired("vm.builtin.tensor_cache.load")(dir, static_cast<int>(dev.device_type),
+                                                                        dev.device_id);
+  auto params = tvm::ffi::Function::GetGlobalRequired("vm.builtin.param_array_from_cache")(std::string("param"), -1)
+                    .cast<tvm::ffi::Array<tvm::ffi::Tensor>>();
+  tvm::ffi::Function::GetGlobalRequired("vm.builtin.tensor_cache.clear")();  // the tensors stay alive in `params`
+  return std::vector<tvm::ffi::Tensor>(params.begin(), params.end());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || argc % 2 != 0) {
-    std::cerr << "usage: " << argv[0] << " MODEL.so [INPUT.bin DIMS]...   (DIMS like 4,32; float32 files)\n";
+  int first = 2;  // the first input argument
+  std::string weights_dir;
+  if (argc >= 4 && std::string(argv[2]) == "--weights") {
+    weights_dir = argv[3];
+    first = 4;
+  }
+  if (argc < 2 || (argc - first) % 2 != 0) {
+    std::cerr << "usage: " << argv[0]
+              << " MODEL.so [--weights DIR] [INPUT.bin DIMS]...   (DIMS like 4,32; float32 files)\n";
     return 2;
   }
   try {
@@ -112,7 +134,10 @@ int main(int argc, char** argv) {
     vm->GetFunction("vm_initialization").value()(static_cast<int>(dev.device_type), dev.device_id,
                                                    kPooledAllocator);
     std::vector<tvm::ffi::Any> inputs;
-    for (int i = 2; i + 1 < argc; i += 2) inputs.emplace_back(ReadInput(argv[i], ParseDims(argv[i + 1]), dev));
+    for (int i = first; i + 1 < argc; i += 2) inputs.emplace_back(ReadInput(argv[i], ParseDims(argv[i + 1]), dev));
+    if (!weights_dir.empty()) {
+      for (const tvm::ffi::Tensor& w : LoadWeights(weights_dir, dev)) inputs.emplace_back(w);
+    }
     std::vector<tvm::ffi::AnyView> args(inputs.begin(), inputs.end());
     tvm::ffi::Any result;
     vm->GetFunction("main").value().CallPacked(args.data(), static_cast<int>(args.size()), &result);

@@ -134,6 +134,8 @@ def _rpc(args: argparse.Namespace) -> tuple[str, str] | None:
 
 
 def print_summary(results) -> None:
+    from tvmfuse.export.weights import describe as describe_weights  # pylint: disable=import-outside-toplevel
+
     rows = [("model", "kernels", "fused", "tuned", "before us", "after us", "verify", "output")]
     for r in results:
         if r.ok:
@@ -151,6 +153,11 @@ def print_summary(results) -> None:
             print(f"fusion {r.name}: kept {f['kept']} of {f['candidates']} candidates "
                   f"({', '.join(k.split('.')[-1] + f' x{v}' for k, v in sorted(f['kept_by_pattern'].items()))}); "
                   f"{f['launches_after']} launches; predicted {f['predicted_saved_us']:.1f} us saved")
+    for r in results:  # wall time and peak RSS (the process's, up to this job's export), where the weights are
+        b = r.details.get("build") if r.ok else None
+        if b:
+            print(f"build {r.name}: {b['wall_s']:.1f} s wall, peak RSS {b['peak_rss_bytes'] / 2**20:.0f} MiB; "
+                  f"weights {b['weights_bytes'] / 2**20:.1f} MiB, {describe_weights(r.details.get('weights'))}")
     ok = sum(r.ok for r in results)
     print(f"\n{ok} of {len(results)} jobs succeeded")
 

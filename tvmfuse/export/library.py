@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -10,8 +9,13 @@ import tempfile
 import time
 
 from tvmfuse.errors import JobError
+from tvmfuse.export.digest import sha256_of
+from tvmfuse.export.weights import write_weights
 
 MANIFEST = "manifest.json"
+#: the export layout's version: 2 added "weights" (embedded in model.so, or a tensor cache in weights/);
+#: exports without "format" are 1 (weights always embedded)
+FORMAT = 2
 LIBRARY = "model.so"
 
 
@@ -31,24 +35,22 @@ def check_safe_name(name: str) -> None:
                        "not a path")
 
 
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def export(executable, manifest: dict, dest: str, extra_files: dict[str, str] | None = None) -> str:
-    """Write the library and manifest to a temporary folder beside `dest`, then move it into place."""
+def export(executable, manifest: dict, dest: str, extra_files: dict[str, str] | None = None,
+           weights: list | None = None, late=None) -> str:
+    """Write the library and manifest to a temporary folder beside `dest`, then move it into place. `weights`
+    (main's weight parameters, tvmfuse.weights.unbind_weights): stored beside the library in weights/ (manifest
+    "weights": every file's sha256); None: the library embeds them (manifest "weights": {"storage": "embedded"}). `late()`: manifest entries
+    known only once the rest is written (the build's peak memory)."""
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.", dir=parent)
     try:
         lib = os.path.join(tmp, LIBRARY)
         executable.export_library(lib)
-        manifest = {**manifest, "library": LIBRARY, "sha256": sha256_of(lib),
+        stored = write_weights(tmp, weights) if weights is not None else {"storage": "embedded"}
+        manifest = {**manifest, "format": FORMAT, "library": LIBRARY, "sha256": sha256_of(lib), "weights": stored,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        manifest.update(late() if late else {})
         for fname, text in (extra_files or {}).items():
             with open(os.path.join(tmp, fname), "w", encoding="utf-8") as f:
                 f.write(text)

@@ -1,4 +1,4 @@
-"""Load an exported model: check the manifest's sha256, load the library, run it in a Relax VM."""
+"""Load an exported model: check the manifest's sha256s, load the library (and its weights), run it in a Relax VM."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import tvm
 from tvm import relax
 
 from tvmfuse.errors import TvmfuseError
-from tvmfuse.export.library import LIBRARY, MANIFEST, sha256_of
+from tvmfuse.export.digest import sha256_of
+from tvmfuse.export.library import FORMAT, LIBRARY, MANIFEST
+from tvmfuse.export.weights import load_weights
 from tvmfuse.targets import device_for
 from tvmfuse.verify.outputs import to_numpy
 
@@ -35,6 +37,11 @@ class LoadedModel:
         elif isinstance(device, str):
             device = tvm.device(device, 0)
         self.device = device
+        if self.manifest.get("format", 1) > FORMAT:
+            raise TvmfuseError(f"{manifest_path}: export format {self.manifest['format']} is newer than this "
+                               f"tvmfuse reads ({FORMAT}); update tvmfuse")
+        stored = self.manifest.get("weights") or {"storage": "embedded"}
+        self.weights = load_weights(folder, stored, device) if stored["storage"] != "embedded" else []
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(lib), device)
         self.input_names = [t["name"] for t in self.manifest["inputs"]]
 
@@ -48,7 +55,7 @@ class LoadedModel:
             raise TypeError(f"expected {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(args)}")
         tensors = [a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(np.asarray(a), self.device)
                    for a in args]
-        out = self.vm["main"](*tensors)
+        out = self.vm["main"](*tensors, *self.weights)
         return to_numpy(out)
 
 

@@ -16,8 +16,9 @@ __all__ = ["from_onnx", "unsupported_ops"]
 
 
 def from_onnx(model: onnx.ModelProto, shape_dict: dict[str, list[int | str]] | None = None,
-              keep_params_in_input: bool = True) -> tvm.IRModule:
-    """Drop-in for `tvm.relax.frontend.onnx.from_onnx`: dims in `shape_dict` are specialised, the rest stay symbolic."""
+              keep_params_in_input: bool = True, folder: str | None = None) -> tvm.IRModule:
+    """Drop-in for `tvm.relax.frontend.onnx.from_onnx`: dims in `shape_dict` are specialised, the rest stay symbolic.
+    `folder`: where the model's external data files are (the model file's folder; None: the current directory)."""
     missing = unsupported_ops(model)
     if missing:
         op, name = missing[0]
@@ -25,9 +26,9 @@ def from_onnx(model: onnx.ModelProto, shape_dict: dict[str, list[int | str]] | N
         raise ModelError(f"cannot import ONNX op {op} (node {name!r}): no Relax converter for it{more}")
     pinned = pin_input_dims(model, shape_dict)
     try:
-        folded = ort_fold(pinned)
+        folded = ort_fold(pinned, folder)
     except Exception as exc:  # noqa: BLE001 - folding is an optimisation; convert the unfolded graph instead
         warnings.warn(f"onnxruntime constant folding skipped: {str(exc).strip().splitlines()[0][:200]}")
         folded = pinned
     # The pinned dims are now in the graph inputs themselves (TVM's shape_dict takes no symbolic names).
-    return import_graph(inline_small_initializers(folded), None, keep_params_in_input)
+    return import_graph(inline_small_initializers(folded, folder), None, keep_params_in_input, folder)

@@ -13,6 +13,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as _tvm_onnx
 
 from tvmfuse.errors import ModelError
 from tvmfuse.frontend.convert_map import convert_map, unsupported_nodes
+from tvmfuse.frontend.onnx_io import has_external_data, is_external, read_external
 
 
 # Ops whose TVM (or tvmfuse) converters accept shape-valued (relax.ShapeExpr) inputs.
@@ -72,6 +73,14 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
                 why = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
                 raise ModelError(f"cannot import ONNX op {node.op_type} (node {node.name!r}): {why}") from err
 
+    folder = "."  # where external data files are (import_graph sets the model's folder)
+
+    def _parse_array(self, tensor_proto: onnx.TensorProto) -> tvm.runtime.Tensor:
+        """An initializer's values; external data is read from its file in the model's folder, not the cwd."""
+        if not is_external(tensor_proto):
+            return super()._parse_array(tensor_proto)
+        return tvm.runtime.tensor(read_external(tensor_proto, self.folder))
+
     def _convert_operator(self, op_name, inputs, attrs, opset):
         cmap = convert_map()
         if op_name not in cmap:
@@ -89,13 +98,17 @@ def _opset(model: onnx.ModelProto) -> int:
     return 1
 
 
-def import_graph(model: onnx.ModelProto, shape_dict=None, keep_params_in_input: bool = True) -> tvm.IRModule:
-    """Convert an (already pre-processed) ONNX model with the tvmfuse importer."""
+def import_graph(model: onnx.ModelProto, shape_dict=None, keep_params_in_input: bool = True,
+                 folder: str | None = None) -> tvm.IRModule:
+    """Convert an (already pre-processed) ONNX model with the tvmfuse importer; external data is read from
+    `folder` (the model file's folder; None: the current directory)."""
     if model.ir_version < 3:
         raise ModelError(f"ONNX IR version {model.ir_version} is too old (need >= 3)")
-    try:
-        onnx.checker.check_model(model)
-    except Exception as exc:  # noqa: BLE001 - same as TVM: checker problems are only warnings
-        warnings.warn(str(exc))
+    if not has_external_data(model):  # an external-data model was checked by path when loaded
+        try:
+            onnx.checker.check_model(model)
+        except Exception as exc:  # noqa: BLE001 - same as TVM: checker problems are only warnings
+            warnings.warn(str(exc))
     importer = Importer(shape_dict, "float32", keep_params_in_input=keep_params_in_input, sanitize=True)
+    importer.folder = folder or "."
     return importer.from_onnx(model.graph, _opset(model))

@@ -10,6 +10,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.errors import ModelError
+from tvmfuse.frontend import onnx_io
 from tvmfuse.frontend.convert import from_onnx, unsupported_ops
 
 ShapeSpec = dict[str, list[int | str]]  # input name -> dims (ints, or names kept symbolic)
@@ -51,26 +52,30 @@ def load_onnx(path: str) -> onnx.ModelProto:
         raise ModelError(f"{path}: is a directory, not an ONNX file")
     if os.path.getsize(path) == 0:
         raise ModelError(f"{path}: empty file")
-    try:
-        model = onnx.load(path)
+    try:  # the graph only: external data stays in its files (read by the importer, checked here)
+        model = onnx.load(path, load_external_data=False)
     except Exception as err:  # protobuf raises DecodeError, onnx raises several others
         raise ModelError(f"{path}: not a readable ONNX model ({type(err).__name__}: {_first_line(err)})") from None
     if not model.graph.node and not model.graph.output:
         raise ModelError(f"{path}: not an ONNX model (no graph: truncated or another kind of file)")
+    if onnx_io.has_external_data(model):  # files present and long enough, then the checker reads the file itself
+        onnx_io.check_external_data(model, os.path.dirname(os.path.abspath(path)), path)
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(path if onnx_io.has_external_data(model) else model)
     except Exception as err:
         raise ModelError(f"{path}: invalid ONNX model: {_first_line(err)}") from None
     return model
 
 
-def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source: str = "model") -> Imported:
-    """ONNX -> Relax with weights detached; `shapes` fixes input dims (by input name or by dim name)."""
+def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source: str = "model",
+                 folder: str | None = None) -> Imported:
+    """ONNX -> Relax with weights detached; `shapes` fixes input dims (by input name or by dim name). `folder`: where
+    the model's external data files are (the model file's folder; None: the current directory)."""
     _check_supported(model, source)
     inputs = _graph_inputs(model)
     shape_dict = _resolve_shapes(inputs, shapes or {}, source)
     try:
-        mod = from_onnx(model, shape_dict=shape_dict or None, keep_params_in_input=True)
+        mod = from_onnx(model, shape_dict=shape_dict or None, keep_params_in_input=True, folder=folder)
     except ModelError:
         raise
     except Exception as err:

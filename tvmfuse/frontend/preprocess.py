@@ -7,6 +7,8 @@ import tempfile
 
 import onnx
 
+from tvmfuse.frontend.onnx_io import has_external_data, is_external, materialize
+
 
 def pin_input_dims(model: onnx.ModelProto, shape_dict: dict | None) -> onnx.ModelProto:
     """A copy of `model` whose graph inputs named in `shape_dict` carry those dims (int: fixed, str: symbolic)."""
@@ -30,9 +32,16 @@ def pin_input_dims(model: onnx.ModelProto, shape_dict: dict | None) -> onnx.Mode
     return model_copy
 
 
-def ort_fold(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Constant-fold with onnxruntime's basic offline optimizer (standard ONNX ops; symbolic dims stay symbolic)."""
+def ort_fold(model: onnx.ModelProto, folder: str | None = None) -> onnx.ModelProto:
+    """Constant-fold with onnxruntime's basic offline optimizer (standard ONNX ops; symbolic dims stay symbolic).
+    Initializers stored as external data are graph inputs while it folds (`without_external_weights`): the graph
+    handed to onnxruntime is small however large the weights, and they come back unread, as they were."""
     import onnxruntime as ort  # noqa: PLC0415
+
+
+    if has_external_data(model):
+        skeleton, weights = without_external_weights(model)
+        return with_weights(ort_fold(skeleton), weights)
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "folded.onnx")
@@ -54,12 +63,41 @@ def _is_weight(init: onnx.TensorProto) -> bool:
     return init.data_type in floating and size > 1
 
 
-def inline_small_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+def without_external_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """A copy of `model` whose external-data initializers are graph inputs instead, and those initializers."""
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    weights = [init for init in out.graph.initializer if is_external(init)]
+    names = {w.name for w in weights}
+    kept = [init for init in out.graph.initializer if init.name not in names]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    declared = {i.name for i in out.graph.input}
+    out.graph.input.extend(onnx.helper.make_tensor_value_info(w.name, w.data_type, list(w.dims))
+                           for w in weights if w.name not in declared)
+    return out, weights
+
+
+def with_weights(model: onnx.ModelProto, weights: list[onnx.TensorProto]) -> onnx.ModelProto:
+    """`model` with `weights` (from `without_external_weights`) initializers again, no longer graph inputs."""
+    names = {w.name for w in weights}
+    kept = [i for i in model.graph.input if i.name not in names]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    model.graph.initializer.extend(weights)
+    return model
+
+
+def inline_small_initializers(model: onnx.ModelProto, folder: str | None = None) -> onnx.ModelProto:
     """Turn integer/bool and scalar initializers into Constant nodes, so that with `keep_params_in_input`
-    only real weights become function parameters and shape arithmetic stays foldable at import."""
+    only real weights become function parameters and shape arithmetic stays foldable at import (an external
+    one's values are read from `folder` for that)."""
+
     graph = model.graph
     keep = [init for init in graph.initializer if _is_weight(init)]
-    inline = [init for init in graph.initializer if not _is_weight(init)]
+    inline = [materialize(init, folder or ".") if is_external(init) else init
+              for init in graph.initializer if not _is_weight(init)]
     if not inline:
         return model
     names = {init.name for init in inline}

@@ -9,6 +9,7 @@ import onnx
 import tvm
 from tvm import relax
 
+from tvmfuse.frontend import onnx_io
 
 #: (atol, rtol) per output dtype: an element passes when |tvm - ort| <= atol + rtol * |ort|.
 TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2), "float64": (1e-7, 1e-7)}
@@ -54,16 +55,17 @@ def module_inputs(arrays, io_dtype: str | None = None) -> list[np.ndarray]:
     return [cast_array(a, io_dtype) if a.dtype == np.float32 else a for a in arrays]
 
 
-def run_vm(vm: relax.VirtualMachine, device, arrays: list[np.ndarray], io_dtype: str | None = None) -> list[np.ndarray]:
-    """Run `main`; float32 `arrays` are cast to the module's interface dtype `io_dtype` first."""
-    return to_numpy(vm["main"](*[tvm.runtime.tensor(a, device) for a in module_inputs(arrays, io_dtype)]))
+def run_vm(vm: relax.VirtualMachine, device, arrays: list[np.ndarray], io_dtype: str | None = None,
+           weights=()) -> list[np.ndarray]:
+    """Run `main`; float32 `arrays` are cast to the module's interface dtype `io_dtype` first; `weights`: main's
+    weight parameters (weights outside the library), passed after the inputs."""
+    return to_numpy(vm["main"](*[tvm.runtime.tensor(a, device) for a in module_inputs(arrays, io_dtype)], *weights))
 
 
-def onnxruntime_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    import onnxruntime as ort  # pylint: disable=import-outside-toplevel
-
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
+def onnxruntime_outputs(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """onnxruntime's outputs on `feeds`; `model` a path: the session opens the file (external data from the model's
+    folder, never one serialized proto), without pre-packed weight copies; else the proto, serialized."""
+    return onnx_io.ort_session(model, low_memory=isinstance(model, str)).run(None, feeds)
 
 
 def tolerance(output_dtype: str, compute_dtype: str | None = None) -> tuple[float, float]:

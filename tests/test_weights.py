@@ -1,0 +1,221 @@
+"""Weights outside the library (tvmfuse.export.weights, tvmfuse.frontend.onnx_io): ONNX external data, the tensor-cache export,
+loading it (tvmfuse.load, plain TVM), bad input, and a model over protobuf's 2 GB limit (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import onnx_models
+from conftest import ROOT
+from tvmfuse.cli.tune import main
+from tvmfuse.errors import TvmfuseError
+from tvmfuse.export.runtime import load
+from tvmfuse.verify import onnxruntime_outputs
+
+TUNE = os.path.join(ROOT, "scripts", "tune.py")
+
+
+def tiny_external(folder, name="tiny", k=64, n=96) -> str:
+    """MatMul -> LayerNorm -> Gelu, every initializer external data in `folder`/weights/NAME.data."""
+    rng = np.random.default_rng(0)
+    inits = [onnx.numpy_helper.from_array((rng.standard_normal((k, n)) / 8).astype("float32"), "w"),
+             onnx.numpy_helper.from_array(rng.standard_normal(n).astype("float32"), "g"),
+             onnx.numpy_helper.from_array(rng.standard_normal(n).astype("float32"), "b")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]),
+             helper.make_node("LayerNormalization", ["mm", "g", "b"], ["ln"], axis=-1, epsilon=1e-5),
+             helper.make_node("Gelu", ["ln"], ["y"])]
+    model = onnx_models._model(nodes, [onnx_models._f32("x", [4, k])], [onnx_models._f32("y", [4, n])], inits)
+    os.makedirs(os.path.join(folder, "weights"), exist_ok=True)
+    path = os.path.join(folder, f"{name}.onnx")
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=f"weights/{name}.data", size_threshold=0)
+    return path
+
+
+def _tune(model, out, cwd, *extra):
+    return subprocess.run([sys.executable, TUNE, "--target", "llvm", "--trials", "0", str(model), "--out", str(out),
+                           "--logs", str(out) + "-logs", "--schedules", "none", *extra],
+                          capture_output=True, text=True, cwd=cwd, timeout=900,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    """The tiny external-data model built from another folder (external data is read beside the model)."""
+    tmp = tmp_path_factory.mktemp("ext")
+    model = tiny_external(str(tmp / "model"))
+    (tmp / "elsewhere").mkdir()
+    cwd = os.getcwd()
+    os.chdir(tmp / "elsewhere")
+    try:
+        assert main([model, "--target", "llvm", "--trials", "0", "--out", str(tmp / "out"), "--logs",
+                     str(tmp / "logs"), "--schedules", "none"]) == 0
+    finally:
+        os.chdir(cwd)
+    return model, tmp / "out" / "tiny-llvm"
+
+
+def test_external_data_in_a_sub_folder_builds_verifies_and_loads(tiny_export, tmp_path, monkeypatch):
+    model, export = tiny_export
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["format"] == 2 and manifest["verification"]["status"] == "passed"
+    stored = manifest["weights"]
+    assert stored["storage"] == "tvm-tensor-cache" and stored["encoding"] == "raw"
+    assert stored["count"] == 1 and stored["nbytes"] == 64 * 96 * 4  # w; the LayerNorm's 96-float g, b stay inline
+    assert sorted(os.listdir(export / "weights")) == sorted(stored["files"])
+    assert manifest["build"]["wall_s"] > 0 and manifest["build"]["peak_rss_bytes"] > 0
+    assert manifest["build"]["weights_bytes"] == (64 * 96 + 2 * 96) * 4
+    monkeypatch.chdir(tmp_path)  # loading does not depend on the cwd either
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype("float32")
+    np.testing.assert_allclose(load(str(export))(x)[0], onnxruntime_outputs(model, {"x": x})[0], atol=1e-4, rtol=1e-4)
+
+
+def test_weights_stay_out_of_the_library(tiny_export, tmp_path):
+    """The same graph with inline weights embeds them: its library is larger by about the weights' bytes."""
+    _, export = tiny_export
+    inline = onnx.load(tiny_external(str(tmp_path / "m")))  # loads the external data back in
+    onnx.save(inline, tmp_path / "inline.onnx")
+    assert main([str(tmp_path / "inline.onnx"), "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "out"),
+                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
+    embedded = tmp_path / "out" / "inline-llvm"
+    assert json.loads((embedded / "manifest.json").read_text())["weights"] == {"storage": "embedded"}
+    assert not (embedded / "weights").exists()
+    grown = os.path.getsize(embedded / "model.so") - os.path.getsize(export / "model.so")
+    assert grown >= 64 * 96 * 4 * 0.9, grown
+    totals = [json.loads((e / "manifest.json").read_text())["fusion"] for e in (export, embedded)]
+    assert totals[0] == totals[1]  # the report's stock lowering (weights as stand-in params) counts the same
+
+
+def test_plain_tvm_recipe_in_the_readme_loads_the_weights(tiny_export, tmp_path, monkeypatch):
+    """The README's nothing-but-TVM recipe for an export with weights/, run as written (folder and input set)."""
+    model, export = tiny_export
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = re.search(r"With nothing but TVM, weights outside.*?```python\n(.*?)```", readme, re.S)
+    assert block, "README: no plain-TVM recipe for weights outside the library"
+    x = np.random.default_rng(2).standard_normal((4, 64)).astype("float32")
+    monkeypatch.chdir(tmp_path)
+    scope = {"x": x}
+    code = block.group(1).replace('"out/big-llvm"', repr(str(export)))
+    exec(compile(code, "README.md", "exec"), scope)  # pylint: disable=exec-used
+    np.testing.assert_allclose(scope["y"].numpy(), onnxruntime_outputs(model, {"x": x})[0], atol=1e-4, rtol=1e-4)
+
+
+def test_changed_weight_shard_is_refused_at_load(tiny_export, tmp_path):
+    _, export = tiny_export
+    copy = tmp_path / "copy"
+    shutil.copytree(export, copy)
+    shard = copy / "weights" / "params_shard_0.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(TvmfuseError, match=r"params_shard_0.bin: sha256 does not match manifest.json"):
+        load(str(copy))
+    shard.unlink()
+    with pytest.raises(TvmfuseError, match=r"params_shard_0.bin: missing"):
+        load(str(copy))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_missing_or_truncated_external_data_is_one_error_line(tmp_path, damage):
+    model = tiny_external(str(tmp_path / "m"))
+    data = tmp_path / "m" / "weights" / "tiny.data"
+    if damage == "missing":
+        data.unlink()
+    else:
+        data.write_bytes(data.read_bytes()[:1000])
+    proc = _tune(model, tmp_path / "out", str(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = _errors(proc.stderr)
+    want = "weights/tiny.data (initializer w) is missing" if damage == "missing" else "weights/tiny.data is truncated"
+    assert len(errors) == 1 and want in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")  # nothing half-written
+
+
+def test_too_little_memory_for_the_reference_skips_verification(tmp_path, monkeypatch):
+    model = tiny_external(str(tmp_path / "m"))
+    monkeypatch.setenv("TVMFUSE_AVAILABLE_MEMORY", str(1 << 20))
+    assert main([model, "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "out"), "--logs",
+                 str(tmp_path / "logs"), "--schedules", "none"]) == 0
+    verification = json.loads((tmp_path / "out" / "tiny-llvm" / "manifest.json").read_text())["verification"]
+    assert verification["status"] == "skipped" and "too little free memory" in verification["reason"]
+
+
+def big_chain(folder, layers: int = 9, dim: int = 8192, rows: int = 4) -> tuple[str, int]:
+    """y = x @ W0 @ W1 ... (fp32 [dim, dim] each; 9 x 8192^2 x 4 B = 2.4 GB): the weights written to
+    `folder`/big.onnx.data one at a time (4 KiB-aligned), the graph to big.onnx. Returns (path, weight bytes)."""
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    inits, nodes, offset = [], [], 0
+    with open(os.path.join(folder, "big.onnx.data"), "wb") as f:
+        for i in range(layers):
+            w = rng.standard_normal((dim, dim), dtype=np.float32)
+            w *= np.float32(1 / np.sqrt(dim))
+            offset = (offset + 4095) // 4096 * 4096
+            f.seek(offset)
+            w.tofile(f)
+            t = TensorProto(name=f"w{i}", dims=[dim, dim], data_type=TensorProto.FLOAT,
+                            data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", "big.onnx.data"), ("offset", str(offset)), ("length", str(w.nbytes))):
+                t.external_data.add(key=key, value=value)
+            inits.append(t)
+            offset += w.nbytes
+            del w
+            nodes.append(helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", f"w{i}"],
+                                          ["y" if i == layers - 1 else f"h{i + 1}"]))
+    graph = helper.make_graph(nodes, "big", [onnx_models._f32("x", [rows, dim])], [onnx_models._f32("y", [rows, dim])],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+    path = os.path.join(folder, "big.onnx")
+    onnx.save_model(model, path)  # the graph only: its initializers already point at big.onnx.data
+    return path, layers * dim * dim * 4
+
+
+@pytest.mark.slow
+def test_model_over_2gb_builds_verifies_and_exports_with_weights_outside(tmp_path):
+    """9 x [8192, 8192] fp32 MatMuls (2.4 GB of external data): over protobuf's 2 GB limit. Built in a subprocess
+    (its own peak RSS, in the manifest): verified against onnxruntime, model.so under 50 MB, peak RSS under 3x
+    the weights' bytes."""
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if free < 8 << 30:
+        pytest.skip(f"needs ~8 GB of free memory ({free / 2**30:.1f} GB free)")
+    path, weight_bytes = big_chain(str(tmp_path / "m"), rows=1)
+    assert weight_bytes > 2 << 30
+    proc = _tune(path, tmp_path / "out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    export = tmp_path / "out" / "big-llvm"
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed", manifest["verification"]
+    assert os.path.getsize(export / "model.so") < 50 << 20
+    stored = manifest["weights"]
+    assert stored["storage"] == "tvm-tensor-cache" and stored["nbytes"] == weight_bytes and stored["count"] == 9
+    assert sum(os.path.getsize(export / "weights" / f) for f in stored["files"]) >= weight_bytes
+    build = manifest["build"]
+    assert build["weights_bytes"] == weight_bytes
+    assert build["peak_rss_bytes"] < 3 * weight_bytes, build
+    assert re.search(r"build big: [\d.]+ s wall, peak RSS \d+ MiB", proc.stdout), proc.stdout[-2000:]
+    print(f"build: {build['wall_s']} s wall, peak RSS {build['peak_rss_bytes'] / 2**30:.2f} GiB "
+          f"({build['peak_rss_bytes'] / weight_bytes:.2f}x the weights)")
+
+
+def test_plan_reads_external_data_beside_the_model(tmp_path, monkeypatch, capsys):
+    from tvmfuse.cli.plan import main as plan_main  # pylint: disable=import-outside-toplevel
+
+    model = tiny_external(str(tmp_path / "m"))
+    monkeypatch.chdir(tmp_path)  # not the model's folder
+    assert plan_main([model, "--target", "llvm", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["totals"]["kept"] == 2

@@ -1,0 +1,117 @@
+"""ONNX files whose weights are external data (`model.onnx` + `model.onnx.data`), read without ever holding the whole
+model in one protobuf message (protobuf cannot serialize one over 2 GB).
+
+The graph is loaded without its external data; each external initializer is checked against its file (present,
+long enough) and read from there, relative to the model's own folder, when the importer needs its values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from tvmfuse.errors import ModelError
+
+EXTERNAL = TensorProto.EXTERNAL
+
+
+def is_external(tensor: onnx.TensorProto) -> bool:
+    return tensor.HasField("data_location") and tensor.data_location == EXTERNAL
+
+
+def external_initializers(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in model.graph.initializer if is_external(t)]
+
+
+def has_external_data(model: onnx.ModelProto) -> bool:
+    return any(is_external(t) for t in model.graph.initializer)
+
+
+def _info(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of the tensor's values (from dims and dtype; raw or external data alike)."""
+    count = 1
+    for d in tensor.dims:
+        count *= d
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def weights_nbytes(model: onnx.ModelProto) -> int:
+    """Bytes of every initializer (the model's weights), without reading them."""
+    return sum(tensor_nbytes(t) for t in model.graph.initializer)
+
+
+def _location(tensor: onnx.TensorProto, folder: str, source: str) -> tuple[str, int, int]:
+    """(file, offset, length) of an external initializer, the file relative to `folder` (the model's folder)."""
+    info = _info(tensor)
+    where = info.get("location", "")
+    if not where or os.path.isabs(where) or os.path.normpath(where).startswith(".."):
+        raise ModelError(f"{source}: initializer {tensor.name}: external data location {where!r} is not a "
+                         "path inside the model's folder")
+    offset = int(info.get("offset", 0) or 0)
+    length = int(info["length"]) if info.get("length") else tensor_nbytes(tensor)
+    return os.path.join(folder, where), offset, length
+
+
+def check_external_data(model: onnx.ModelProto, folder: str, source: str) -> None:
+    """Every external initializer's file exists and holds its bytes (offset + length); else one ModelError."""
+    sizes: dict[str, int] = {}
+    for tensor in external_initializers(model):
+        path, offset, length = _location(tensor, folder, source)
+        if path not in sizes:
+            if not os.path.isfile(path):
+                raise ModelError(f"{source}: external data file {os.path.relpath(path, folder)} (initializer "
+                                 f"{tensor.name}) is missing; it must lie beside the model as its location says")
+            sizes[path] = os.path.getsize(path)
+        if length != tensor_nbytes(tensor):
+            raise ModelError(f"{source}: initializer {tensor.name}: external data length {length} bytes, its "
+                             f"shape and dtype need {tensor_nbytes(tensor)}")
+        if offset + length > sizes[path]:
+            raise ModelError(f"{source}: external data file {os.path.relpath(path, folder)} is truncated: "
+                             f"{sizes[path]} bytes, initializer {tensor.name} needs bytes {offset}..{offset + length}")
+
+
+def read_external(tensor: onnx.TensorProto, folder: str, source: str = "model") -> np.ndarray:
+    """The values of an external initializer, read from its file (one copy in memory; the proto stays empty)."""
+    path, offset, length = _location(tensor, folder, source)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
+    if tensor.data_type in (TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2):
+        raise ModelError(f"{source}: initializer {tensor.name}: external {TensorProto.DataType.Name(tensor.data_type)} "
+                         "weights are not supported yet")
+    count = length // dtype.itemsize
+    with open(path, "rb") as f:
+        f.seek(offset)
+        array = np.fromfile(f, dtype=dtype, count=count)
+    if array.size != count:
+        raise ModelError(f"{source}: external data file {path} is truncated (initializer {tensor.name})")
+    return array.astype(dtype.newbyteorder("="), copy=False).reshape(tuple(tensor.dims))
+
+
+def materialize(tensor: onnx.TensorProto, folder: str, source: str = "model") -> onnx.TensorProto:
+    """A copy of an external initializer with its values inline (for small tensors that become Constant nodes)."""
+    out = onnx.TensorProto()
+    out.CopyFrom(tensor)
+    out.raw_data = read_external(tensor, folder, source).astype(
+        np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")).tobytes()
+    del out.external_data[:]
+    out.data_location = TensorProto.DEFAULT
+    return out
+
+
+def ort_session(model: onnx.ModelProto | str, options=None, low_memory: bool = False):
+    """An onnxruntime CPU session: from the file when given a path (its external data read from the model's
+    folder, nothing serialized), from the serialized proto otherwise. `low_memory`: no pre-packed copies of the
+    weights (MatMul's packed B doubled a big model's weights)."""
+    import onnxruntime as ort  # pylint: disable=import-outside-toplevel
+
+    opts = options or ort.SessionOptions()
+    if low_memory:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+    source = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
