@@ -1,4 +1,6 @@
-"""Export tiny random Hugging Face GPT-2, BERT and Llama models to ONNX with dynamic batch and sequence."""
+"""Export tiny random Hugging Face models (GPT-2, BERT, Llama; Qwen2, GPT-NeoX, Gemma, OPT) to ONNX with dynamic
+batch and sequence; with an attention_mask input, or (`ids_only`) with input_ids alone, as decoders are often
+exported (transformers then builds the causal mask inside the graph)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ import torch
 
 VOCAB, HIDDEN, LAYERS, HEADS = 128, 64, 2, 4
 DYNAMIC = {0: "batch", 1: "seq"}
+
+
+#: decoders whose exports are tested with input_ids alone (besides gpt2 and llama): QKV bias, parallel residual,
+#: GeGLU with a scaled embedding, learned positions
+MORE_DECODERS = ("qwen2", "gpt_neox", "gemma", "opt")
 
 
 class _LogitsOnly(torch.nn.Module):
@@ -23,7 +30,19 @@ class _LogitsOnly(torch.nn.Module):
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def tiny_model(name: str) -> torch.nn.Module:
+class _IdsOnly(torch.nn.Module):
+    """Wrap a transformers model so it takes input_ids alone (no attention mask) and returns the first output."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        out = self.model(input_ids=input_ids, use_cache=False, return_dict=True)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def tiny_model(name: str, ids_only: bool = False) -> torch.nn.Module:
     """A tiny randomly initialised model built from a config in code (nothing downloaded)."""
     import transformers as tf
 
@@ -39,36 +58,85 @@ def tiny_model(name: str) -> torch.nn.Module:
         cfg = tf.LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_key_value_heads=2,
                              max_position_embeddings=128, **common)
         model = tf.LlamaForCausalLM(cfg)
+    elif name == "qwen2":  # QKV projections with bias
+        cfg = tf.Qwen2Config(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_key_value_heads=2,
+                             max_position_embeddings=128, **common)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif name == "gpt_neox":  # parallel residual, partial rotary
+        cfg = tf.GPTNeoXConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, max_position_embeddings=128,
+                               **common)
+        model = tf.GPTNeoXForCausalLM(cfg)
+    elif name == "gemma":  # GeGLU (tanh-GELU gate), embedding scaled by sqrt(hidden), (1 + w) RMSNorm
+        cfg = tf.GemmaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_key_value_heads=2, head_dim=16,
+                             max_position_embeddings=128, **common)
+        model = tf.GemmaForCausalLM(cfg)
+    elif name == "opt":  # learned positions (offset 2, computed from a cumsum of the mask)
+        cfg = tf.OPTConfig(hidden_size=HIDDEN, ffn_dim=4 * HIDDEN, max_position_embeddings=128,
+                           word_embed_proj_dim=HIDDEN, **common)
+        model = tf.OPTForCausalLM(cfg)
     else:
         raise ValueError(name)
-    return _LogitsOnly(model.eval())  # default attention (sdpa), as a new user would export it
+    wrap = _IdsOnly if ids_only else _LogitsOnly
+    return wrap(model.eval())  # default attention (sdpa), as a new user would export it
 
 
-def example_inputs(batch: int = 2, seq: int = 7, seed: int = 0):
-    """int64 input_ids and an all-ones attention_mask, as numpy arrays."""
+def example_inputs(batch: int = 2, seq: int = 7, seed: int = 0, ids_only: bool = False):
+    """int64 input_ids and (unless `ids_only`) an all-ones attention_mask, as numpy arrays."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, VOCAB, size=(batch, seq), dtype=np.int64)
-    return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+    return {"input_ids": ids} if ids_only else {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
 
 
-def export(name: str, exporter: str, folder: str) -> str:
-    """Export model `name` through `exporter` ('legacy' opset 17 or 'dynamo' opset 20); return the .onnx path."""
-    path = os.path.join(folder, f"{name}_{exporter}.onnx")
+def _diff_symbolic(g, x, n, dim, prepend, append):
+    """aten::diff (first order) for the legacy exporter, which has none: transformers 5's mask builder takes
+    torch.diff of the position ids when no attention mask is given (find_packed_sequence_indices)."""
+    from torch.onnx import symbolic_helper as sh
+
+    if sh._parse_arg(n, "i") != 1:  # pylint: disable=protected-access
+        raise RuntimeError("only first-order diff is exported")
+    dim = sh._parse_arg(dim, "i")  # pylint: disable=protected-access
+    parts = [p for p in (prepend, x, append) if not sh._is_none(p)]  # pylint: disable=protected-access
+    x = g.op("Concat", *parts, axis_i=dim) if len(parts) > 1 else x
+    axes = g.op("Constant", value_t=torch.tensor([dim]))
+
+    def part(start, end):
+        return g.op("Slice", x, g.op("Constant", value_t=torch.tensor([start])),
+                    g.op("Constant", value_t=torch.tensor([end])), axes)
+
+    return g.op("Sub", part(1, 2 ** 62), part(0, -1))
+
+
+def _cumsum_symbolic(g, x, dim, dtype):
+    """aten::cumsum for the legacy exporter with a bool input cast to int64 first (torch's writes CumSum of a bool
+    tensor, which the ONNX checker and onnxruntime reject: the mask builder's `(diff != 1).cumsum(-1)`)."""
+    from torch.onnx import symbolic_opset11
+
+    if x.type().scalarType() == "Bool":
+        x = g.op("Cast", x, to_i=7)  # INT64, as torch's bool cumsum
+    return symbolic_opset11.cumsum(g, x, dim, dtype)
+
+
+def export(name: str, exporter: str, folder: str, ids_only: bool = False) -> str:
+    """Export model `name` through `exporter` ('legacy' opset 17 or 'dynamo' opset 20); return the .onnx path.
+    `ids_only`: the model's only input is input_ids."""
+    path = os.path.join(folder, f"{name}_{exporter}{'_ids' if ids_only else ''}.onnx")
     if os.path.exists(path):
         return path
-    model = tiny_model(name)
-    args = tuple(torch.from_numpy(v) for v in example_inputs().values())
-    names = ["input_ids", "attention_mask"]
+    model = tiny_model(name, ids_only)
+    args = tuple(torch.from_numpy(v) for v in example_inputs(ids_only=ids_only).values())
+    names = ["input_ids"] if ids_only else ["input_ids", "attention_mask"]
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         if exporter == "legacy":
+            torch.onnx.register_custom_op_symbolic("aten::diff", _diff_symbolic, 17)
+            torch.onnx.register_custom_op_symbolic("aten::cumsum", _cumsum_symbolic, 17)
             torch.onnx.export(model, args, path, input_names=names, output_names=["out"], opset_version=17,
                               dynamic_axes={n: DYNAMIC for n in names}, dynamo=False)
         elif exporter == "dynamo":
             b, s = torch.export.Dim("batch"), torch.export.Dim("seq", min=2, max=128)
-            shapes = {"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: s}}
+            shapes = {n: {0: b, 1: s} for n in names}
             torch.onnx.export(model, args, path, input_names=names, output_names=["out"], opset_version=20,
                               dynamic_shapes=shapes, dynamo=True, external_data=False)
         else:

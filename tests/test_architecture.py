@@ -13,7 +13,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: the stages in data-flow order; a module may import its own package, any earlier one and the shared modules
 ORDER = ["frontend", "prepare", "patterns", "decide", "fuse", "kernels", "spaces", "tune", "build", "verify",
          "export", "jobs", "pipeline", "cli"]
-SHARED = {"errors", "targets", "version", "inspect_cache", "records"}  # used by every stage; import no stage
+SHARED = {"errors", "targets", "version", "inspect_cache", "isolation", "records"}  # used by every stage; import no stage
 ENTRY = {"", "__main__"}  # `tvmfuse` itself (tvmfuse.load) and `python -m tvmfuse`: they may import anything
 
 
@@ -128,3 +128,22 @@ def test_each_stage_package_says_what_it_does(package):
     path = os.path.join(ROOT, package, "__init__.py")
     doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read()))
     assert doc and len(doc) > 40, f"tvmfuse/{package}/__init__.py needs a docstring saying what the stage does"
+
+
+def test_no_package_hides_a_submodule_behind_a_name():
+    """`from .x import x` in a package's __init__ rebinds `pkg.x` to the function: `import pkg.x as m` then gets
+    the function, and monkeypatching the module misses (kernels.substitute was one)."""
+    hidden = []
+    for folder, dirs, files in os.walk(ROOT):
+        if "__init__.py" not in files:
+            continue
+        subs = {f[:-3] for f in files if f.endswith(".py")} | {d for d in dirs if os.path.isfile(
+            os.path.join(folder, d, "__init__.py"))}
+        tree = ast.parse(open(os.path.join(folder, "__init__.py"), encoding="utf-8").read())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    name = alias.asname or alias.name
+                    if name in subs and not node.module.endswith("." + name):
+                        hidden.append(f"{os.path.relpath(folder, ROOT)}: {name} (from {node.module})")
+    assert hidden == [], hidden

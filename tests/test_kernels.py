@@ -560,7 +560,7 @@ def test_gpt2_head_merge_is_in_the_attention_kernel(gpt2_prefill):
     from tvmfuse.decide.decision import decide
     from tvmfuse.fuse.fusion import lower
     from tvmfuse.frontend.importer import import_model, load_onnx
-    from tvmfuse.kernels.substitute import template_sites
+    from tvmfuse.kernels.substitution import template_sites
     from tvmfuse.kernels.attention.roles import attention_roles
     from tvmfuse.prepare import prepare_module
     from tvmfuse.targets import resolve_target

@@ -295,7 +295,7 @@ def test_half_precision_reference_computes_in_float32(tmp_path, llvm, monkeypatc
     from tvm.support.tar import tar
 
     from checks import decode_attention
-    from tvmfuse.kernels.substitute import call_sites as _call_sites
+    from tvmfuse.kernels.substitution import call_sites as _call_sites
     from tvmfuse.verify import kernels as check
 
     fused = decode_attention(4096)

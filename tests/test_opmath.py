@@ -11,7 +11,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.fuse.fusion import lower
-from tvmfuse.kernels.substitute import template_sites
+from tvmfuse.kernels.substitution import template_sites
 from tvmfuse.prepare.opmath import EXACT_SCALARS, exact_scalar
 from tvmfuse.patterns import fusion_patterns
 from tvmfuse.prepare.precision import to_compute_dtype

@@ -28,6 +28,8 @@ from tvmfuse.frontend.onnx_io import has_external_data, weights_nbytes
 from tvmfuse.frontend import DEFAULT_MODEL, Imported, import_model, load_onnx, make_tiny_block
 from tvmfuse.fuse import Bucketed, Fused, add_dispatch, check_buckets, kernel_calls, lower, lower_buckets
 from tvmfuse.fuse import verification_dims
+from tvmfuse.isolation import collecting
+from tvmfuse.isolation import current as failures_so_far
 from tvmfuse.jobs import Job
 from tvmfuse.kernels import apply_hopper_kernels, substitute
 from tvmfuse.prepare import prepare_module
@@ -224,6 +226,7 @@ def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: I
                              work_dir, lowered.bucketed)
     report = fusion_report(fused.plan, fused, {k: us for k, (_, us) in built.records.items() if us is not None})
     manifest["fusion"] = report["totals"]
+    manifest["failures"] = failures_so_far()  # kernels that fell back to their default schedule, and why
     output = export(built.executable, manifest, dest, extra_files=report_files(report),
                     weights=lowered.weights if lowered.weights else None,
                     late=lambda: {"build": weight_files.build_stats(started, weight_bytes)})
@@ -239,12 +242,14 @@ def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tun
     """Run one job end to end; user errors become a failed JobResult, never a traceback."""
     try:
         try:
-            return _run(job, target, out, logs_root, say, rpc, schedules)
+            with collecting(lambda s: say(f"[{job.name}] {s}")):  # per-kernel failures: warned, in the manifest
+                return _run(job, target, out, logs_root, say, rpc, schedules)
         except VerificationError as err:
             if not err.fp16_lookups:
                 raise
             say(f"[{job.name}] {err}; building again with the embedding lookups in fp32 (an fp32 residual stream)")
-            return _run(dataclasses.replace(job, fp16_lookups=False), target, out, logs_root, say, rpc, schedules)
+            with collecting(lambda s: say(f"[{job.name}] {s}")):
+                return _run(dataclasses.replace(job, fp16_lookups=False), target, out, logs_root, say, rpc, schedules)
     except TvmfuseError as err:
         return JobResult(job.name, ok=False, error=str(err), details={"exit_code": err.exit_code})
     except Exception as err:  # pylint: disable=broad-except  (one job's crash must not lose the others)

@@ -6,6 +6,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.s_tir import meta_schedule as ms
 
+from tvmfuse.isolation import REPLAY
+from tvmfuse.isolation import record as record_failure
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
 from tvmfuse.spaces.defaults import apply_default_schedules, default_kind
 
@@ -53,14 +55,26 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
     measured faster); the module must be exactly the one that was tuned."""
     if database is None:
         return mod
-    with target, database:
-        tuned = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+    tuned = mod.clone()
+    for gv, func in mod.functions.items():  # kernel by kernel: a record whose trace no longer applies is skipped
+        if isinstance(func, tirx.PrimFunc) and not _is_tirx(func):
+            try:
+                tuned[gv] = replay_record(gv, func, target, database)
+            except Exception as err:  # noqa: BLE001  (one stale record must not fail the build)
+                record_failure(gv.name_hint, REPLAY, err)
     for name in keep_default:
         tuned[name] = mod[name]
     for gv, func in mod.functions.items():  # TIRx kernels are never scheduled from records
         if _is_tirx(func):
             tuned[gv] = func
     return tuned
+
+
+def replay_record(gv, func: tirx.PrimFunc, target: tvm.target.Target, database: ms.Database) -> tirx.PrimFunc:
+    """`func` scheduled by its best record in `database` (MetaScheduleApplyDatabase on it alone), else `func`."""
+    with target, database:
+        one = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(tvm.IRModule({gv: func}))
+    return one[gv.name_hint]
 
 
 def schedule_kinds(mod: tvm.IRModule, target: tvm.target.Target | None = None) -> dict[str, str]:

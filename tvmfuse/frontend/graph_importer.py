@@ -13,6 +13,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as _tvm_onnx
 
 from tvmfuse.errors import ModelError
 from tvmfuse.frontend.convert_map import convert_map, unsupported_nodes
+from tvmfuse.frontend.lowering_check import note_sources, with_sources
 from tvmfuse.frontend.onnx_io import has_external_data, is_external, read_external
 
 
@@ -60,12 +61,14 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
 
     def _construct_nodes(self, graph: onnx.GraphProto):
         # TVM converts node by node; run it one node at a time so a failure can name the node.
+        self.op_sources = getattr(self, "op_sources", {})
         for node in graph.node:
             sub = onnx.GraphProto()
             sub.node.append(self._shape_inputs_as_tensors(node))
             try:
                 with contextlib.redirect_stdout(io.StringIO()):  # TVM prints its own partial message first
                     super()._construct_nodes(sub)
+                note_sources(self.bb, [self._nodes.get(o) for o in node.output], node, self.op_sources, {})
                 self._name_lost_dims(node)
             except ModelError:
                 raise
@@ -111,4 +114,5 @@ def import_graph(model: onnx.ModelProto, shape_dict=None, keep_params_in_input: 
             warnings.warn(str(exc))
     importer = Importer(shape_dict, "float32", keep_params_in_input=keep_params_in_input, sanitize=True)
     importer.folder = folder or "."
-    return importer.from_onnx(model.graph, _opset(model))
+    mod = importer.from_onnx(model.graph, _opset(model))
+    return with_sources(mod, getattr(importer, "op_sources", {}))  # named if a call is left unlowered

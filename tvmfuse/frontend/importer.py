@@ -12,6 +12,7 @@ from tvm import relax
 from tvmfuse.errors import ModelError
 from tvmfuse.frontend import onnx_io
 from tvmfuse.frontend.convert import from_onnx, unsupported_ops
+from tvmfuse.frontend.lowering_check import carry_sources
 
 ShapeSpec = dict[str, list[int | str]]  # input name -> dims (ints, or names kept symbolic)
 
@@ -80,7 +81,7 @@ def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source
         raise
     except Exception as err:
         raise ModelError(f"{source}: import failed: {type(err).__name__}: {_first_line(err)}") from None
-    mod, params = relax.frontend.detach_params(mod)
+    mod, params = (lambda pair: (carry_sources(mod, pair[0]), pair[1]))(relax.frontend.detach_params(mod))
     main = mod["main"]
     n_in = int(main.attrs["num_input"])
     infos = [_info(p.name, p.ty) for p in main.params[:n_in]]

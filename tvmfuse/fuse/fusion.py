@@ -14,6 +14,7 @@ from tvmfuse.fuse.legalize import LEGALIZE, one_kernel_splits
 from tvmfuse.fuse.opmath_groups import opmath_composites
 from tvmfuse.patterns import Recorder, fusion_patterns, start, stop
 from tvmfuse.patterns.attention import batched_transpose_source
+from tvmfuse.frontend.lowering_check import check_lowered
 
 DEFAULT_FUSION = "default fusion"
 
@@ -72,6 +73,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
         relax.transform.FuseTIR(),
         relax.transform.DeadCodeElimination(),
     ])(mod)
+    check_lowered(mod)  # an operator left here would fail VM codegen: name it and its ONNX node now
     mod, alias = dedup_prim_funcs(mod)
     kernels = set(called_prim_funcs(mod))
     rejections = ([(c.match.pattern, c.match.root, c.reason) for c in plan.candidates if c.decision != "kept"]

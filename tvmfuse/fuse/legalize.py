@@ -6,6 +6,8 @@ import tvm
 import tvm_ffi
 from tvm import relax, te, tirx, topi
 
+from tvmfuse.fuse.legalize_scan import LEGALIZE as SCAN_LEGALIZE  # cumsum / cumprod at symbolic shapes
+
 #: largest integer exponent written as a product
 MAX_PRODUCT_EXPONENT = 4
 
@@ -114,7 +116,7 @@ def _concat_last_axis(parts, widths: list[int]) -> te.Tensor:
     return te.compute(list(parts[0].shape[:-1]) + [ends[-1]], body, name="T_concat")
 
 
-LEGALIZE = {"relax.power": legalize_power, "relax.concat": legalize_concat}
+LEGALIZE = {"relax.power": legalize_power, "relax.concat": legalize_concat, **SCAN_LEGALIZE}
 
 
 def one_kernel_splits(mod: tvm.IRModule) -> tvm.IRModule:

@@ -2,7 +2,7 @@
 (`attention/`, by the template table) and, on sm_90a, the TIRx GEMM and row kernels (`hopper/`)."""
 
 from tvmfuse.kernels.hopper import apply_hopper_kernels, is_hopper
-from tvmfuse.kernels.substitute import lookup, substitute, template_sites, templates
+from tvmfuse.kernels.substitution import lookup, substitute, template_sites, templates
 from tvmfuse.kernels.table import ATTENTION_DECODE, ATTENTION_PREFILL, TEMPLATES
 
 __all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "TEMPLATES", "apply_hopper_kernels", "is_hopper", "lookup",

@@ -8,6 +8,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 
 from tvmfuse.errors import TvmfuseError
+from tvmfuse.isolation import DEFAULT_SCHEDULE
+from tvmfuse.isolation import record as record_failure
 from tvmfuse.spaces import elementwise, rowreduce, smallm, tcgemm
 from tvmfuse.spaces.table import classify
 
@@ -168,7 +170,14 @@ def apply_default_schedules(mod: tvm.IRModule, target: tvm.target.Target, stock:
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
             continue
-        rule, got = default_rule(func, target, stock)
+        try:
+            rule, got = default_rule(func, target, stock)
+        except Exception as err:  # noqa: BLE001  (on CPUs the kernel stays valid unscheduled code)
+            if "gpu" in target.keys:
+                raise TvmfuseError(f"kernel {gv.name_hint}: no default GPU schedule applies "
+                                   f"({str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__})") from None
+            record_failure(gv.name_hint, DEFAULT_SCHEDULE, err)
+            continue
         if rule is not None:
             out[gv] = got.mod["main"].with_attr("tirx.is_scheduled", True)  # as dlight's ApplyDefaultSchedule
         elif "gpu" in target.keys:

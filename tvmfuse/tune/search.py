@@ -23,6 +23,7 @@ from tvmfuse.tune.builder import fast_build
 from tvmfuse.fuse.fusion import symbolic_kernels
 from tvmfuse.tune.progress import ProgressCallback, TaskProgress
 from tvmfuse.tune.remote import rpc_runner
+from tvmfuse.tune.isolation import probed_context, tune_isolated
 
 # The XGBoost cost model runs on OpenMP, whose threads spin at every barrier by default: with nthread = cores and
 # any other process on a core, fitting a few records took 4-17 s instead of 0.04 s (2-core box, measured). Waiting
@@ -67,10 +68,18 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
     for task, logger, rand in zip(tasks, loggers, fork_seed(seed, n=len(tasks))):
         func = task.dispatched[0]["main"]
         space = (space_for(func, target) if space_for else None) or "post-order-apply"
-        with _no_tensor_intrin(target):
-            contexts.append(ms.TuneContext(mod=task.dispatched[0], target=target, space_generator=space,
-                                           search_strategy="evolutionary", task_name=task.task_name,
-                                           logger=logger, rand_state=rand, num_threads="physical").clone())
+
+        def context(space_gen, task=task, logger=logger, rand=rand):
+            with _no_tensor_intrin(target):
+                return ms.TuneContext(mod=task.dispatched[0], target=target, space_generator=space_gen,
+                                      search_strategy="evolutionary", task_name=task.task_name,
+                                      logger=logger, rand_state=rand, num_threads="physical").clone()
+
+        ctx = probed_context(task.task_name, context, space, target)  # None: its space raises, tuned no further
+        if ctx is not None:
+            contexts.append(ctx)
+    if not contexts:
+        return progress
     cores = os.cpu_count() or 1
     is_gpu = "gpu" in target.keys
     cost_model = ms.cost_model.XGBModel(
@@ -93,8 +102,9 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
                 if seen:
                     raise KeyboardInterrupt
                 if left > 0:
-                    _tune_group(group, left, work_dir, database, cost_model, builder, runner(), batch, is_gpu,
-                                ProgressCallback([progress[c.task_name] for c in group], on_progress, stop=seen))
+                    tune_isolated(group, lambda g, left=left: _tune_group(
+                        g, left, work_dir, database, cost_model, builder, runner(), batch, is_gpu,
+                        ProgressCallback([progress[c.task_name] for c in g], on_progress, stop=seen)), seen)
         except BaseException:  # Ctrl-C inside a Python callback of the C++ loop arrives as a RuntimeError
             if seen:
                 raise TuningInterrupted() from None

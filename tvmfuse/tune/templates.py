@@ -15,7 +15,7 @@ from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 from tvmfuse.records.keys import knob_key, workload_hash
 from tvmfuse.records.knobs import best_knobs, measured, target_kind
 from tvmfuse.tune.progress import TaskProgress
-from tvmfuse.kernels.substitute import call_sites, template_sites
+from tvmfuse.kernels.substitution import call_sites, template_sites
 from tvmfuse.kernels.attention.common import Template
 from tvmfuse.tune.search import evaluator_config, make_builder, make_runner
 

@@ -13,7 +13,7 @@ import tvm
 from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 from tvm.support.tar import tar
 
-from tvmfuse.kernels.substitute import constant_value
+from tvmfuse.kernels.substitution import constant_value
 from tvmfuse.spaces.defaults import apply_default_schedules
 from tvmfuse.verify.outputs import cast_array, compare
 

@@ -12,6 +12,8 @@ from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_sh
 from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
+from tvmfuse.isolation import HOPPER
+from tvmfuse.isolation import record as record_failure
 
 #: microseconds one CTA of each tile spends per 64-deep k-step on the H200, and per tile besides (pipeline fill,
 #: epilogue): fitted to wgmma_run4.json and wgmma_run5.json (bench/results/archive-sessions-5-7.tar.xz; 17 GPT-2 /
@@ -105,6 +107,7 @@ def apply_hopper_kernels(mod: tvm.IRModule, target: tvm.target.Target, log: Call
                 new, why = make(func, gv.name_hint)
             except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
                 new, why = None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
+                record_failure(gv.name_hint, HOPPER, f"{make.__name__}: {why}")
             if new is not None:
                 out[gv] = new
                 log(f"{gv.name_hint}: {why}")

@@ -10,6 +10,7 @@ from tvm import relax, tirx
 
 from tvmfuse.kernels.attention.common import Template, normalize
 from tvmfuse.kernels.attention.roles import attention_roles
+from tvmfuse.isolation import TEMPLATE, reason, record
 from tvmfuse.kernels.table import TEMPLATES
 from tvmfuse.prepare.opmath import exact_scalar
 from tvmfuse.records.knobs import best_knobs, failed_knobs
@@ -91,7 +92,12 @@ def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict
                 log.append((name, f"generic: every measured knob set failed ({failed})"))
                 continue
             why = f", measured knobs {chosen} ({us:.1f} us)" if chosen is not None else ", default knobs (none measured)"
-        rewrite[gv] = (name, tmpl(shapes, chosen, target).with_attr("global_symbol", name), perm)
+        try:
+            rewrite[gv] = (name, tmpl(shapes, chosen, target).with_attr("global_symbol", name), perm)
+        except Exception as err:  # noqa: BLE001  (a template that fails on a kernel: the generic kernel stays)
+            record(name, TEMPLATE, f"{tmpl.name}: {reason(err)}")
+            log.append((name, f"generic: template {tmpl.name} failed ({reason(err)})"))
+            continue
         log.append((name, f"template {tmpl.name}{why}"))
     if not rewrite:
         return mod
