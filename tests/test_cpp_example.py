@@ -21,6 +21,24 @@ from tvmfuse.verify.outputs import onnxruntime_outputs
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cpp")
 
 
+def build_runner(tmp_path):
+    """`make` examples/cpp in a copy under `tmp_path` (skips without the TVM headers and runtime, or a compiler);
+    returns the build folder holding `run_model`."""
+    tvm_dir, ffi_dir = _package_dir("tvm"), _package_dir("tvm_ffi")
+    header = os.path.join(ffi_dir or "", "include", "tvm", "ffi", "extra", "module.h")
+    runtime = os.path.join(tvm_dir or "", "lib", "libtvm_runtime.so")
+    if not os.path.exists(header) or not os.path.exists(runtime):
+        pytest.skip(f"TVM C++ headers or runtime library not found ({header}, {runtime})")
+    if not shutil.which("make") or not shutil.which(os.environ.get("CXX", "g++")):
+        pytest.skip("no make or C++ compiler on PATH")
+    build = tmp_path / "build"
+    shutil.copytree(EXAMPLE, build, ignore=shutil.ignore_patterns("run_model"))
+    done = subprocess.run(["make", f"PYTHON={sys.executable}"], cwd=build, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return build
+
+
 def _package_dir(name: str) -> str | None:
     spec = importlib.util.find_spec(name)
     return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
@@ -37,19 +55,7 @@ def _parse(stdout: str) -> list[dict]:
 
 
 def test_cpp_example_matches_python_vm_and_onnxruntime(tmp_path):
-    tvm_dir, ffi_dir = _package_dir("tvm"), _package_dir("tvm_ffi")
-    header = os.path.join(ffi_dir or "", "include", "tvm", "ffi", "extra", "module.h")
-    runtime = os.path.join(tvm_dir or "", "lib", "libtvm_runtime.so")
-    if not os.path.exists(header) or not os.path.exists(runtime):
-        pytest.skip(f"TVM C++ headers or runtime library not found ({header}, {runtime})")
-    if not shutil.which("make") or not shutil.which(os.environ.get("CXX", "g++")):
-        pytest.skip("no make or C++ compiler on PATH")
-
-    build = tmp_path / "build"
-    shutil.copytree(EXAMPLE, build, ignore=shutil.ignore_patterns("run_model"))
-    done = subprocess.run(["make", f"PYTHON={sys.executable}"], cwd=build, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    build = build_runner(tmp_path)
     assert subprocess.run([str(build / "run_model")], capture_output=True, timeout=30).returncode == 2  # usage
 
     model = onnx_models.rms_norm_residual(rows=4, hidden=32)  # two inputs, two outputs (a tuple)

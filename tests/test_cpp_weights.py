@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
 
 import numpy as np
-import pytest
 
-from test_cpp_example import EXAMPLE, _package_dir, _parse
+from test_cpp_example import _parse, build_runner
 from test_weights import tiny_external
 from tvmfuse.cli.tune import main
 from tvmfuse.export.runtime import load
@@ -18,17 +14,7 @@ from tvmfuse.verify import onnxruntime_outputs
 
 
 def test_cpp_example_loads_the_weights_of_an_external_data_export(tmp_path):
-    tvm_dir, ffi_dir = _package_dir("tvm"), _package_dir("tvm_ffi")
-    header = os.path.join(ffi_dir or "", "include", "tvm", "ffi", "extra", "module.h")
-    if not os.path.exists(header) or not os.path.exists(os.path.join(tvm_dir or "", "lib", "libtvm_runtime.so")):
-        pytest.skip("TVM C++ headers or runtime library not found")
-    if not shutil.which("make") or not shutil.which(os.environ.get("CXX", "g++")):
-        pytest.skip("no make or C++ compiler on PATH")
-    build = tmp_path / "build"
-    shutil.copytree(EXAMPLE, build, ignore=shutil.ignore_patterns("run_model"))
-    done = subprocess.run(["make", f"PYTHON={sys.executable}"], cwd=build, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    build = build_runner(tmp_path)
 
     model = tiny_external(str(tmp_path / "m"))
     assert main([model, "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "out"), "--logs",

@@ -9,7 +9,6 @@ import os
 
 import numpy as np
 import onnx
-import pytest
 import tvm
 from onnx import TensorProto, helper
 
