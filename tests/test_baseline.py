@@ -171,3 +171,18 @@ def test_cpu_reduction_default_skips_a_symbolic_kernel_ending_in_a_transpose(llv
     rule, _ = default_rule(func, llvm)
     assert (rule is None) == (symbolic and perm != [0, 1, 2, 3]), rule
     assert rule is None or isinstance(rule, AlignedCPUReduction)
+
+
+@pytest.mark.parametrize("target, stock, names", [
+    ("cuda", False, ["SmallBatchMatmul", "TensorCoreGemm", "TensorCoreMatmul", "GEMV", "Reduction",
+                     "GeneralReduction", "RowReductionDefault", "VectorizedInjective", "Fallback"]),
+    ("cuda", True, ["Matmul", "GEMV", "Reduction", "GeneralReduction", "Fallback"]),
+    ("llvm", False, ["GEMV", "AlignedCPUReduction"]),
+    ("llvm", True, ["GEMV", "Reduction"]),
+])
+def test_default_rules_come_from_the_table_by_target_and_build(target, stock, names):
+    """tvmfuse's CUDA rules around dlight's (small-M and tensor-core matmuls first, row and vectorized injective
+    schedules before the Fallback); stock builds get dlight's alone; CPUs dlight's two."""
+    from tvmfuse.spaces.defaults import default_rules  # pylint: disable=import-outside-toplevel
+
+    assert [type(r).__name__ for r in default_rules(resolve_target(target), stock)] == names

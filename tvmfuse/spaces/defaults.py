@@ -108,17 +108,33 @@ def _last_block_transposes(func: tirx.PrimFunc) -> bool:
     return False
 
 
+#: the default-schedule rules in the order they are tried: (rule, targets: "cuda" / "gpu" (any GPU) / "cpu", builds:
+#: "tvmfuse" (tvmfuse's builds only), "stock" (benchmarks' stock TVM only) or "both"). dlight's rules keep the order
+#: TVM's own CUDA pipeline tries them; tvmfuse's small-M and tensor-core matmul schedules go first, its row and
+#: vectorized injective schedules just before dlight's final Fallback.
+DEFAULT_RULES = (
+    (SmallBatchMatmul, "cuda", "tvmfuse"),
+    (TensorCoreGemm, "cuda", "tvmfuse"),
+    (TensorCoreMatmul, "gpu", "tvmfuse"),
+    (dl.gpu.Matmul, "gpu", "stock"),
+    (dl.gpu.GEMV, "gpu", "both"),
+    (dl.gpu.Reduction, "gpu", "both"),
+    (dl.gpu.GeneralReduction, "gpu", "both"),
+    (RowReductionDefault, "cuda", "tvmfuse"),
+    (VectorizedInjective, "cuda", "tvmfuse"),
+    (dl.gpu.Fallback, "gpu", "both"),
+    (dl.cpu.GEMV, "cpu", "both"),
+    (AlignedCPUReduction, "cpu", "tvmfuse"),
+    (dl.cpu.Reduction, "cpu", "stock"),
+)
+
+
 def default_rules(target: tvm.target.Target, stock: bool = False) -> list:
-    """dlight's rules in the order TVM's own CUDA pipeline tries them, with tvmfuse's small-M and tensor-core
-    matmul schedules first and its row and vectorized injective schedules just before the final Fallback on CUDA
-    (unless `stock`: dlight's alone, as stock TVM); the CPU ones elsewhere."""
-    if "gpu" in target.keys:
-        ours = target.kind.name == "cuda" and not stock
-        first, last = (([SmallBatchMatmul(), TensorCoreGemm()], [RowReductionDefault(), VectorizedInjective()])
-                       if ours else ([], []))
-        matmul = dl.gpu.Matmul() if stock else TensorCoreMatmul()
-        return [*first, matmul, dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), *last, dl.gpu.Fallback()]
-    return [dl.cpu.GEMV(), dl.cpu.Reduction() if stock else AlignedCPUReduction()]
+    """The DEFAULT_RULES entries for `target` (tvmfuse's builds, or stock TVM's with `stock`), in table order."""
+    gpu = "gpu" in target.keys
+    where = {"cuda": gpu and target.kind.name == "cuda", "gpu": gpu, "cpu": not gpu}
+    builds = ("stock", "both") if stock else ("tvmfuse", "both")
+    return [rule() for rule, targets, build in DEFAULT_RULES if where[targets] and build in builds]
 
 
 def default_rule(func: tirx.PrimFunc, target: tvm.target.Target, stock: bool = False) -> tuple:
