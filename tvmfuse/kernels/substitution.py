@@ -9,20 +9,20 @@ import tvm
 from tvm import relax, tirx
 
 from tvmfuse.kernels.attention.common import Template, normalize
-from tvmfuse.kernels.attention.roles import attention_roles
 from tvmfuse.isolation import TEMPLATE, reason, record
-from tvmfuse.kernels.table import TEMPLATES
+from tvmfuse.kernels.table import TABLE
 from tvmfuse.prepare.opmath import exact_scalar
 from tvmfuse.records.knobs import best_knobs, failed_knobs
 
 def templates(pattern_name: str) -> list[Template]:
     """The templates of a pattern, in the table's order."""
-    return list(TEMPLATES.get(pattern_name, ()))
+    entry = TABLE.get(pattern_name)
+    return list(entry.templates) if entry else []
 
 
 def lookup(pattern_name: str, shapes: dict) -> Template | None:
     """The first template of the pattern whose check accepts these shapes, else None."""
-    return next((t for t in TEMPLATES.get(pattern_name, ()) if t.check(shapes) is None), None)
+    return next((t for t in templates(pattern_name) if t.check(shapes) is None), None)
 
 
 def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
@@ -35,18 +35,17 @@ def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, 
     calls, sites = call_sites(mod), []
     for gv, fn in mod.functions.items():
         name = gv.name_hint
-        if not isinstance(fn, tirx.PrimFunc) or name not in patterns or not templates(patterns[name]):
+        if not isinstance(fn, tirx.PrimFunc) or name not in patterns or patterns[name] not in TABLE:
             continue  # only kernels of patterns that have templates are considered (and logged)
         pattern = patterns[name]
         try:
-            roles = attention_roles(fn) if pattern == "tvmfuse.attention" else None
+            roles = TABLE[pattern].analysis(fn)
         except Exception as err:  # noqa: BLE001 - anything unexpected means: keep the generic kernel
             roles = None
             log.append((name, f"generic: roles not found ({type(err).__name__}: {err})"))
             continue
         if roles is None:
-            log.append((name, "generic: no registered role analysis" if pattern != "tvmfuse.attention"
-                        else "generic: argument roles not recognised"))
+            log.append((name, "generic: argument roles not recognised"))
             continue
         call = calls.get(name)
         if call is None:

@@ -2,10 +2,28 @@
 order (each template's own check says which shapes it takes). The Hopper kernels, which take fused GEMMs and row
 reductions whatever pattern made them, have their table in `kernels/hopper/select.py`."""
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tvmfuse.kernels.attention.common import Template
 from tvmfuse.kernels.attention.decode import TEMPLATE as ATTENTION_DECODE
 from tvmfuse.kernels.attention.prefill import TEMPLATE as ATTENTION_PREFILL
+from tvmfuse.kernels.attention.roles import attention_roles
 
-#: pattern name -> its templates: decode (one query row) before prefill
-TEMPLATES = {
-    "tvmfuse.attention": (ATTENTION_DECODE, ATTENTION_PREFILL),
+
+@dataclass(frozen=True)
+class TemplateEntry:
+    """One row: the analysis that reads a fused kernel of the pattern (PrimFunc -> {"order": argument roles,
+    "shapes": the templates' shape keys, "uses": ...}, or None), and the templates tried in order; each template
+    carries its own shape check, knob space, default knobs and builders (kernels/attention/common.Template)."""
+
+    analysis: Callable
+    templates: tuple[Template, ...]
+
+
+#: pattern name -> its row: attention's role analysis; decode (one query row) before prefill
+TABLE = {
+    "tvmfuse.attention": TemplateEntry(attention_roles, (ATTENTION_DECODE, ATTENTION_PREFILL)),
 }
