@@ -91,6 +91,25 @@ def test_ids_only_fixed_shape_tunes_the_attention_kernel(ids_exports, tmp_path, 
     _check(path, built["folder"], [(1, 8)])
 
 
+def test_bert_fixed_shape_tunes_the_attention_kernel(hf_exports, tmp_path, monkeypatch):
+    """BERT (legacy exporter, input_ids and attention_mask, the third model of the report) at a fixed shape with
+    --trials 4 narrowed to its attention kernels: they tune, nothing falls back, the export matches onnxruntime."""
+    from tvmfuse.tune import search
+
+    real = search.tunable_tasks
+    monkeypatch.setattr(search, "tunable_tasks", lambda mod, target: [
+        t for t in real(mod, target) if "softmax" in t.task_name])
+    path = hf_exports("bert", "legacy")
+    built = _build(path, tmp_path, "--trials", "4", "--shape", "input_ids=2,16", "--shape", "attention_mask=2,16")
+    manifest = built["manifest"]
+    assert manifest["failures"] == []
+    attention = [k for k in manifest["kernels"] if k["pattern"] == "tvmfuse.attention"]
+    assert attention and all(k["schedule"] == "tuned" for k in attention)
+    feeds = hf_export.example_inputs(2, 16, seed=7)
+    ref = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(load(built["folder"])(**feeds)[0], ref, atol=ATOL, rtol=0)
+
+
 @pytest.mark.slow
 def test_unlowerable_operator_is_one_error_naming_it_and_its_onnx_node(ids_exports, tmp_path, capsys):
     """The legacy exporter's mask subgraph (GPT-2, input_ids only) holds a Sub whose output shape TVM cannot infer
