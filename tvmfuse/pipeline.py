@@ -20,7 +20,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.build.compile import TUNED, apply_database, compile_module, schedule_kinds
-from tvmfuse.decide import Plan, Settings, decide, fusion_report, report_files
+from tvmfuse.decide import Settings, decide, fusion_report, report_files
 from tvmfuse.errors import TvmfuseError, VerificationError
 from tvmfuse.export import MANIFEST, export, export_dir, make_manifest
 from tvmfuse.export import weights as weight_files
@@ -348,5 +348,5 @@ def _progress_printer(name: str, say: Say) -> Callable[[TaskProgress], None]:
     return report
 
 
-__all__ = ["Built", "JobResult", "Lowered", "Plan", "Verified", "build_phase", "buckets_phase", "export_phase",
+__all__ = ["Built", "JobResult", "Lowered", "Verified", "build_phase", "buckets_phase", "export_phase",
            "frontend_phase", "fuse_phase", "kernels_phase", "plan_model", "run_job", "tune_phase", "verify_phase"]
