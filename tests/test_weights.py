@@ -207,9 +207,80 @@ def test_model_over_2gb_builds_verifies_and_exports_with_weights_outside(tmp_pat
     build = manifest["build"]
     assert build["weights_bytes"] == weight_bytes
     assert build["peak_rss_bytes"] < 3 * weight_bytes, build
+    assert manifest["verification"]["reference_peak_rss_bytes"] > weight_bytes  # its fp32 copy: in a child
     assert re.search(r"build big: [\d.]+ s wall, peak RSS \d+ MiB", proc.stdout), proc.stdout[-2000:]
     print(f"build: {build['wall_s']} s wall, peak RSS {build['peak_rss_bytes'] / 2**30:.2f} GiB "
           f"({build['peak_rss_bytes'] / weight_bytes:.2f}x the weights)")
+
+
+def test_big_model_in_fp16_reads_its_matmul_weights_in_fp16_and_verifies(tmp_path):
+    """A model whose weights go outside, built in fp16: the MatMul weight is read as fp16 (its param stays fp32 in
+    the graph), the LayerNorm's stay fp32; prepare binds the fp16 tensor as it is (no fp32 copy folded back);
+    the job verifies against onnxruntime run in a child process, and the export stores the weight in fp16."""
+    from tvmfuse import pipeline  # noqa: PLC0415
+    from tvmfuse.jobs import Job  # noqa: PLC0415
+    from tvmfuse.prepare import prepare_module  # noqa: PLC0415
+
+    model = tiny_external(str(tmp_path / "m"))
+    imported = pipeline.frontend_phase(Job("tiny", model, {}, 0, "fp16"))
+    main_fn = imported.mod["main"]
+    n_in = int(main_fn.attrs["num_input"])
+    assert [str(p.ty.dtype) for p in main_fn.params[n_in:]] == ["float32"] * 3
+    assert [str(t.dtype) for t in imported.params] == ["float16", "float32", "float32"]
+    w16 = imported.params[0].numpy()
+    w = onnx.numpy_helper.to_array(onnx.load(model).graph.initializer[0], base_dir=str(tmp_path / "m"))
+    np.testing.assert_array_equal(w16, w.astype("float16"))
+    bound = prepare_module(imported, "fp16", one_copy=True)
+    consts = [c for c in _constants(bound["main"]) if c.ndim == 2]
+    assert len(consts) == 1 and consts[0].dtype == "float16"
+    np.testing.assert_array_equal(consts[0].numpy(), w16.T)  # the [N, K] layout of the very fp16 values read
+    assert "R.astype(metadata" not in bound["main"].script()  # no cast of a weight left (or folded into fp32)
+    assert pipeline.frontend_phase(Job("tiny", model, {}, 0, "fp32")).params[0].dtype == "float32"
+
+    assert main([model, "--target", "llvm", "--trials", "0", "--dtype", "fp16", "--out", str(tmp_path / "out"),
+                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
+    manifest = json.loads((tmp_path / "out" / "tiny-llvm" / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed"
+    assert manifest["verification"]["reference_peak_rss_bytes"] > 0  # onnxruntime ran in a child process
+    assert manifest["weights"]["nbytes"] == 64 * 96 * 2
+
+
+def test_buckets_with_weights_outside_share_one_copy(tmp_path):
+    """A symbolic-batch MatMul whose weight is external data, with --buckets batch=4: the bucket function and
+    main_generic take the same stored weight (one tensor in weights/, not in model.so), and the loaded export
+    matches onnxruntime at the bucket's size and at another, each through its own function."""
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array((rng.standard_normal((64, 96)) / 8).astype("float32"), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "dyn",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 96])], [w])
+    path = str(tmp_path / "m" / "dyn.onnx")
+    os.makedirs(tmp_path / "m")
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10), path,
+                    save_as_external_data=True, location="dyn.data", size_threshold=0)
+    assert main([path, "--target", "llvm", "--trials", "0", "--buckets", "batch=4", "--out", str(tmp_path / "out"),
+                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
+    export = tmp_path / "out" / "dyn-llvm"
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed"
+    assert manifest["weights"]["count"] == 1 and manifest["weights"]["nbytes"] == 64 * 96 * 4
+    model = load(str(export))
+    called: list[str] = []
+    model.vm.set_instrument(lambda _f, name, before, *_: called.append(name) if before else None)
+    for batch, function in ((4, "main_batch4"), (3, "main_generic")):
+        x = rng.standard_normal((batch, 64)).astype("float32")
+        called.clear()
+        np.testing.assert_allclose(model(x)[0], onnxruntime_outputs(path, {"x": x})[0], atol=1e-4, rtol=1e-4)
+        assert function in called, (batch, called)
+
+
+def _constants(func) -> list:
+    import tvm  # noqa: PLC0415
+
+    found = []
+    tvm.relax.analysis.post_order_visit(func, lambda e: found.append(e.value)
+                                        if isinstance(e, tvm.ir.GenericConst) else None)
+    return found
 
 
 def test_plan_reads_external_data_beside_the_model(tmp_path, monkeypatch, capsys):

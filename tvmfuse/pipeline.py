@@ -33,6 +33,7 @@ from tvmfuse.isolation import current as failures_so_far
 from tvmfuse.jobs import Job
 from tvmfuse.kernels import apply_hopper_kernels, substitute
 from tvmfuse.prepare import prepare_module
+from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.precision import has_fp16_lookups
 from tvmfuse.records import SCHEDULES_DIR, TuningDatabase, open_database
 from tvmfuse.spaces import apply_default_schedules, space_for
@@ -105,11 +106,14 @@ class Verified:
 # ---------------------------------------------------------------------------------------------------------- phases
 
 def frontend_phase(job: Job) -> Imported:
-    """Read the job's ONNX file (or build the embedded default model) and import it into Relax."""
+    """Read the job's ONNX file (or build the embedded default model) and import it into Relax; a big model built
+    in fp16/bf16 has its matmul weights read in that dtype (never all of them in fp32 at once)."""
     source = job.path or f"<embedded {DEFAULT_MODEL}>"
     model = load_onnx(job.path) if job.path else make_tiny_block()  # external data: the graph only
     folder = os.path.dirname(os.path.abspath(job.path)) if job.path else None  # external data lies there
-    return import_model(model, job.shapes, source, folder)
+    dtype = parse_dtype(job.dtype, "dtype")
+    big = bool(job.path) and weight_files.outside(has_external_data(model), weights_nbytes(model))
+    return import_model(model, job.shapes, source, folder, weight_dtype=dtype if big and dtype != "float32" else None)
 
 
 def fuse_phase(bound: tvm.IRModule, target: tvm.target.Target, settings: Settings | None = None) -> Fused:
@@ -201,9 +205,10 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
         return Verified({"status": "skipped", "reason": reason}, "skipped (memory)")
     device = device_for(target)
     vm = relax.VirtualMachine(built.executable, device)
+    reference: dict = {}  # a big model's reference runs in a child process: its peak RSS
     checks = compare_at_dims(vm, device, job.path or imported.onnx_model, imported.inputs,
                              verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype,
-                             job.tolerance, lowered.weights)
+                             job.tolerance, lowered.weights, reference)
     dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
     if not check.ok:
         raise VerificationError(_failed(job, check, dims), job.fp16_lookups and has_fp16_lookups(bound))
@@ -211,7 +216,8 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
     after = latency_us(vm, device, feeds, job.io_dtype, lowered.weights)
     shapes = lowered.bucketed.shapes if lowered.bucketed else {}
     function = next((fn for fn, shape in shapes.items() if shape == checks[0][0]), "main")  # the one timed
-    return Verified({**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {})},
+    extra = {"reference_peak_rss_bytes": reference["peak_rss_bytes"]} if reference else {}
+    return Verified({**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {}), **extra},
                     f"ok {check.max_abs_err:.1e}", after, after + _tuning_gain_us(built, lowered, function))
 
 
@@ -273,8 +279,6 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
     imported = frontend_phase(job)
     weight_bytes = weights_nbytes(imported.onnx_model)
     outside = bool(job.path) and weight_files.outside(has_external_data(imported.onnx_model), weight_bytes)
-    if outside:
-        weight_files.check_unsupported(job.buckets, imported.source)
     check_buckets(job.buckets, imported, imported.source)
     if imported.symbolic_dims:
         log(f"symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them get default "

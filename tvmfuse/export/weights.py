@@ -20,7 +20,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from tvmfuse.errors import ModelError, TvmfuseError
+from tvmfuse.errors import TvmfuseError
 from tvmfuse.export.digest import sha256_of
 
 FOLDER = "weights"  # inside the export folder
@@ -45,13 +45,18 @@ def outside(has_external_data: bool, weight_bytes: int) -> bool:
 
 @relax.expr_functor.mutator
 class _Unbind(relax.PyExprMutator):
-    def __init__(self, min_bytes: int):
+    """Each large constant becomes the parameter its tensor has in `params` (by `_key`)."""
+
+    def __init__(self, min_bytes: int, params: dict):
         super().__init__()
         self.min_bytes = min_bytes
-        self.vars: dict = {}  # constant -> its new parameter
+        self.params = params
 
     def visit_generic_const_(self, op):  # pylint: disable=arguments-renamed
-        return _param_for(self, op)
+        value = op.value
+        if not isinstance(value, tvm.runtime.Tensor) or nbytes(value) < self.min_bytes:
+            return op
+        return self.params[_key(value)]
 
 
 def _param_for(mutator, op):
@@ -102,19 +107,38 @@ def without_weights(mod: tvm.IRModule, min_bytes: int = MIN_BYTES) -> tvm.IRModu
 
 
 def unbind_weights(mod: tvm.IRModule, min_bytes: int = MIN_BYTES) -> tuple[tvm.IRModule, list[tvm.runtime.Tensor]]:
-    """`mod` with every constant of `main` of at least `min_bytes` a new trailing parameter (in order of first
-    use; a constant used twice is one parameter), and the values those parameters take (the constants' own
-    tensors: no copy). `main`'s num_input stays: the weights follow the inputs."""
-    main = mod["main"]
-    unbind = _Unbind(min_bytes)
-    body = unbind.visit_expr(main.body)
-    if not unbind.vars:
+    """`mod` with every constant of at least `min_bytes` in `main` and its bucket copies (`main_*` functions with
+    inputs) a trailing parameter of each of them (all take the same weights, in order of first use; a tensor used
+    twice is one parameter), and the values those parameters take (the constants' own tensors: no copy).
+    num_input stays: the weights follow the inputs."""
+    names = ["main"] + sorted(gv.name_hint for gv, f in mod.functions.items()
+                              if isinstance(f, relax.Function) and gv.name_hint.startswith("main_")
+                              and f.attrs is not None and "num_input" in f.attrs)
+    order: dict = {}  # the tensor's data pointer -> (its constant, its parameter's type)
+
+    def collect(expr):
+        value = getattr(expr, "value", None) if isinstance(expr, tvm.ir.GenericConst) else None
+        if isinstance(value, tvm.runtime.Tensor) and nbytes(value) >= min_bytes:
+            order.setdefault(_key(value), (expr, relax.TensorType(list(value.shape), str(value.dtype))))
+
+    for name in names:
+        relax.analysis.post_order_visit(mod[name], collect)
+    if not order:
         return mod, []
-    new_main = relax.Function(list(main.params) + list(unbind.vars.values()), body, main.ret_ty, main.is_pure,
-                              main.attrs, main.span)
-    out = mod.clone()
-    out["main"] = new_main
-    return out, [c.value for c in unbind.vars]
+    index = {key: i for i, key in enumerate(order)}
+    # fresh GlobalVars for the functions whose signature grows (a GlobalVar keeps the type it was added with)
+    bb = relax.BlockBuilder(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint not in names},
+                                         attrs=mod.attrs, global_infos=mod.global_infos))
+    for name in names:
+        fn = mod[name]
+        params = [relax.Var(f"weight{i}", ty) for i, (_, ty) in enumerate(order.values())]
+        body = _Unbind(min_bytes, {key: params[i] for key, i in index.items()}).visit_expr(fn.body)
+        bb.add_func(relax.Function(list(fn.params) + params, body, fn.ret_ty, fn.is_pure, fn.attrs, fn.span), name)
+    return bb.get(), [c.value for c, _ in order.values()]
+
+
+def _key(value: tvm.runtime.Tensor) -> tuple:
+    return value.data_ptr(), tuple(value.shape), str(value.dtype)
 
 
 def write_weights(export_folder: str, tensors: list) -> dict:
@@ -193,12 +217,6 @@ def reference_memory(weight_bytes: int) -> int:
     """What onnxruntime's fp32 reference needs beside the build: its own copy of the weights (fp32, as in the
     ONNX file) plus a margin for activations and the runtime."""
     return int(weight_bytes * 1.1) + (256 << 20)
-
-
-def check_unsupported(buckets, source: str) -> None:
-    if buckets:
-        raise ModelError(f"{source}: --buckets with weights outside the library is not supported yet "
-                         "(the bucket functions would embed the weights)")
 
 
 def describe(entry: dict | None) -> str:

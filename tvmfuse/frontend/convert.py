@@ -16,9 +16,11 @@ __all__ = ["from_onnx", "unsupported_ops"]
 
 
 def from_onnx(model: onnx.ModelProto, shape_dict: dict[str, list[int | str]] | None = None,
-              keep_params_in_input: bool = True, folder: str | None = None) -> tvm.IRModule:
+              keep_params_in_input: bool = True, folder: str | None = None,
+              weight_dtype: str | None = None) -> tvm.IRModule:
     """Drop-in for `tvm.relax.frontend.onnx.from_onnx`: dims in `shape_dict` are specialised, the rest stay symbolic.
-    `folder`: where the model's external data files are (the model file's folder; None: the current directory)."""
+    `folder`: where the model's external data files are (the model file's folder; None: the current directory);
+    `weight_dtype`: read the matmul weights in it (`graph_importer.import_graph`)."""
     missing = unsupported_ops(model)
     if missing:
         op, name = missing[0]
@@ -31,4 +33,4 @@ def from_onnx(model: onnx.ModelProto, shape_dict: dict[str, list[int | str]] | N
         warnings.warn(f"onnxruntime constant folding skipped: {str(exc).strip().splitlines()[0][:200]}")
         folded = pinned
     # The pinned dims are now in the graph inputs themselves (TVM's shape_dict takes no symbolic names).
-    return import_graph(inline_small_initializers(folded, folder), None, keep_params_in_input, folder)
+    return import_graph(inline_small_initializers(folded, folder), None, keep_params_in_input, folder, weight_dtype)

@@ -14,7 +14,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as _tvm_onnx
 from tvmfuse.errors import ModelError
 from tvmfuse.frontend.convert_map import convert_map, unsupported_nodes
 from tvmfuse.frontend.lowering_check import note_sources, with_sources
-from tvmfuse.frontend.onnx_io import has_external_data, is_external, read_external
+from tvmfuse.frontend.onnx_io import cast_array, has_external_data, is_external, read_external
 
 
 # Ops whose TVM (or tvmfuse) converters accept shape-valued (relax.ShapeExpr) inputs.
@@ -77,12 +77,27 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
                 raise ModelError(f"cannot import ONNX op {node.op_type} (node {node.name!r}): {why}") from err
 
     folder = "."  # where external data files are (import_graph sets the model's folder)
+    read_as: dict[str, str] = {}  # initializer -> the dtype its values are stored in once read (import_graph)
 
     def _parse_array(self, tensor_proto: onnx.TensorProto) -> tvm.runtime.Tensor:
-        """An initializer's values; external data is read from its file in the model's folder, not the cwd."""
+        """An initializer's values; external data is read from its file in the model's folder, not the cwd; one
+        named in `read_as` is cast as it is read (its fp32 values freed at once)."""
+        dtype = self.read_as.get(tensor_proto.name)
         if not is_external(tensor_proto):
-            return super()._parse_array(tensor_proto)
-        return tvm.runtime.tensor(read_external(tensor_proto, self.folder))
+            array = super()._parse_array(tensor_proto)
+            return array if dtype is None else tvm.runtime.tensor(cast_array(array.numpy(), dtype))
+        values = read_external(tensor_proto, self.folder)
+        return tvm.runtime.tensor(values if dtype is None else cast_array(values, dtype))
+
+    def _parse_graph_initializers(self, graph: onnx.GraphProto):
+        """TVM's, then each weight read in another dtype gets back its fp32 param (the graph stays fp32)."""
+        super()._parse_graph_initializers(graph)
+        for name in self.read_as:
+            var_name = name.removeprefix("onnx::")
+            if self._keep_params_in_input and var_name in self._params:
+                array = self._params[var_name][1]
+                self._nodes[name] = self._new_var(var_name, shape=array.shape, dtype="float32")
+                self._params[var_name] = (self._nodes[name], array)
 
     def _convert_operator(self, op_name, inputs, attrs, opset):
         cmap = convert_map()
@@ -101,10 +116,25 @@ def _opset(model: onnx.ModelProto) -> int:
     return 1
 
 
+def matmul_weights(model: onnx.ModelProto) -> list[str]:
+    """The float32 initializers read only as a MatMul's or Gemm's second operand (the weights a matmul kernel
+    casts to its compute dtype whatever happens around it)."""
+    uses: dict[str, set[tuple[str, int]]] = {}
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, set()).add((node.op_type, i))
+    outputs = {o.name for o in model.graph.output}
+    return [t.name for t in model.graph.initializer
+            if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2 and t.name not in outputs
+            and uses.get(t.name) and uses[t.name] <= {("MatMul", 1), ("Gemm", 1)}]
+
+
 def import_graph(model: onnx.ModelProto, shape_dict=None, keep_params_in_input: bool = True,
-                 folder: str | None = None) -> tvm.IRModule:
+                 folder: str | None = None, weight_dtype: str | None = None) -> tvm.IRModule:
     """Convert an (already pre-processed) ONNX model with the tvmfuse importer; external data is read from
-    `folder` (the model file's folder; None: the current directory)."""
+    `folder` (the model file's folder; None: the current directory). `weight_dtype` ("float16"/"bfloat16"): the
+    matmul weights (`matmul_weights`) are read in that dtype, one at a time (a big model never holds their fp32
+    copy); their params keep the fp32 type, so whoever binds them casts them back."""
     if model.ir_version < 3:
         raise ModelError(f"ONNX IR version {model.ir_version} is too old (need >= 3)")
     if not has_external_data(model):  # an external-data model was checked by path when loaded
@@ -114,5 +144,6 @@ def import_graph(model: onnx.ModelProto, shape_dict=None, keep_params_in_input: 
             warnings.warn(str(exc))
     importer = Importer(shape_dict, "float32", keep_params_in_input=keep_params_in_input, sanitize=True)
     importer.folder = folder or "."
+    importer.read_as = dict.fromkeys(matmul_weights(model), weight_dtype) if weight_dtype else {}
     mod = importer.from_onnx(model.graph, _opset(model))
     return with_sources(mod, getattr(importer, "op_sources", {}))  # named if a call is left unlowered

@@ -69,14 +69,17 @@ def load_onnx(path: str) -> onnx.ModelProto:
 
 
 def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source: str = "model",
-                 folder: str | None = None) -> Imported:
+                 folder: str | None = None, weight_dtype: str | None = None) -> Imported:
     """ONNX -> Relax with weights detached; `shapes` fixes input dims (by input name or by dim name). `folder`: where
-    the model's external data files are (the model file's folder; None: the current directory)."""
+    the model's external data files are (the model file's folder; None: the current directory). `weight_dtype`
+    ("float16"/"bfloat16", for big models): the matmul weights are read in it, one at a time; their params keep
+    the fp32 type (`Imported.params` then holds tensors of another dtype than their params: binding casts them)."""
     _check_supported(model, source)
     inputs = _graph_inputs(model)
     shape_dict = _resolve_shapes(inputs, shapes or {}, source)
     try:
-        mod = from_onnx(model, shape_dict=shape_dict or None, keep_params_in_input=True, folder=folder)
+        mod = from_onnx(model, shape_dict=shape_dict or None, keep_params_in_input=True, folder=folder,
+                        weight_dtype=weight_dtype)
     except ModelError:
         raise
     except Exception as err:

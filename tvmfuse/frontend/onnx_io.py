@@ -93,6 +93,15 @@ def read_external(tensor: onnx.TensorProto, folder: str, source: str = "model") 
     return array.astype(dtype.newbyteorder("="), copy=False).reshape(tuple(tensor.dims))
 
 
+def cast_array(array: np.ndarray, dtype: str) -> np.ndarray:
+    """`array` in `dtype` ("bfloat16": ml_dtypes' bfloat16, which TVM tensors take)."""
+    if dtype == "bfloat16":
+        import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+        return array.astype(ml_dtypes.bfloat16)
+    return array.astype(dtype)
+
+
 def materialize(tensor: onnx.TensorProto, folder: str, source: str = "model") -> onnx.TensorProto:
     """A copy of an external initializer with its values inline (for small tensors that become Constant nodes)."""
     out = onnx.TensorProto()

@@ -11,12 +11,20 @@ from tvmfuse.prepare.precision import to_compute_dtype
 
 
 def bind_params(mod: tvm.IRModule, params: list | None) -> tvm.IRModule:
-    """Bind the detached weights back as constants (kept out of fused functions: bind_constants=False)."""
+    """Bind the detached weights back as constants (kept out of fused functions: bind_constants=False); a weight
+    read in another dtype than its param's (the importer's `weight_dtype`) is bound through a cast to it."""
     if not params:
         return mod
     main = mod["main"]
-    names = [p.name for p in main.params[int(main.attrs["num_input"]):]]
-    return relax.transform.BindParams("main", dict(zip(names, params)))(mod)
+    weights = main.params[int(main.attrs["num_input"]):]
+    if all(str(t.dtype) == str(v.ty.dtype) for v, t in zip(weights, params)):
+        return relax.transform.BindParams("main", {v.name: t for v, t in zip(weights, params)})(mod)
+    bb = relax.BlockBuilder()
+    binding = {v: relax.const(t) if str(t.dtype) == str(v.ty.dtype)
+               else bb.normalize(relax.op.astype(relax.const(t), str(v.ty.dtype))) for v, t in zip(weights, params)}
+    out = mod.clone()
+    out.update_func(out.get_global_var("main"), main.bind_params(binding))
+    return out
 
 
 def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None,

@@ -87,9 +87,21 @@ def low_interface(mod: tvm.IRModule, io_dtype: str) -> tvm.IRModule:
     return out
 
 
+def cancel_constant_round_trips(mod: tvm.IRModule) -> tvm.IRModule:
+    """`main` with astype(astype(c: d, float32), d) -> c for constants c (weights read in the compute dtype, bound
+    through a cast to fp32, cast back by the precision pass): no fp32 copy of them is ever made."""
+    out = mod.clone()
+    out["main"] = _CancelRoundTrips(out, constants_only=True).visit_expr(out["main"])
+    return relax.transform.DeadCodeElimination(["main"])(out)  # the dead casts to fp32: FoldConstant would run them
+
+
 @mutator
 class _CancelRoundTrips(PyExprMutator):
     """astype(astype(x: d, float32), d) -> x for d float16/bfloat16 (exact: every d value is a float32 value)."""
+
+    def __init__(self, mod=None, constants_only: bool = False):
+        super().__init__(mod)
+        self.constants_only = constants_only
 
     def visit_call_(self, call):  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -97,6 +109,7 @@ class _CancelRoundTrips(PyExprMutator):
             return call
         inner = call.args[0]
         inner = self.lookup_binding(inner) if isinstance(inner, relax.Var) else inner
-        if is_cast(inner) and _dtype(inner) == FLOAT32 and _dtype(inner.args[0]) == str(call.attrs.dtype):
+        if is_cast(inner) and _dtype(inner) == FLOAT32 and _dtype(inner.args[0]) == str(call.attrs.dtype) \
+                and (not self.constants_only or isinstance(inner.args[0], tvm.ir.GenericConst)):
             return inner.args[0]
         return call

@@ -45,7 +45,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from tvmfuse.prepare.interface import fp32_interface, low_interface
+from tvmfuse.prepare.interface import cancel_constant_round_trips, fp32_interface, low_interface
 from tvmfuse.prepare.dtypes import check_io_dtype, parse_dtype
 from tvmfuse.prepare.opmath import fold_scalar_casts, mutate_functions, opmath_fp32
 
@@ -81,6 +81,7 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None,
     mod = fp32_interface(mod, inputs)
     if dtype == BFLOAT16:
         mod = _fp16_to_bf16(mod)
+    mod = cancel_constant_round_trips(mod)  # weights read in the compute dtype (big models) stay as they are
     mod = relax.transform.FoldConstant()(mod)  # astype(weight) -> a constant in the compute dtype
     mod = fold_scalar_casts(mod)
     if io_dtype != FLOAT32:

@@ -10,6 +10,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.frontend import onnx_io
+from tvmfuse.frontend.onnx_io import cast_array
 
 #: (atol, rtol) per output dtype: an element passes when |tvm - ort| <= atol + rtol * |ort|.
 TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2), "float64": (1e-7, 1e-7)}
@@ -37,15 +38,6 @@ class Verification:
             user = " (user-set)" if t.get("set_by") == "user" else ""
             groups.setdefault(f"atol={t['atol']:g} rtol={t['rtol']:g}{user}", []).append(dtype)
         return "; ".join(f"{k} for {', '.join(v)} outputs" for k, v in groups.items()) or "none"
-
-
-def cast_array(array: np.ndarray, dtype: str) -> np.ndarray:
-    """`array` in `dtype` ("bfloat16": ml_dtypes' bfloat16, which TVM tensors take)."""
-    if dtype == "bfloat16":
-        import ml_dtypes  # pylint: disable=import-outside-toplevel
-
-        return array.astype(ml_dtypes.bfloat16)
-    return array.astype(dtype)
 
 
 def module_inputs(arrays, io_dtype: str | None = None) -> list[np.ndarray]:
