@@ -387,6 +387,7 @@ def test_gemm_dtype_rule_takes_fp16_and_bf16_and_refuses_mixed_operands():
                 ("float32", "float32", "float32", "float32")]:
         why = gemm_dtypes_refused(*dts)
         assert why is not None and why.startswith(f"dtypes {dts[0]} x {dts[1]} -> {dts[2]} -> {dts[3]}"), why
+        assert ("--dtype fp16 or bf16" in why) == (dts[0] == "float32"), why  # an fp32 model: say how
 
 
 def test_analysis_reads_a_bf16_gemm_and_a_mixed_one_keeps_its_schedule_with_the_dtypes_named():

@@ -104,6 +104,15 @@ def test_registry_lookup_and_knobs():
     assert ATTENTION_PREFILL.default_knobs(pre) in ATTENTION_PREFILL.knob_space(pre)
 
 
+def test_templates_take_bf16_and_name_a_dtype_they_refuse():
+    dec = dict(batch=1, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="bfloat16")
+    pre = dict(dec, seq_q=2048, seq_k=2048, causal=True)
+    assert lookup("tvmfuse.attention", dec) is ATTENTION_DECODE and lookup("tvmfuse.attention", pre) is ATTENTION_PREFILL
+    assert ATTENTION_DECODE.check(dict(dec, dtype="float64")) == "decode template is fp16/bf16/fp32 only (got float64)"
+    assert ATTENTION_PREFILL.check(dict(pre, dtype="float64")) == \
+        "prefill template is fp16/bf16 only, fp32 on llvm (got float64)"
+
+
 def _attention_module(mask: bool, kv_heads: int = 4):
     """softmax(Q K^T * 1/sqrt(d) [+ mask]) V in [B,H,S,D] fp16, lowered by the fuse stage."""
     from tvmfuse.fuse.fusion import lower

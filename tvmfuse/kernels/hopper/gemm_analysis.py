@@ -26,8 +26,9 @@ def gemm_dtypes_refused(a: str, b: str, acc: str, out: str) -> str | None:
     fp32, written as that same 16-bit dtype or as the fp32 sums."""
     if a in OPERAND_PTX and a == b and acc == "float32" and out in (a, "float32"):
         return None
+    hint = "; --dtype fp16 or bf16 computes in those" if a == b == "float32" else ""
     return (f"dtypes {a} x {b} -> {acc} -> {out} (needs float16 x float16 or bfloat16 x bfloat16 -> float32 "
-            "-> the operands' dtype or float32)")
+            f"-> the operands' dtype or float32{hint})")
 
 
 def _block_store(stmt):
