@@ -265,9 +265,10 @@ def test_wgmma_kernel_matches_numpy_on_the_gpu(rows, k, n):
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
-def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(dtype, tmp_path, capsys):
     """The product path on a machine without a GPU: `--target cuda --trials 0` builds, logs the kernel, names it in
-    the manifest and exports one library."""
+    the manifest and exports one library (fp16 and bf16 alike)."""
     import json
 
     import onnx
@@ -278,10 +279,11 @@ def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(tmp_path, capsys):
     if tvm.cuda(0).exist:
         pytest.skip("this machine has a GPU (the job would verify and time on it)")
     onnx.save(onnx_models.projection(rows=256, k=512, n=384), tmp_path / "proj.onnx")
-    code = main(["--target", "cuda", "--trials", "0", "--dtype", "fp16", "--out", str(tmp_path / "o"),
+    code = main(["--target", "cuda", "--trials", "0", "--dtype", dtype, "--out", str(tmp_path / "o"),
                  "--logs", str(tmp_path / "l"), str(tmp_path / "proj.onnx")])
     assert code == 0
-    assert "wgmma 256x384x512, tile 64x64, 8 stages" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wgmma 256x384x512, tile 64x64, 8 stages" in out and "generic GEMM schedule" not in out
     export = tmp_path / "o" / "proj-cuda-sm_90a"
     kernels = json.loads((export / "manifest.json").read_text())["kernels"]
     assert [k["schedule"] for k in kernels if k["pattern"] == "tvmfuse.matmul"] == [WGMMA]
