@@ -1,6 +1,9 @@
 """tvmfuse.hopper, tvmfuse.gemm_analysis, tvmfuse.kernels.wgmma_gemm, tvmfuse.kernels.mma_smallm: fused GEMMs become a TIRx kernel on sm_90a
 (wgmma, or mma.sync for small M), epilogue included."""
 
+import shutil
+
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -16,7 +19,7 @@ from tvmfuse.build.compile import (
     schedule_kinds,
 )
 from tvmfuse.fuse.fusion import lower
-from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm
+from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, gemm_dtypes_refused
 from tvmfuse.kernels.hopper.select import (
     apply_hopper_kernels,
     choose_smallm_tile,
@@ -30,26 +33,27 @@ from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile
 from tvmfuse.targets import resolve_target
 
 
-def _gelu_projection(rows, k, n):
-    """y = gelu(x @ W^T + b), fp16, fp32 accumulation, W [N, K]: the issue-5 GEMM at small sizes."""
+def _gelu_projection(rows, k, n, dtype="float16"):
+    """y = gelu(x @ W^T + b), fp16 (or `dtype`), fp32 accumulation, W [N, K]: the issue-5 GEMM at small sizes."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, rows, k), "float16"))
-    w = relax.Var("w", relax.TensorType((n, k), "float16"))
-    b = relax.Var("b", relax.TensorType((n,), "float16"))
+    x = relax.Var("x", relax.TensorType((1, rows, k), dtype))
+    w = relax.Var("w", relax.TensorType((n, k), dtype))
+    b = relax.Var("b", relax.TensorType((n,), dtype))
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
             mm = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)),
-                                                                   out_dtype="float32")), "float16"))
+                                                                   out_dtype="float32")), dtype))
             out = bb.emit_output(relax.op.nn.gelu(bb.emit(relax.op.add(mm, b))))
         bb.emit_func_output(out)
     return lower(bb.get()).mod
 
 
-def _fp32_projection(rows, k, n):
-    """y = x @ W^T with the fp32 sums as the output (a model's last matmul with fp32 outputs)."""
+def _fp32_projection(rows, k, n, dtype="float16", w_dtype=None):
+    """y = x @ W^T with the fp32 sums as the output (a model's last matmul with fp32 outputs); x `dtype`, W
+    `w_dtype` (the same by default)."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, rows, k), "float16"))
-    w = relax.Var("w", relax.TensorType((n, k), "float16"))
+    x = relax.Var("x", relax.TensorType((1, rows, k), dtype))
+    w = relax.Var("w", relax.TensorType((n, k), w_dtype or dtype))
     with bb.function("main", [x, w]):
         with bb.dataflow():
             out = bb.emit_output(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)), out_dtype="float32"))
@@ -261,9 +265,10 @@ def test_wgmma_kernel_matches_numpy_on_the_gpu(rows, k, n):
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
-def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(dtype, tmp_path, capsys):
     """The product path on a machine without a GPU: `--target cuda --trials 0` builds, logs the kernel, names it in
-    the manifest and exports one library."""
+    the manifest and exports one library (fp16 and bf16 alike)."""
     import json
 
     import onnx
@@ -274,10 +279,11 @@ def test_cli_exports_a_model_whose_gemm_is_the_wgmma_kernel(tmp_path, capsys):
     if tvm.cuda(0).exist:
         pytest.skip("this machine has a GPU (the job would verify and time on it)")
     onnx.save(onnx_models.projection(rows=256, k=512, n=384), tmp_path / "proj.onnx")
-    code = main(["--target", "cuda", "--trials", "0", "--dtype", "fp16", "--out", str(tmp_path / "o"),
+    code = main(["--target", "cuda", "--trials", "0", "--dtype", dtype, "--out", str(tmp_path / "o"),
                  "--logs", str(tmp_path / "l"), str(tmp_path / "proj.onnx")])
     assert code == 0
-    assert "wgmma 256x384x512, tile 64x64, 8 stages" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wgmma 256x384x512, tile 64x64, 8 stages" in out and "generic GEMM schedule" not in out
     export = tmp_path / "o" / "proj-cuda-sm_90a"
     kernels = json.loads((export / "manifest.json").read_text())["kernels"]
     assert [k["schedule"] for k in kernels if k["pattern"] == "tvmfuse.matmul"] == [WGMMA]
@@ -362,3 +368,161 @@ def test_a_reshaped_output_and_scalar_parameters_keep_the_fused_epilogue():
     ref = want.numpy().astype("float32")
     assert np.abs(ref).max() > 0.1  # gelu_new of a real product, not zeros
     np.testing.assert_allclose(got.numpy().astype("float32"), ref, atol=2e-3, rtol=2e-3)
+
+
+# bf16: the same kernels with bf16 operands (fp32 sums, the same epilogues), fp16 unchanged
+
+BF16 = ml_dtypes.bfloat16  # numpy has no bfloat16; tvm.runtime.tensor takes and returns ml_dtypes arrays
+
+
+def _nvcc_fatbin(src: str, target) -> bytes:
+    with target:  # nvcc for the target's arch (sm_90a: wgmma, and native bf16 rather than emulation)
+        return tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")
+
+
+def test_gemm_dtype_rule_takes_fp16_and_bf16_and_refuses_mixed_operands():
+    assert gemm_dtypes_refused("float16", "float16", "float32", "float16") is None
+    assert gemm_dtypes_refused("bfloat16", "bfloat16", "float32", "bfloat16") is None
+    assert gemm_dtypes_refused("bfloat16", "bfloat16", "float32", "float32") is None
+    for dts in [("bfloat16", "float16", "float32", "float32"), ("float16", "bfloat16", "float32", "float16"),
+                ("bfloat16", "bfloat16", "float32", "float16"), ("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
+                ("float32", "float32", "float32", "float32")]:
+        why = gemm_dtypes_refused(*dts)
+        assert why is not None and why.startswith(f"dtypes {dts[0]} x {dts[1]} -> {dts[2]} -> {dts[3]}"), why
+        assert ("--dtype fp16 or bf16" in why) == (dts[0] == "float32"), why  # an fp32 model: say how
+
+
+def test_analysis_reads_a_bf16_gemm_and_a_mixed_one_keeps_its_schedule_with_the_dtypes_named():
+    info, why = analyze_gemm(_kernel(_projection(256, 512, 384, dtype="bfloat16")))
+    assert why == "" and str(info["a"].dtype) == str(info["b"].dtype) == "bfloat16", why
+    logged = []
+    mixed = _fp32_projection(256, 512, 384, "bfloat16", "float16")  # bf16 activations, fp16 weight
+    assert apply_hopper_kernels(mixed, resolve_target("cuda"), logged.append) is mixed
+    assert len(logged) == 1 and "generic GEMM schedule (dtypes bfloat16 x float16 -> float32 -> float32" in logged[0], logged
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize("rows,k,n,kind,desc", [
+    (256, 512, 384, WGMMA, "wgmma 256x384x512"),
+    (300, 200, 1001, WGMMA, "wgmma 300x1001x200"),  # ragged, N odd: the rows staged in shared memory (bf16)
+    (16, 4096, 4096, MMA_SMALLM, "mma.sync small-M 16x4096x4096"),
+    (3, 200, 1001, MMA_SMALLM, "mma.sync small-M 3x1001x200")])
+def test_bf16_gemm_is_the_tirx_kernel_with_bf16_instructions_and_compiles_for_sm_90a(rows, k, n, kind, desc):
+    """gelu(x @ W^T + b) in bf16: the same kernel as fp16, its mma/wgmma on .bf16 operands, its TMA maps of
+    bfloat16, its stores bf16; nvcc compiles it for sm_90a."""
+    cuda = resolve_target("cuda")
+    assert str(cuda.attrs["arch"]) == "sm_90a"
+    logged = []
+    mod = apply_hopper_kernels(_gelu_projection(rows, k, n, "bfloat16"), cuda, logged.append)
+    assert len(logged) == 1 and desc in logged[0], logged
+    assert set(schedule_kinds(mod, cuda).values()) == {kind}
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    kernel = src.split("__global__")[-1]
+    assert "#include <cuda_bf16.h>" in src and "nv_bfloat16* __restrict__" in kernel and "half" not in kernel
+    assert "erff(" in kernel or "herf(" in kernel  # the graph's GELU
+    if kind == WGMMA:
+        assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src and ".f32.f16.f16" not in src
+        assert "cp.async.bulk.tensor.2d" in src
+        assert ("tvmfuse_store_bf162(" in kernel) == (n % 2 == 0)  # two bf16 in one 4-byte store, N even
+        assert ("tvmfuse_bar_sync(" in kernel) == (n % 2 == 1)  # N odd: rows staged in shared memory
+    else:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src and ".f32.f16.f16" not in src
+        assert "tvmfuse_mma16816_bf16(" in kernel
+    assert len(_nvcc_fatbin(src, cuda)) > 1000
+
+
+def test_bf16_tma_maps_are_encoded_as_bfloat16():
+    """The host's cuTensorMapEncodeTiled calls name the operands' dtype: the CUDA runtime derives
+    CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 from bfloat16 (FLOAT16 from float16)."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+
+    for dtype in ("float16", "bfloat16"):
+        func = make_wgmma_gemm(256, 384, 512, WgmmaTile(128, 4), "bias", dtype=dtype)
+        assert func.script().count(f'"runtime.cuTensorMapEncodeTiled", a_map, "{dtype}"') == 1
+        assert func.script().count(f'"runtime.cuTensorMapEncodeTiled", b_map, "{dtype}"') == 1
+        ex = tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx")
+        host = ex.mod.inspect_source("ll")
+        assert f'c"{dtype}\\00"' in host
+
+
+def test_bf16_gemm_with_fp32_output_writes_its_sums():
+    cuda = resolve_target("cuda")
+    logged = []
+    mod = apply_hopper_kernels(_fp32_projection(256, 512, 384, "bfloat16"), cuda, logged.append)
+    assert len(logged) == 1 and "wgmma 256x384x512" in logged[0], logged
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    kernel = src.split("__global__")[-1]
+    assert "float* __restrict__" in kernel and "CUtensorMap a_map" in kernel  # operands through TMA maps only
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src and "tvmfuse_store_bf162(" not in kernel
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_fp16_and_bf16_small_m_kernels_share_a_module():
+    """The mma.sync helpers have one name per dtype, so an fp16 and a bf16 kernel compile in one CUDA module."""
+    cuda = resolve_target("cuda")
+    funcs = {}
+    for dtype in ("float16", "bfloat16"):
+        func, why = gemm_kernel_from_fused(_kernel(_projection(16, 512, 384, dtype=dtype)), f"gemm_{dtype}")
+        assert func is not None and func.attrs[TIRX_ATTR] == "mma_smallm", why
+        funcs[f"gemm_{dtype}"] = func
+    ex = tvm.compile(tvm.IRModule(funcs), target=cuda, tir_pipeline="tirx")
+    (src,) = cuda_sources(ex)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in src
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
+    assert "tvmfuse_mma16816(" in src and "tvmfuse_mma16816_bf16(" in src
+    assert len(_nvcc_fatbin(src, cuda)) > 1000
+
+
+def _bf16_gelu_reference(x, w, b):
+    """gelu(x @ w^T + b) in fp32 from the bf16 operands (the kernels round once, at the bf16 store, or as the
+    graph's epilogue rounds; within 2e-2 + 2e-2 |want| of this: 0.17 of it on the llvm build of the same graph)."""
+    pre = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    return 0.5 * pre * (1 + np.vectorize(__import__("math").erf)(pre / np.sqrt(2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k,n", [(256, 512, 384), (512, 1024, 1024), (300, 200, 1001), (16, 4096, 4096)])
+def test_bf16_gemm_kernels_match_numpy_on_the_gpu(rows, k, n):
+    """wgmma (M > 64: even N paired stores, odd N staged rows) and mma.sync (M = 16) in bf16."""
+    cuda = resolve_target("cuda")
+    mod = apply_hopper_kernels(_gelu_projection(rows, k, n, "bfloat16"), cuda, lambda s: None)
+    assert set(schedule_kinds(mod, cuda).values()) == {MMA_SMALLM if rows <= 64 else WGMMA}
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, rows, k)).astype(BF16)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(BF16)
+    b = (rng.standard_normal(n) * 0.1).astype(BF16)
+    got = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w, b)]).numpy()
+    assert got.dtype == BF16 and got.shape == (1, rows, n)
+    np.testing.assert_allclose(got.astype("float32"), _bf16_gelu_reference(x, w, b), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,batch,k,n", [(16, 1, 512, 384), (3, 1, 200, 1001), (1, 8, 1024, 256), (64, 1, 1024, 1024)])
+def test_bf16_small_m_kernel_matches_numpy_on_the_gpu(rows, batch, k, n):
+    cuda = resolve_target("cuda")
+    mod = apply_hopper_kernels(_projection(rows, k, n, batch=batch, dtype="bfloat16"), cuda, lambda s: None)
+    assert set(schedule_kinds(mod, cuda).values()) == {MMA_SMALLM}
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((batch, rows, k)).astype(BF16)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(BF16)
+    b = (rng.standard_normal(n) * 0.1).astype(BF16)
+    got = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w, b)]).numpy().astype("float32")
+    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_bf16_fp32_output_matches_numpy_on_the_gpu():
+    """bf16 x bf16 products are exact in fp32: the sums match numpy's fp32 ones up to the summation order."""
+    cuda = resolve_target("cuda")
+    mod = apply_hopper_kernels(_fp32_projection(300, 256, 1000, "bfloat16"), cuda, lambda s: None)
+    assert set(schedule_kinds(mod, cuda).values()) == {WGMMA}
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 300, 256)).astype(BF16)
+    w = (rng.standard_normal((1000, 256)) * 0.05).astype(BF16)
+    got = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w)]).numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, x.astype("float32") @ w.astype("float32").T, atol=1e-3, rtol=1e-3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import ml_dtypes  # noqa: F401  (numpy's "bfloat16" dtype: the bf16 variants' inputs and outputs)
 import numpy as np
 import pytest
 import tvm
@@ -14,6 +15,7 @@ from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, lookup, substit
 from tvmfuse.kernels.attention.decode import chunk_of
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+H100 = tvm.target.Target("nvidia/nvidia-h100", host={"kind": "llvm"})  # sm_90a, what `--target cuda` builds for
 
 
 def ref(q, k, v, mask=None, causal=False):
@@ -41,7 +43,7 @@ def rand(rng, shape, dtype):
     return rng.standard_normal(shape).astype(dtype)
 
 
-@pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("float32", 1e-4)])
+@pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("bfloat16", 2e-2), ("float32", 1e-4)])
 @pytest.mark.parametrize("split", [1, 4])
 def test_decode_cpu_matches_numpy(dtype, tol, split):
     """Split-KV online softmax + combine, GQA (8 query heads over 2 KV heads)."""
@@ -52,24 +54,25 @@ def test_decode_cpu_matches_numpy(dtype, tol, split):
     assert np.abs(got - ref(q, k, v)).max() < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("variant", ["causal", "additive", "none"])
-def test_prefill_cpu_matches_numpy(variant):
+def test_prefill_cpu_matches_numpy(variant, dtype, tol):
     """Tile-wise online softmax over block_n=32 tiles; causal tile skipping; additive broadcast mask; GQA."""
-    s = dict(batch=1, heads=4, kv_heads=2, seq_q=64, seq_k=64, head_dim=64, dtype="float16",
+    s = dict(batch=1, heads=4, kv_heads=2, seq_q=64, seq_k=64, head_dim=64, dtype=dtype,
              causal=variant == "causal", mask="additive" if variant == "additive" else "none", mask_shape=(1, 1, 64, 64))
     rng = np.random.default_rng(7)
-    q, k, v = rand(rng, (1, 4, 64, 64), "float16"), rand(rng, (1, 2, 64, 64), "float16"), rand(rng, (1, 2, 64, 64), "float16")
-    mask = (rng.standard_normal((1, 1, 64, 64)) * 3).astype("float16")
+    q, k, v = rand(rng, (1, 4, 64, 64), dtype), rand(rng, (1, 2, 64, 64), dtype), rand(rng, (1, 2, 64, 64), dtype)
+    mask = (rng.standard_normal((1, 1, 64, 64)) * 3).astype(dtype)
     args = [q, k, v] + ([mask] if variant == "additive" else [])
-    got = run_cpu(ATTENTION_PREFILL(s, {"warps": 4, "block_n": 32}, "llvm"), args, q.shape, "float16")
+    got = run_cpu(ATTENTION_PREFILL(s, {"warps": 4, "block_n": 32}, "llvm"), args, q.shape, dtype)
     want = ref(q, k, v, mask if variant == "additive" else None, variant == "causal")
-    assert np.abs(got - want).max() < 2e-3
+    assert np.abs(got - want).max() < tol
 
 
-def _cuda_compiles(fn):
-    ex = tvm.compile(tvm.IRModule({"main": fn}), target=CUDA)
+def _cuda_compiles(fn, target=CUDA):
+    ex = tvm.compile(tvm.IRModule({"main": fn}), target=target)
     src = ex.mod.imports[0].inspect_source("cuda")
-    with CUDA:
+    with target:
         assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
     return src
 
@@ -99,6 +102,15 @@ def test_registry_lookup_and_knobs():
     space = ATTENTION_DECODE.knob_space(dec)
     assert {"split": 32, "warps": 4, "unroll": 2} in space and ATTENTION_DECODE.default_knobs(dec) in space
     assert ATTENTION_PREFILL.default_knobs(pre) in ATTENTION_PREFILL.knob_space(pre)
+
+
+def test_templates_take_bf16_and_name_a_dtype_they_refuse():
+    dec = dict(batch=1, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="bfloat16")
+    pre = dict(dec, seq_q=2048, seq_k=2048, causal=True)
+    assert lookup("tvmfuse.attention", dec) is ATTENTION_DECODE and lookup("tvmfuse.attention", pre) is ATTENTION_PREFILL
+    assert ATTENTION_DECODE.check(dict(dec, dtype="float64")) == "decode template is fp16/bf16/fp32 only (got float64)"
+    assert ATTENTION_PREFILL.check(dict(pre, dtype="float64")) == \
+        "prefill template is fp16/bf16 only, fp32 on llvm (got float64)"
 
 
 def _attention_module(mask: bool, kv_heads: int = 4):
@@ -604,3 +616,110 @@ def test_gpt2_head_merge_build_verifies_on_llvm(gpt2_prefill, llvm, tmp_path):
     att = [k for k in kernels if "softmax" in k]
     assert len(att) == 1 and att[0].endswith("relax_reshape_relax_permute_dims"), kernels
     assert not [k for k in kernels if "transpose" in k], kernels
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_cuda_bf16_variants_compile_for_sm_90a():
+    """bf16 decode (16-byte loads of 8 bf16, guarded L = 513, the GQA group in Q's rows with BSHD K/V) and bf16
+    prefill (mma.sync .bf16 with ldmatrix; cp.async double buffering, 2 m-tiles, Q from shared memory; a bf16
+    and an fp32 additive mask) compile with nvcc for sm_90a, the arch `--target cuda` builds for."""
+    dec = dict(batch=16, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="bfloat16")
+    for s in (dec, dict(dec, seq_k=513, q_layout="BSHD"),
+              dict(batch=2, heads=2, kv_heads=2, seq_q=2, seq_k=513, head_dim=16, dtype="bfloat16",
+                   k_layout="BSHD", v_layout="BSHD")):
+        assert ATTENTION_DECODE.check(s) is None
+        src = _cuda_compiles(ATTENTION_DECODE(s, ATTENTION_DECODE.default_knobs(s)), H100)
+        kernels = "".join(src.split("__global__")[1:])  # the split pass and the combine
+        assert "#include <cuda_bf16.h>" in src and "nv_bfloat16* __restrict__ k_ptr" in kernels
+        assert "= *(uint4*)(k_ptr + " in kernels and "half" not in kernels  # 16-byte loads of 8 bf16 keys
+    pre = dict(batch=1, heads=32, kv_heads=8, seq_q=256, seq_k=256, head_dim=128, dtype="bfloat16", causal=True)
+    src = _cuda_compiles(ATTENTION_PREFILL(pre, {"warps": 4, "block_n": 64, "m_tiles": 2, "stages": 2, "q_smem": 1}), H100)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src and "ldmatrix" in src and "cp_async_cg" in src
+    assert ".f16.f16" not in src
+    for mdt in ("bfloat16", "float32"):
+        mask = dict(pre, head_dim=64, causal=False, mask="additive", mask_shape=(1, 1, 256, 256), mask_dtype=mdt)
+        src = _cuda_compiles(ATTENTION_PREFILL(mask, {"warps": 4, "block_n": 32, "m_tiles": 1, "stages": 2}), H100)
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src and src.count("__syncthreads_or(") == 2
+
+
+def _bf16_prefill_module(mask: bool):
+    """softmax(Q K^T * 0.125 [+ mask]) V in [B,H,S,D] bf16 (1 x 4 heads x 64 x 64), lowered by the fuse stage."""
+    from tvmfuse.fuse.fusion import lower
+    from tvmfuse.patterns import fusion_patterns
+    bb, dt = relax.BlockBuilder(), "bfloat16"
+    q, k, v = (relax.Var(n, relax.TensorType((1, 4, 64, 64), dt)) for n in "qkv")
+    params = [q, k, v] + ([relax.Var("m", relax.TensorType((1, 1, 64, 64), dt))] if mask else [])
+    with bb.function("main", params):
+        with bb.dataflow():
+            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
+            s = bb.emit(relax.op.multiply(s, relax.const(0.125, dt)))
+            if mask:
+                s = bb.emit(relax.op.add(s, params[3]))
+            o = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), v))
+        bb.emit_func_output(o)
+    return lower(bb.get(), patterns=fusion_patterns(["tvmfuse.attention"]))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_bf16_attention_kernels_take_the_templates_and_compile_for_sm_90a():
+    """The fused bf16 attention of decode and prefill (with and without a mask) is replaced by its template on
+    CUDA, and the built module compiles with nvcc for sm_90a."""
+    from checks import cuda_sources, decode_attention
+
+    from tvmfuse.build.compile import apply_default_schedules, compile_module
+    from tvmfuse.targets import resolve_target
+
+    cuda = resolve_target("cuda")
+    for fused, template in [(decode_attention(512, None, "bfloat16"), "attention_decode"),
+                            (_bf16_prefill_module(False), "attention_prefill"),
+                            (_bf16_prefill_module(True), "attention_prefill")]:
+        assert list(fused.kernel_patterns.values()) == ["tvmfuse.attention"], fused.rejections
+        log = []
+        new = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=log)
+        assert [o for _, o in log] == [f"template {template}"], log
+        srcs = cuda_sources(compile_module(apply_default_schedules(new, cuda), cuda))
+        assert len(srcs) == 1 and "nv_bfloat16" in srcs[0]
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in srcs[0]) == (template == "attention_prefill")
+        with cuda:
+            assert len(tvm.support.nvcc.compile_cuda(srcs[0], "fatbin", compiler="nvcc")) > 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+def test_gpu_bf16_matches_numpy():
+    """On a GPU, bf16: decode (several knob sets, L = 513 guarded, BSHD Q/out) and every prefill knob set (causal
+    hd 128; additive fp32 mask with a fully masked row) against numpy on the bf16 inputs. Tolerance: the output
+    rounded to bf16 (2^-9 of |out| <= ~4) plus P rounded to bf16 before P V (the CPU variant: 7e-3)."""
+    dev, rng, dt = tvm.cuda(0), np.random.default_rng(0), "bfloat16"
+    s = dict(batch=2, heads=8, kv_heads=2, seq_q=1, seq_k=513, head_dim=128, dtype=dt, q_layout="BSHD",
+             out_layout="BSHD")
+    q, k, v = rand(rng, (2, 8, 1, 128), dt), rand(rng, (2, 2, 513, 128), dt), rand(rng, (2, 2, 513, 128), dt)
+    want = _bshd(ref(q, k, v))
+    for knobs in ({"split": 16, "warps": 4, "unroll": 2}, {"split": 64, "warps": 2, "unroll": 1},
+                  {"split": 1, "warps": 8, "unroll": 4}, ATTENTION_DECODE.default_knobs(s)):
+        lib = tvm.compile(tvm.IRModule({"main": ATTENTION_DECODE(s, knobs)}), target=H100)
+        out = tvm.runtime.tensor(np.zeros((2, 1, 8, 128), dt), dev)
+        lib["main"](*[tvm.runtime.tensor(a, dev) for a in (_bshd(q), k, v)], out)
+        got = out.numpy()
+        assert str(got.dtype) == dt and np.abs(got.astype("f4") - want).max() < 2e-2, knobs
+    s = dict(batch=1, heads=4, kv_heads=4, seq_q=256, seq_k=256, head_dim=128, dtype=dt, causal=True)
+    q, k, v = rand(rng, (1, 4, 256, 128), dt), rand(rng, (1, 4, 256, 128), dt), rand(rng, (1, 4, 256, 128), dt)
+    want = ref(q, k, v, causal=True)
+    for knobs in ATTENTION_PREFILL.knob_space(s):
+        lib = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL(s, knobs)}), target=H100)
+        out = tvm.runtime.tensor(np.zeros(q.shape, dt), dev)
+        lib["main"](*[tvm.runtime.tensor(a, dev) for a in (q, k, v)], out)
+        assert np.abs(out.numpy().astype("f4") - want).max() < 3e-2, knobs
+    s = dict(batch=1, heads=4, kv_heads=2, seq_q=64, seq_k=64, head_dim=64, dtype=dt, mask="additive",
+             mask_shape=(1, 1, 64, 64), mask_dtype="float32")
+    q, k, v = rand(rng, (1, 4, 64, 64), dt), rand(rng, (1, 2, 64, 64), dt), rand(rng, (1, 2, 64, 64), dt)
+    mask = (rng.standard_normal((1, 1, 64, 64)) * 2).astype("f4")
+    mask[0, 0, 3, :] = -np.inf
+    want = ref(q, k, v, mask)
+    for knobs in ATTENTION_PREFILL.knob_space(s):
+        lib = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL(s, knobs)}), target=H100)
+        out = tvm.runtime.tensor(np.zeros(q.shape, dt), dev)
+        lib["main"](*[tvm.runtime.tensor(a, dev) for a in (q, k, v, mask)], out)
+        got = out.numpy().astype("f4")
+        assert np.abs(got[:, :, 3]).max() == 0, knobs  # the fully masked row
+        assert np.abs(got - want).max() < 3e-2, knobs

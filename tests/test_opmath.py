@@ -1,10 +1,11 @@
-"""fp32 arithmetic inside fp16 kernels: the rotary embedding's group, matmul epilogues on the fp32 sums, and the exact value of rounded scalars."""
+"""fp32 arithmetic inside fp16/bf16 kernels: the rotary embedding's group, matmul epilogues on the fp32 sums, and the exact value of rounded scalars."""
 
 from __future__ import annotations
 
 import shutil
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -244,3 +245,75 @@ def test_matmul_epilogue_runs_on_the_fp32_sums_and_rounds_once(act, llvm):
         h = (0.044715 * g16.astype("f4") ** 3 + g16).astype("float16")
         chain = (0.5 * g16 * (1 + np.tanh((0.7978845608 * h).astype("float16")).astype("float16"))).astype("float16")
     assert np.abs(chain.astype("f8") - exact).mean() > 1.2 * np.abs(got - exact).mean()
+
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _bf16_ulp(a) -> np.ndarray:
+    """The spacing of bf16 values at |a| (8 significant bits; np.spacing does not know bf16)."""
+    mag = np.abs(np.asarray(a).astype("f8"))
+    return np.exp2(np.floor(np.log2(np.where(mag > 0, mag, 2.0 ** -126))) - 7)
+
+
+def test_bf16_rotary_group_computes_in_fp32_and_rounds_once(llvm):
+    """bf16 has 3 fewer significant bits than fp16, so rounding the rope's two products and its sum to bf16 one
+    by one costs more still: the bf16 group computes in fp32 too (casts up inside the kernel, one cast down at
+    the store) and gives the fp32 rope of its bf16 inputs rounded once."""
+    fused = lower(_rope_module("bfloat16"), patterns=fusion_patterns(["tvmfuse.rotary_embedding"]))
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.rotary_embedding"], fused.rejections
+    (kernel,) = fused.kernels()
+    script = fused.mod[kernel].script()
+    assert 'T.Cast("float32"' in script and script.count('T.Cast("bfloat16"') == 1, script
+    x, cos, sin = (a.astype("f4").astype(BF16) for a in _inputs())
+    got = relax.VirtualMachine(tvm.compile(fused.mod, target="llvm"), tvm.cpu())["main"](
+        *[tvm.runtime.tensor(a) for a in (x, cos, sin)]).numpy()
+    assert got.dtype == BF16
+    once = _rope(x.astype("f4"), cos.astype("f4"), sin.astype("f4")).astype(BF16)
+    by_op = _rope(x, cos, sin)  # ml_dtypes bf16 arithmetic rounds every product and the sum
+    ulp = np.abs(got.astype("f8") - once.astype("f8")) / _bf16_ulp(once)
+    assert ulp.max() <= 1 and (got == once).mean() > 0.99  # 1 ulp: the fp32 sum may be contracted to an FMA
+    assert (by_op != once).mean() > 0.05
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_bf16_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
+    """bf16 x, cos and sin move in 16-byte vectors (8 bf16), go up to fp32 pair by pair and come down once at
+    the store; nvcc compiles it for sm_90a."""
+    from checks import cuda_sources  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.build import compile_module
+    from tvmfuse.spaces import apply_default_schedules  # pylint: disable=import-outside-toplevel
+    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(sys.modules[__name__], "D", 128)
+    fused = lower(_rope_module("bfloat16"), patterns=fusion_patterns(["tvmfuse.rotary_embedding"]))
+    target = resolve_target("cuda")
+    (src,) = cuda_sources(compile_module(apply_default_schedules(fused.mod, target), target))
+    assert src.count("*(uint4*)(x_ptr") == 3 and "*(uint4*)(cos_ptr" in src and "*(uint4*)(sin_ptr" in src
+    assert "(float)(((nv_bfloat162*)" in src and "= (nv_bfloat16)(((float2*)" in src  # up to fp32, one rounding down
+    with target:
+        assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("permute", [(), (0, 2, 1, 3)])
+def test_gpu_bf16_rotary_group_rounds_once(permute, monkeypatch):
+    """On the GPU, bf16 (head dim 128, Llama's K and Q forms): the fp32 rope of the bf16 inputs rounded once, to
+    1 ulp."""
+    from tvmfuse.build import compile_module
+    from tvmfuse.spaces import apply_default_schedules  # pylint: disable=import-outside-toplevel
+    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(sys.modules[__name__], "D", 128)
+    fused = lower(_rope_module("bfloat16", permute=permute), patterns=fusion_patterns(["tvmfuse.rotary_embedding"]))
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.rotary_embedding"], fused.rejections
+    cuda, dev = resolve_target("cuda"), tvm.cuda(0)
+    x, cos, sin = (a.astype("f4").astype(BF16) for a in _inputs())
+    sin_in = np.transpose(sin, (0, 2, 1, 3)) if permute else sin
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(fused.mod, cuda), cuda), dev)
+    got = vm["main"](*[tvm.runtime.tensor(a, dev) for a in (x, cos, sin_in)]).numpy()
+    t = (lambda a: np.transpose(a, permute)) if permute else (lambda a: a)
+    once = _rope(t(x).astype("f4"), t(cos).astype("f4"), t(sin).astype("f4")).astype(BF16)
+    ulp = np.abs(got.astype("f8") - once.astype("f8")) / _bf16_ulp(once)
+    assert got.dtype == BF16 and got.shape == once.shape and ulp.max() <= 1 and (got == once).mean() > 0.99

@@ -14,16 +14,17 @@ from tvmfuse.spaces import smallm
 from tvmfuse.targets import resolve_target
 
 
-def _projection(rows, k, n, batch=1, transposed=True):
-    """y = x @ W^T + b in fp16 with fp32 accumulation, W stored [N, K] (as the layout stage leaves it) or [K, N]."""
+def _projection(rows, k, n, batch=1, transposed=True, dtype="float16"):
+    """y = x @ W^T + b in fp16 (or `dtype`) with fp32 accumulation, W stored [N, K] (as the layout stage leaves it)
+    or [K, N]."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((batch, rows, k), "float16"))
-    w = relax.Var("w", relax.TensorType((n, k) if transposed else (k, n), "float16"))
-    b = relax.Var("b", relax.TensorType((n,), "float16"))
+    x = relax.Var("x", relax.TensorType((batch, rows, k), dtype))
+    w = relax.Var("w", relax.TensorType((n, k) if transposed else (k, n), dtype))
+    b = relax.Var("b", relax.TensorType((n,), dtype))
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
             wt = bb.emit(relax.op.permute_dims(w)) if transposed else w
-            mm = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(x, wt, out_dtype="float32")), "float16"))
+            mm = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(x, wt, out_dtype="float32")), dtype))
             out = bb.emit_output(relax.op.add(mm, b))
         bb.emit_func_output(out)
     return lower(bb.get()).mod

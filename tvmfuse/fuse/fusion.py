@@ -61,7 +61,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
             composite[gv.name_hint] = str(fn.attrs["Composite"])
             if "tvmfuse.candidate" in fn.attrs:
                 candidate[gv.name_hint] = str(fn.attrs["tvmfuse.candidate"])
-    mod = opmath_composites(mod)  # fp16 groups that compute in fp32 between their loads and their store
+    mod = opmath_composites(mod)  # fp16/bf16 groups that compute in fp32 between their loads and their store
     mod = one_kernel_splits(mod)  # a split whose part a fused group reads: one kernel writes every part
     mod = tvm.transform.Sequential([
         inline_shape_params,

@@ -61,7 +61,7 @@ VECTOR_BYTES = 16  # the injective CUDA schedule's vector (tvmfuse.spaces.elemen
 
 def legalize_concat(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """A concatenation on the last axis whose parts have static widths, each a multiple of g = 16 bytes of the dtype
-    (8 fp16 lanes), picks its part by `j < end` (part by part from the first); anything else as TVM's.
+    (8 fp16/bf16 lanes), picks its part by `j < end` (part by part from the first); anything else as TVM's.
 
     TVM's (topi.concatenate) picks by `start <= j`. For Llama's rotary embedding, concat(-x[..., 64:], x[..., :64]),
     the vectorized CUDA schedule has j = (bx*2048 + tx*8 + lane) % 128, and TVM's simplifier (StmtSimplify, just

@@ -9,9 +9,10 @@ from tvmfuse.patterns import PATTERN_TABLE
 from tvmfuse.prepare.opmath import BFLOAT16, FLOAT16, FLOAT32, dtype_of
 
 
-#: fused groups whose arithmetic runs in fp32 between their fp16 loads and their one fp16 store: the rotary
-#: embedding's q*cos + rotate_half(q)*sin rounded its products and its sum to fp16 one by one (with the q/k
-#: scale, 25% of the fp16 Llama layer's error variance: bench/fp16_error.py)
+#: fused groups whose arithmetic runs in fp32 between their fp16/bf16 loads and their one fp16/bf16 store: the
+#: rotary embedding's q*cos + rotate_half(q)*sin rounded its products and its sum to fp16 one by one (with the q/k
+#: scale, 25% of the fp16 Llama layer's error variance: bench/fp16_error.py); bf16, 3 significant bits fewer,
+#: rounded the same way (one element in 3 of a test rope differed from rounding once: tests/test_opmath.py)
 OPMATH_COMPOSITES = ("tvmfuse.rotary_embedding",)
 
 
@@ -21,16 +22,17 @@ OPMATH_COMPOSITES = ("tvmfuse.rotary_embedding",)
 OPMATH_EPILOGUES = tuple(name for name, _, _ in PATTERN_TABLE if name.startswith("tvmfuse.matmul_"))
 
 
-#: (negation is exact in fp16 and stays there: CUDA codegen cannot write TVM's fp32x8 broadcast of -1)
+#: (negation is exact in fp16/bf16 and stays there: CUDA codegen cannot write TVM's fp32x8 broadcast of -1)
 _ARITH = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
 
 
 def opmath_composites(mod: tvm.IRModule, names: tuple[str, ...] = OPMATH_COMPOSITES,
                       epilogues: tuple[str, ...] = OPMATH_EPILOGUES) -> tvm.IRModule:
-    """Each composite function (FuseOpsByPattern's) named in `names` computes its arithmetic in fp32: fp16
-    operands are cast up where an arithmetic op (or an op joining an fp32 value to fp16 ones) reads them, and
-    the result is cast back to the function's output dtype. Loads and stores stay fp16. In those named in
-    `epilogues` the fp32 values are also not cast down to fp16 on the way (the matmul's accumulator)."""
+    """Each composite function (FuseOpsByPattern's) named in `names` computes its arithmetic in fp32: fp16 and
+    bf16 operands are cast up where an arithmetic op (or an op joining an fp32 value to fp16/bf16 ones) reads
+    them, and the result is cast back to the function's output dtype. Loads and stores stay fp16/bf16. In those
+    named in `epilogues` the fp32 values are also not cast down to fp16/bf16 on the way (the matmul's
+    accumulator)."""
     out = mod.clone()
     for gv, fn in mod.functions.items():
         name = str(fn.attrs.get("Composite", "")) if isinstance(fn, relax.Function) and fn.attrs else ""
@@ -64,7 +66,7 @@ class _ComputeFp32(relax.PyExprMutator):
                 and dtype_of(fields[0]) == FLOAT32:
             return fields[0]
         dts = {dtype_of(a) for a in fields}
-        low = {FLOAT16, BFLOAT16} if self.keep_fp32 else {FLOAT16}  # (bf16 rotary groups stay as they were)
+        low = {FLOAT16, BFLOAT16}
         if dts & low and (call.op.name in _ARITH or FLOAT32 in dts):
             fields = [relax.op.astype(a, FLOAT32) if dtype_of(a) in low else a for a in fields]
         args = [relax.Tuple(fields)] + [self.visit_expr(a) for a in call.args[1:]] if concat else fields

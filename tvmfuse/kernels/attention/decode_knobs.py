@@ -17,7 +17,7 @@ def check(s: dict) -> str | None:
     if s["head_dim"] not in (16, 32, 64, 128) or s["heads"] % s["kv_heads"]:
         return "head_dim must be 16/32/64/128 and kv heads must divide query heads"
     if s["dtype"] not in ("float16", "bfloat16", "float32"):
-        return f"dtype {s['dtype']}"
+        return f"decode template is fp16/bf16/fp32 only (got {s['dtype']})"
     if not knob_space(s):
         return "no knob set fits in shared memory"
     return None

@@ -19,7 +19,7 @@ STATIC_SMEM, MAX_SMEM = 48 * 1024, 160 * 1024  # bytes: static shared memory lim
 
 
 def smem_bytes(s: dict, knobs: dict) -> int:
-    """Shared memory: stages x (K, V) x block_n rows of head_dim (+8 pad) fp16 elements, plus the Q tile
+    """Shared memory: stages x (K, V) x block_n rows of head_dim (+8 pad) 2-byte (fp16/bf16) elements, plus the Q tile
     (16 x warps x m_tiles rows) with q_smem."""
     rows = knobs.get("stages", 1) * 2 * knobs["block_n"]
     rows += 16 * knobs.get("warps", 4) * knobs.get("m_tiles", 1) if knobs.get("q_smem") else 0

@@ -1,4 +1,4 @@
-"""GEMM analysis: reads a fused kernel as one fp16 matmul (K innermost) and an elementwise epilogue the TIRx GEMM kernels rebuild from registers."""
+"""GEMM analysis: reads a fused kernel as one fp16 or bf16 matmul (K innermost) and an elementwise epilogue the TIRx GEMM kernels rebuild from registers."""
 
 from __future__ import annotations
 
@@ -17,13 +17,27 @@ from tvmfuse.kernels.hopper.expr_nodes import CALL as _CALL
 from tvmfuse.kernels.hopper.expr_nodes import LOAD as _LOAD
 
 
+#: operand dtypes the GEMM kernels multiply (both operands the same), and the PTX type each names in mma/wgmma
+OPERAND_PTX = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def gemm_dtypes_refused(a: str, b: str, acc: str, out: str) -> str | None:
+    """Why the GEMM kernels cannot take a matmul of these dtypes, or None: fp16 x fp16 or bf16 x bf16, summed in
+    fp32, written as that same 16-bit dtype or as the fp32 sums."""
+    if a in OPERAND_PTX and a == b and acc == "float32" and out in (a, "float32"):
+        return None
+    hint = "; --dtype fp16 or bf16 computes in those" if a == b == "float32" else ""
+    return (f"dtypes {a} x {b} -> {acc} -> {out} (needs float16 x float16 or bfloat16 x bfloat16 -> float32 "
+            f"-> the operands' dtype or float32{hint})")
+
+
 def _block_store(stmt):
     body = stmt.body
     return body if isinstance(body, tirx.BufferStore) else None
 
 
 def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
-    """({a, b, out, acc, m, n, k, rows, value, out_vars}, "") for a fused kernel that is exactly one fp16 matmul
+    """({a, b, out, acc, m, n, k, rows, value, out_vars}, "") for a fused kernel that is exactly one fp16 or bf16 matmul
     out[.., i, j] = f(sum_k A[.., i, k] * W[j, k]) (fp32 sums) with an elementwise epilogue f over its parameters
     (or none: the sums are the fp32 output), else (None, why not). The leading dims of A and out are rows: M is
     their product (`rows` their extents), A and out being contiguous."""
@@ -58,8 +72,9 @@ def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
     a, b, out = a_reg.source, b_reg.source, store.buffer
     if len(a.shape) < 2 or len(b.shape) != 2:  # e.g. RMSNorm's sum of x ** p, the exponent a 0-d parameter
         return None, "operands are not matrices"
-    if (acc.dtype, a.dtype, b.dtype) != ("float32", "float16", "float16") or out.dtype not in ("float16", "float32"):
-        return None, f"dtypes {a.dtype} x {b.dtype} -> {acc.dtype} -> {out.dtype} (needs fp16 x fp16 -> fp32 -> fp16/32)"
+    why = gemm_dtypes_refused(str(a.dtype), str(b.dtype), str(acc.dtype), str(out.dtype))
+    if why:
+        return None, why
     if not all(any(buf.same_as(p) for p in func.params) for buf in (a, b, out)):
         return None, "operands are not kernel parameters"
     ivars = [iv.var for iv in mstmt.iter_vars]

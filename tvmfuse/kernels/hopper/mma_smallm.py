@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
 
 # 16-byte loads: the weight streams past L1 (read once), the activations go through it (every block reads them).
@@ -15,10 +16,19 @@ STREAM_SRC = ("__device__ __forceinline__ void tvmfuse_ld_stream(const void* p, 
               " \"=r\"(c), \"=r\"(d) : \"l\"(p)); }")
 LOAD_SRC = ("__device__ __forceinline__ void tvmfuse_ld16(const void* p, unsigned& a, unsigned& b, unsigned& c, "
             "unsigned& d) { uint4 v = *reinterpret_cast<const uint4*>(p); a = v.x; b = v.y; c = v.z; d = v.w; }")
-MMA_SRC = ("__device__ __forceinline__ void tvmfuse_mma16816(float& d0, float& d1, float& d2, float& d3, unsigned a0, "
-           "unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) { asm volatile(\"mma.sync.aligned."
-           "m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\" : \"+f\"(d0), "
-           "\"+f\"(d1), \"+f\"(d2), \"+f\"(d3) : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"r\"(b0), \"r\"(b1)); }")
+
+
+def mma_helper(dtype: str) -> tuple[str, str]:
+    """(name, source) of the m16n8k16 mma.sync helper for fp16 or bf16 operands (fp32 sums), each its own name so
+    kernels of both dtypes can share a module."""
+    ab = OPERAND_PTX[dtype]
+    name = "tvmfuse_mma16816" if ab == "f16" else f"tvmfuse_mma16816_{ab}"
+    return name, (f"__device__ __forceinline__ void {name}(float& d0, float& d1, float& d2, float& d3, unsigned a0, "
+                  "unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) { asm volatile(\"mma.sync.aligned."
+                  f"m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\" : "
+                  "\"+f\"(d0), \"+f\"(d1), \"+f\"(d2), \"+f\"(d3) : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), "
+                  "\"r\"(b0), \"r\"(b1)); }")
+
 
 MAX_M = 64
 
@@ -52,7 +62,7 @@ def check_smallm_shape(m: int, n: int, k: int, tile: SmallMTile) -> str | None:
 def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, place, params, name: str,
                   setup=lambda: None):
     """The TIRx PrimFunc computing out = finish(a @ b^T) for small m: `a` holds [m, k] rows (any leading dims, K
-    innermost, contiguous), `b` is [n, k] (fp16); `finish(acc, row, col)` is the fp32 value of element (row, col)
+    innermost, contiguous), `b` is [n, k] (both fp16 or both bf16); `finish(acc, row, col)` is the fp32 value of element (row, col)
     from its fp32 sum, `place(row, col)` its indices in `out`; `params` (buffers) the PrimFunc's signature; `setup()`
     runs first in the kernel (declares the views the epilogue reads).
 
@@ -71,7 +81,10 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     guard = k % chunk != 0 or chunks % (warps * unroll) != 0  # some loads fall past K: zero them
     threads = warps * 32
     per_warp = mt * n8 * 128  # partial sums one warp leaves in shared memory
-    out_dtype = str(out.dtype)
+    out_dtype, dt = str(out.dtype), str(a.dtype)
+    if dt not in OPERAND_PTX or str(b.dtype) != dt:
+        raise ValueError(f"operands {a.dtype} x {b.dtype} (both float16 or both bfloat16)")
+    mma, mma_src = mma_helper(dt)
     A, B = a, b
 
     # fmt: off
@@ -81,7 +94,7 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         setup()  # what the epilogue reads declared first (views of 0-d parameters)
         bid = T.cta_id([-(-n // tile.bn)])
         tx = T.thread_id([threads])
-        A2 = T.decl_buffer((m, k), "float16", data=A.data)
+        A2 = T.decl_buffer((m, k), dt, data=A.data)
         red = T.alloc_buffer((warps * per_warp,), "float32", scope="shared.dyn")
         wreg = T.alloc_local((unroll * n8 * vec * 4,), "uint32")
         areg = T.alloc_local((mt * 2 * vec * 4,), "uint32")
@@ -127,9 +140,9 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
                             ai = T.meta_var((i * 2 * vec + s // 2) * 4 + (s % 2) * 2)
                             bi = T.meta_var(((u * n8 + t) * vec + s // 2) * 4 + (s % 2) * 2)
                             ci = T.meta_var((i * n8 + t) * 4)
-                            T.cuda.func_call("tvmfuse_mma16816", acc[ci], acc[ci + 1], acc[ci + 2], acc[ci + 3],
+                            T.cuda.func_call(mma, acc[ci], acc[ci + 1], acc[ci + 2], acc[ci + 3],
                                              areg[ai], areg[ai + vec * 4], areg[ai + 1], areg[ai + vec * 4 + 1],
-                                             wreg[bi], wreg[bi + 1], source_code=MMA_SRC)
+                                             wreg[bi], wreg[bi + 1], source_code=mma_src)
         for i in T.unroll(mt * n8 * 4):  # [warp][m16 tile][n8 tile][fragment i][lane]
             red[warp * per_warp + (i // 4) * 128 + (i % 4) * 32 + lane] = acc[i]
         T.cuda.cta_sync()
@@ -150,11 +163,13 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
                                                       "tirx.is_scheduled": True})
 
 
-def make_smallm_gemm(m: int, n: int, k: int, tile: SmallMTile = SmallMTile(), epilogue: str = "none"):
-    """C[m, n] = epilogue(A[m, k] @ B[n, k]^T (+ bias[n])) in fp16, fp32 accumulation: the benchmark's kernel,
-    parameters (A, B, bias, C)."""
+def make_smallm_gemm(m: int, n: int, k: int, tile: SmallMTile = SmallMTile(), epilogue: str = "none",
+                     dtype: str = "float16"):
+    """C[m, n] = epilogue(A[m, k] @ B[n, k]^T (+ bias[n])) in `dtype` (fp16 or bf16), fp32 accumulation: the
+    benchmark's kernel, parameters (A, B, bias, C)."""
     from tvmfuse.kernels.hopper.gemm_bench import bench_operands
 
-    bufs, finish = bench_operands(m, n, k, epilogue)
+    bufs, finish = bench_operands(m, n, k, epilogue, dtype)
+    suffix = "" if dtype == "float16" else f"_{dtype}"
     return smallm_kernel(m, n, k, tile, bufs[0], bufs[1], bufs[3], finish, lambda row, col: (row, col), bufs,
-                         f"smallm_gemm_{m}x{n}x{k}_{tile.n8}_{tile.warps}_{tile.vec}_{tile.unroll}_{epilogue}")
+                         f"smallm_gemm_{m}x{n}x{k}_{tile.n8}_{tile.warps}_{tile.vec}_{tile.unroll}_{epilogue}{suffix}")

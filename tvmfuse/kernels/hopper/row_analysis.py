@@ -13,7 +13,7 @@ from tvmfuse.kernels.hopper.expr_nodes import BINARY as _BINARY
 from tvmfuse.kernels.hopper.expr_nodes import CALL as _CALL
 from tvmfuse.kernels.hopper.expr_nodes import LOAD as _LOAD
 
-_F32, _DTYPES, _REDUCE = "float32", ("float16", "float32"), tirx.IterVar.CommReduce
+_F32, _DTYPES, _REDUCE = "float32", ("float16", "bfloat16", "float32"), tirx.IterVar.CommReduce
 
 
 def _ext(iv) -> int:
@@ -86,7 +86,7 @@ def analyze_rows(func: tirx.PrimFunc) -> tuple[dict | None, str]:
             if at != list(range(len(rows))) + ([] if red else ["k"]) or (red and is_param(buf)):
                 return None, "a sum not written at [row] or an output" if red else "an output not written at [row, k]"
             if str(buf.dtype) not in _DTYPES:
-                return None, f"dtype {buf.dtype} (fp16 or fp32 only)"
+                return None, f"dtype {buf.dtype} (float16, bfloat16 or float32 only)"
             info["inputs"] += [b for i, (_, (k, b)) in enumerate(loads) if k == "row" and find(known, b) is None
                                and not any(b.same_as(x) for x in info["inputs"] + [y for _, (_, y) in loads[:i]])]
             made.append({"kind": "red" if red else "row", "buf": buf, "expr": v.b if red else v, "roles": roles,
@@ -135,7 +135,7 @@ def _classify(load, roles, rows, h, known, is_param, ana=None) -> tuple[str, obj
     else:
         raise ValueError(f"reads {buf.name} at other indices than [row, k], [k], [row] or constants")
     if str(buf.dtype) not in _DTYPES:
-        raise ValueError(f"dtype {buf.dtype} (fp16 or fp32 only)")
+        raise ValueError(f"dtype {buf.dtype} (float16, bfloat16 or float32 only)")
     return kind, buf
 
 

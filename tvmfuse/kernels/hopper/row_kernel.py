@@ -12,13 +12,29 @@ from tvmfuse.kernels.hopper.row_analysis import analyze_rows, conv, find
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
 
 _F32 = "float32"
-_CVT = {  # the body of a helper moving 8 elements between a uint4 `v` (8 fp16) and 8 registers a0..a7
-    ("ld", _F32): "".join(f"float2 f{j} = __half22float2(reinterpret_cast<const half2*>(&v)[{j}]); "
-                          f"a{2 * j} = f{j}.x; a{2 * j + 1} = f{j}.y; " for j in range(4)),
-    ("st", _F32): "".join(f"reinterpret_cast<half2*>(&v)[{j}] = __floats2half2_rn(a{2 * j}, a{2 * j + 1}); "
-                          for j in range(4)),
-    ("ld", "float16"): "".join(f"a{i} = reinterpret_cast<const half*>(&v)[{i}]; " for i in range(8)),
-    ("st", "float16"): "".join(f"reinterpret_cast<half*>(&v)[{i}] = a{i}; " for i in range(8))}
+#: per 16-bit dtype: its CUDA scalar type, its pair type, and the pair <-> float2 conversions
+_HALF = {"float16": ("half", "half2", "__half22float2", "__floats2half2_rn"),
+         "bfloat16": ("nv_bfloat16", "nv_bfloat162", "__bfloat1622float2", "__floats2bfloat162_rn")}
+#: the short name of each dtype in the helpers' names (fp16 ones keep the names they had)
+_SHORT = {_F32: "32", "float16": "16", "bfloat16": "bf16"}
+
+
+def _cvt(op: str, mem: str, reg: str) -> str:
+    """The body of a helper moving 8 elements between a uint4 `v` (8 of the 16-bit dtype `mem`) and 8 registers
+    a0..a7 of dtype `reg` (fp32, or `mem` itself)."""
+    scalar, pair, to_f2, from_f2 = _HALF[mem]
+    if reg == _F32 and op == "ld":
+        return "".join(f"float2 f{j} = {to_f2}(reinterpret_cast<const {pair}*>(&v)[{j}]); "
+                       f"a{2 * j} = f{j}.x; a{2 * j + 1} = f{j}.y; " for j in range(4))
+    if reg == _F32:
+        return "".join(f"reinterpret_cast<{pair}*>(&v)[{j}] = {from_f2}(a{2 * j}, a{2 * j + 1}); " for j in range(4))
+    if reg != mem:
+        raise ValueError(f"no 8-element move between {mem} memory and {reg} registers")
+    if op == "ld":
+        return "".join(f"a{i} = reinterpret_cast<const {scalar}*>(&v)[{i}]; " for i in range(8))
+    return "".join(f"reinterpret_cast<{scalar}*>(&v)[{i}] = a{i}; " for i in range(8))
+
+
 _F4 = {"ld": "const float4* q = reinterpret_cast<const float4*>(p); float4 u = __ldg(q), w = __ldg(q + 1); "
              + "".join(f"a{i} = {'uw'[i // 4]}.{'xyzw'[i % 4]}; " for i in range(8)),
        "st": "float4* q = reinterpret_cast<float4*>(p); q[0] = make_float4(a0, a1, a2, a3); "
@@ -27,11 +43,12 @@ _F4 = {"ld": "const float4* q = reinterpret_cast<const float4*>(p); float4 u = _
 
 def _vec_src(op: str, mem: str, reg: str) -> tuple[str, str]:
     """(name, source) of the device helper that loads (op "ld") or stores ("st") 8 elements of dtype `mem` (one
-    16-byte access for fp16, two for fp32) from/to 8 registers of dtype `reg` (float& / half& for a load)."""
-    name, ctype = f"tvmfuse_{op}8_{mem[5:]}_{reg[5:]}", "float" if reg == _F32 else "half"
+    16-byte access for fp16/bf16, two for fp32) from/to 8 registers of dtype `reg` (float& / half& /
+    nv_bfloat16& for a load)."""
+    name, ctype = f"tvmfuse_{op}8_{_SHORT[mem]}_{_SHORT[reg]}", "float" if reg == _F32 else _HALF[reg][0]
     args = ", ".join(f"{ctype}{'&' * (op == 'ld')} a{i}" for i in range(8))
-    body = _F4[op] if mem == _F32 else ("uint4 v = __ldg(reinterpret_cast<const uint4*>(p)); " + _CVT[(op, reg)]
-                                        if op == "ld" else "uint4 v; " + _CVT[(op, reg)] + "*reinterpret_cast<uint4*>(p) = v; ")
+    body = _F4[op] if mem == _F32 else ("uint4 v = __ldg(reinterpret_cast<const uint4*>(p)); " + _cvt(op, mem, reg)
+                                        if op == "ld" else "uint4 v; " + _cvt(op, mem, reg) + "*reinterpret_cast<uint4*>(p) = v; ")
     return name, f"__device__ __forceinline__ void {name}(void* p, {args}) {{ {body}}}\n"
 
 
@@ -130,7 +147,7 @@ def row_kernel(info: dict, knobs: RowKnobs, name: str) -> tirx.PrimFunc:
                     for i in range(8):
                         T.buffer_store(keep, vals[i], [c * 8 + i])
                     vals = [keep[c * 8 + i] for i in range(8)]
-                if j is None and step["out"]:  # fp16 values stored as they are (no round trip through fp32)
+                if j is None and step["out"]:  # fp16/bf16 values stored as they are (no round trip through fp32)
                     vec("st", buf, c, vals, reg=str(vals[0].ty.dtype))
             if j is None:
                 continue

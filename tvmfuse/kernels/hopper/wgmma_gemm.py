@@ -5,14 +5,19 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
 
 # keeps the compiler from moving accumulator registers across an in-flight wgmma (CUTLASS's warpgroup_fence_operand)
 FENCE_SRC = '__device__ __forceinline__ void tvmfuse_fence_acc(float& r) { asm volatile("" : "+f"(r) :: "memory"); }'
 BAR_SRC = ('__device__ __forceinline__ void tvmfuse_bar_sync(int id, int n) '
            '{ asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }')
-STORE_SRC = ("__device__ __forceinline__ void tvmfuse_store_half2(half* p, float a, float b) "
-             "{ *reinterpret_cast<half2*>(p) = __floats2half2_rn(a, b); }")
+#: (helper name, source) per 16-bit output dtype: two neighbouring outputs, rounded from fp32, in one 4-byte store
+PAIR_STORES = {
+    "float16": ("tvmfuse_store_half2", "__device__ __forceinline__ void tvmfuse_store_half2(half* p, float a, float b) "
+                "{ *reinterpret_cast<half2*>(p) = __floats2half2_rn(a, b); }"),
+    "bfloat16": ("tvmfuse_store_bf162", "__device__ __forceinline__ void tvmfuse_store_bf162(nv_bfloat16* p, float a, "
+                 "float b) { *reinterpret_cast<nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b); }")}
 
 #: attribute marking a PrimFunc written in TIRx (compiled by TVM's tirx pipeline, never scheduled); its value names
 #: the kernel ("wgmma", "mma_smallm") for the manifest
@@ -27,13 +32,17 @@ def _tma_args(inner: int, outer: int, box_outer: int) -> list[int]:
 
 def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, place, params, name: str,
                  setup=lambda: None):
-    """The TIRx PrimFunc computing out = finish(a @ b^T): `a` holds [m, k] rows and `b` is [n, k] (fp16, K
-    innermost, contiguous); `finish(acc, row, col)` is the fp32 value of element (row, col) from its fp32
+    """The TIRx PrimFunc computing out = finish(a @ b^T): `a` holds [m, k] rows and `b` is [n, k] (both fp16 or
+    both bf16, K innermost, contiguous); `finish(acc, row, col)` is the fp32 value of element (row, col) from its fp32
     accumulator, `place(row, col)` its indices in `out`; `params` (buffers) are the PrimFunc's signature: a, b,
     out and whatever else finish reads."""
     why = check_wgmma_shape(m, n, k, tile)
     if why:
         raise ValueError(why)
+    dt = str(a.dtype)
+    if dt not in OPERAND_PTX or str(b.dtype) != dt:
+        raise ValueError(f"operands {a.dtype} x {b.dtype} (both float16 or both bfloat16)")
+    ab = OPERAND_PTX[dt]
     bm, bn, bk, stages, cons = tile.bm, tile.bn, tile.bk, tile.stages, tile.consumers
     k_tiles = -(-k // bk)
     tiles_n, tiles_m = -(-n // bn), -(-m // bm)
@@ -41,22 +50,23 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     acc_n = bn // 2  # fp32 accumulators per thread for m64 x bn
     a_stage, b_stage = bm * bk, bn * bk  # elements per stage
     stage_bytes = (a_stage + b_stage) * 2
-    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16"
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{ab}.{ab}"
     tma = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
     a_args, b_args = _tma_args(k, m, bm), _tma_args(k, n, bn)
     A, B = a, b
 
     out_dtype = str(out.dtype)
-    # two neighbouring fp16 outputs (col even) in one 4-byte store; one by one where N is odd or the output fp32
-    paired = n % 2 == 0 and out_dtype == "float16"
+    # two neighbouring 16-bit outputs (col even) in one 4-byte store; one by one where N is odd or the output fp32
+    paired = n % 2 == 0 and out_dtype in PAIR_STORES
     # odd N (GPT-2's 50257-wide logits): rows staged in shared memory, then written by consecutive lanes (one
     # 2-byte store per lane from the registers touched 8 rows per warp store, 16 of each 256 bytes)
-    staged = n % 2 == 1 and out_dtype == "float16"
+    staged = n % 2 == 1 and out_dtype in PAIR_STORES
     sets, ld = (2 if tile.dual else 1), bn + 8  # accumulator sets; staged row stride (8 more: no bank conflicts)
 
     def store(acc0, acc1, row, col):
-        return T.cuda.func_call("tvmfuse_store_half2", T.address_of(out[place(row, col)]),
-                                finish(acc0, row, col), finish(acc1, row, col + 1), source_code=STORE_SRC)
+        helper, src = PAIR_STORES[out_dtype]
+        return T.cuda.func_call(helper, T.address_of(out[place(row, col)]),
+                                finish(acc0, row, col), finish(acc1, row, col + 1), source_code=src)
 
     def total(acc, i):  # the sum of accumulator i over the sets
         return acc[i] + acc[acc_n + i] if sets == 2 else acc[i]
@@ -86,9 +96,9 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     @T.prim_func(check_well_formed=False)
     def gemm():
         a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", a_map, "float16", 2, A.data, *a_args)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", a_map, dt, 2, A.data, *a_args)
         b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", b_map, "float16", 2, B.data, *b_args)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", b_map, dt, 2, B.data, *b_args)
 
         T.device_entry()
         setup()  # what the epilogue reads declared first (views of 0-d parameters)
@@ -98,13 +108,13 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         bx = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
         by = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
         tx = T.thread_id([128 * (1 + cons)])
-        arena = T.alloc_buffer((stages * (a_stage + b_stage),), "float16", scope="shared.dyn", align=1024)
-        As = T.decl_buffer((stages, a_stage), "float16", data=arena.data, scope="shared.dyn")
-        Bs = T.decl_buffer((stages, b_stage), "float16", data=arena.data, elem_offset=stages * a_stage, scope="shared.dyn")
+        arena = T.alloc_buffer((stages * (a_stage + b_stage),), dt, scope="shared.dyn", align=1024)
+        As = T.decl_buffer((stages, a_stage), dt, data=arena.data, scope="shared.dyn")
+        Bs = T.decl_buffer((stages, b_stage), dt, data=arena.data, elem_offset=stages * a_stage, scope="shared.dyn")
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
         acc = T.alloc_local((acc_n * sets,), "float32")
-        Cs = T.decl_buffer((bm * ld,), "float16", data=arena.data, scope="shared.dyn")  # staged rows (odd N)
+        Cs = T.decl_buffer((bm * ld,), out_dtype if staged else dt, data=arena.data, scope="shared.dyn")  # staged rows (odd N)
         desc_a: T.uint64
         desc_b: T.uint64
         cw = T.meta_var(tx // 128 - 1)  # consumer warpgroup 0 (or 1 where bm = 128; warpgroup 0 loads)
