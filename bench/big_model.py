@@ -88,6 +88,7 @@ def phase_export(args) -> dict:
     from bench import hf_models as hm
 
     p, info = _paths(args), {}
+    os.makedirs(args.work, exist_ok=True)
     cuda = not args.smoke
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(num_hidden_layers=args.layers, **_shape(args))

@@ -205,15 +205,16 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
         return Verified({"status": "skipped", "reason": reason}, "skipped (memory)")
     device = device_for(target)
     vm = relax.VirtualMachine(built.executable, device)
+    weights = [w if w.device == device else w.copyto(device) for w in lowered.weights]  # (the build's are on the CPU)
     reference: dict = {}  # a big model's reference runs in a child process: its peak RSS
     checks = compare_at_dims(vm, device, job.path or imported.onnx_model, imported.inputs,
                              verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype,
-                             job.tolerance, lowered.weights, reference)
+                             job.tolerance, weights, reference)
     dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
     if not check.ok:
         raise VerificationError(_failed(job, check, dims), job.fp16_lookups and has_fp16_lookups(bound))
     feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
-    after = latency_us(vm, device, feeds, job.io_dtype, lowered.weights)
+    after = latency_us(vm, device, feeds, job.io_dtype, weights)
     shapes = lowered.bucketed.shapes if lowered.bucketed else {}
     function = next((fn for fn, shape in shapes.items() if shape == checks[0][0]), "main")  # the one timed
     extra = {"reference_peak_rss_bytes": reference["peak_rss_bytes"]} if reference else {}
