@@ -48,8 +48,9 @@ class SmallBatchMatmul(dl.ScheduleRule):
 
 
 class TensorCoreGemm(dl.ScheduleRule):
-    """tvmfuse's tensor-core GEMM schedule (tvmfuse.spaces.tcgemm) with its measured default tile, for fp16 matmuls
-    read K-innermost whose sizes the 128x128x64 tile divides; dlight's Matmul (padding) takes the others."""
+    """tvmfuse's tensor-core GEMM schedule (tvmfuse.spaces.tcgemm) with its measured default tile, for fp16 and bf16
+    matmuls (fp32 accumulation) read K-innermost whose sizes the 128x128x64 tile divides; dlight's Matmul (padding)
+    takes the others (on CUDA cores for bf16: dlight has tensor-core rules for fp16 and int8 only)."""
 
     def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
