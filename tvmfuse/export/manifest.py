@@ -40,6 +40,8 @@ def make_manifest(job, target: tvm.target.Target, source: str, imported, bound: 
 
 
 def _io_tensor(tensor: dict, io_dtype: str | None) -> dict:
-    """An input/output as the exported module takes it: float32 becomes the io dtype (--io-dtype)."""
-    low = io_dtype not in (None, "float32") and tensor["dtype"] == "float32"
-    return {**tensor, "dtype": io_dtype} if low else tensor
+    """An input/output as the exported module takes it: a float one (float32, or bfloat16 in a model stored in
+    bf16) has the interface dtype: the io dtype (--io-dtype), float32 by default."""
+    if tensor["dtype"] in ("float32", "float16", "bfloat16"):
+        return {**tensor, "dtype": io_dtype if io_dtype not in (None, "float32") else "float32"}
+    return tensor
