@@ -531,3 +531,28 @@ def test_bf16_needs_a_cuda_arch_with_native_bf16():
     check_compute_dtype(resolve_target('{"kind": "cuda", "arch": "sm_75"}'), "float16")
     with pytest.raises(TvmfuseError, match="--dtype bf16 needs a CUDA arch of sm_80 or newer, the target's is sm_75"):
         check_compute_dtype(resolve_target('{"kind": "cuda", "arch": "sm_75"}'), "bfloat16")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_bf16_export_fuses_attention_as_its_fp32_export(name, hf_exports):
+    """sdpa's NaN guard `where(isnan(p), 0, p)` around the fp32 softmax is written as ToMixedPrecision leaves it
+    (the guard in fp32, one cast to bf16 after it), so the attention pattern takes a bf16 export's attention
+    as it takes the fp32 export's. (Llama's RMSNorms stay unfused in the bf16 export: their bf16 result feeds
+    the fp32-accumulating matmuls, which the norm patterns' trailing-cast check reads as a cast.)"""
+    pytest.importorskip("onnxscript")
+    from collections import Counter
+
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.frontend.importer import load_onnx
+
+    groups = {}
+    for dtype, stored in (("float32", "float32"), ("bfloat16", "bfloat16")):
+        imported = import_model(load_onnx(hf_exports(name, "dynamo", stored)), {"batch": [1], "seq": [16]})
+        mod = to_compute_dtype(bind_params(imported.mod, imported.params), dtype)
+        fused = lower(mod, plan=decide(mod))
+        calls = []
+        relax.analysis.post_order_visit(fused.mod["main"], lambda e: calls.append(
+            fused.kernel_patterns.get(e.args[0].name_hint)) if isinstance(e, relax.Call)
+            and isinstance(getattr(e, "args", [None])[0], tvm.ir.GlobalVar) else None)
+        groups[dtype] = Counter(c for c in calls if c)
+    assert groups["bfloat16"]["tvmfuse.attention"] == groups["float32"]["tvmfuse.attention"] == 2, groups

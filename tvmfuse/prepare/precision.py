@@ -304,11 +304,30 @@ class _Bf16Opmath(relax.PyExprMutator):
     """In a module stored in bf16: bf16 matmuls accumulate in fp32 and round once; FP32_ONLY_IN_BF16 ops and
     FP32_REDUCTIONS_IN_BF16 compute in fp32 between casts."""
 
+    def _rounded_from_fp32(self, expr):
+        """y where `expr` is (bound to) astype(y: float32, bfloat16), else None."""
+        value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+        if isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.astype") \
+                and str(getattr(value.ty, "dtype", "")) == BFLOAT16 \
+                and str(getattr(value.args[0].ty, "dtype", "")) == FLOAT32:
+            return value.args[0]
+        return None
+
     def visit_call_(self, call):  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
         if not isinstance(call.op, tvm.ir.Op) or not any(str(getattr(a.ty, "dtype", "")) == BFLOAT16
                                                          for a in call.args):
             return call
+        if call.op.name in FP32_PREDICATES_IN_BF16 and self._rounded_from_fp32(call.args[0]) is not None:
+            return relax.Call(call.op, [self._rounded_from_fp32(call.args[0])], call.attrs)  # isnan(round(y)) ==
+            # isnan(y): the fp32 softmax itself, as ToMixedPrecision leaves sdpa's NaN guard
+        if call.op.name == "relax.where" and isinstance(call.args[1], Const):
+            wide = self._rounded_from_fp32(call.args[2])  # where(isnan(p), c, round(p)) -> round(where(isnan(p),
+            cond = self.lookup_binding(call.args[0]) if isinstance(call.args[0], relax.Var) else call.args[0]
+            if wide is not None and isinstance(cond, relax.Call) and cond.op == tvm.ir.Op.get("relax.isnan") \
+                    and cond.args[0].same_as(wide):  # c, p)): exact, and the form the attention pattern takes
+                picked = relax.op.where(call.args[0], relax.op.astype(call.args[1], FLOAT32), wide)
+                return relax.op.astype(self.builder_.normalize(picked), BFLOAT16)
         if call.op.name == "relax.matmul" and str(getattr(call.ty, "dtype", "")) == BFLOAT16:
             acc = self.builder_.normalize(relax.op.matmul(call.args[0], call.args[1], out_dtype=FLOAT32))
             return relax.op.astype(acc, BFLOAT16)
