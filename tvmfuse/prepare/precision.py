@@ -144,11 +144,12 @@ def _stored_bf16(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def _float32_interface(mod: tvm.IRModule, low: str) -> tvm.IRModule:
-    """`main` taking float32 where it took `low` inputs of static shape (each cast to `low` first) and returning
-    float32 where it returned `low` (the interface a converted model has; `--io-dtype` makes it `low` again)."""
+    """`main` taking float32 where it took `low` inputs (each cast to `low` first; symbolic shapes too: no
+    ToMixedPrecision runs here) and returning float32 where it returned `low` (the interface a converted model
+    has; `--io-dtype` makes it `low` again)."""
     main = mod["main"]
     n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
-    names = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == low and _static_shape(p)]
+    names = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == low]
     if names:  # fp32_interface re-types fp16 params: re-type the bf16 ones the same way
         mod = fp32_interface(mod, names, low)
     return low_interface(mod, FLOAT32, from_dtype=low, inputs=False)
