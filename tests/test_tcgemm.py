@@ -83,6 +83,40 @@ def test_bf16_gemm_runs_on_bf16_wmma_fragments_and_compiles_for_sm_90a():
     assert "wmma.load.a.sync.aligned.row.m16n16k16.bf16" in ptx
 
 
+@pytest.mark.parametrize("rows,k,n", [(100, 768, 1000), (192, 1024, 512), (512, 768, 50257)])
+def test_bf16_gemm_the_tile_does_not_divide_gets_dlights_padded_wmma_with_bf16_fragments(rows, k, n):
+    """Shapes tcgemm's tile does not divide (GPT-2's 768 x 50257 LM head) go to dlight's padded wmma GEMM, with
+    the bf16 intrinsics in place of the fp16 ones it asks for; stock dlight ran them on CUDA cores (bf16 is not
+    one of its tensor-core dtypes) or, here, left them to its GeneralReduction rule."""
+    cuda = resolve_target("cuda")
+    mod = _projection(rows, k, n, dtype="bfloat16")
+    got, _ = default_rule(_kernel(mod), cuda)
+    assert type(got) is TensorCoreMatmul, type(got).__name__
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    assert "wmma::matrix_a, 16, 16, 16, nv_bfloat16, nvcuda::wmma::row_major>" in src
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    with cuda:
+        ptx = bytes(tvm.support.nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc")).decode()
+    assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.bf16.bf16.f32" in ptx
+
+
+def test_wmma_operands_patch_is_undone():
+    from tvm.s_tir.tensor_intrin import cuda as tvm_cuda
+
+    from tvmfuse.spaces.intrinsics import wmma_operands
+
+    stock = tvm_cuda.get_wmma_intrin_group
+    with wmma_operands("bfloat16"):
+        got = tvm_cuda.get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
+                                             out_dtype="float32", trans_b=True)
+        assert got["compute"] == "wmma_sync_16x16x16_bf16bf16f32_trans"
+        with pytest.raises(ValueError, match="no bfloat16 wmma intrinsics accumulating in float16"):
+            tvm_cuda.get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
+                                           out_dtype="float16", trans_b=True)
+    assert tvm_cuda.get_wmma_intrin_group is stock
+
+
 @pytest.mark.parametrize("x_dtype,w_dtype", [("float16", "bfloat16"), ("bfloat16", "float16")])
 def test_gemm_rule_refuses_mixed_fp16_bf16_operands(x_dtype, w_dtype):
     """wmma has no fp16 x bf16 instruction: the tensor-core rule leaves such a GEMM to dlight."""
@@ -149,6 +183,24 @@ def test_gpu_bf16_tile_sets_match_numpy(knobs):
     if knobs is None:
         assert type(default_rule(_kernel(mod), resolve_target("cuda"))[0]) is TensorCoreGemm
     got = _gpu_run_projection(mod, knobs, (x, w, b))
+    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+@pytest.mark.parametrize("rows,k,n", [(100, 768, 1000), (192, 1024, 512)])
+def test_gpu_bf16_padded_gemm_matches_numpy(rows, k, n):
+    """dlight's padded wmma GEMM with bf16 fragments (shapes tcgemm's tile does not divide), same bound as above."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, rows, k)).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((n, k)) * 0.03).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    mod = _projection(rows, k, n, dtype="bfloat16")
+    assert type(default_rule(_kernel(mod), resolve_target("cuda"))[0]) is TensorCoreMatmul
+    got = _gpu_run_projection(mod, None, (x, w, b))
     want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
 

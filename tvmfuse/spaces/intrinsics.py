@@ -13,6 +13,8 @@ imported tvmfuse.spaces.
 
 from __future__ import annotations
 
+import contextlib
+
 from tvm.s_tir import TensorIntrin
 from tvm.s_tir.tensor_intrin import cuda as _cuda  # registers TVM's fp16/int8 intrinsics and the fp32 fill/store
 
@@ -57,3 +59,28 @@ def wmma_intrin_group(in_dtype: str, load_scope: str = "shared.dyn", store_scope
     return {"init": "wmma_fill_16x16x16_f32", "load_a": f"wmma_load_16x16x16_bf16_a_{load}",
             "load_b": f"wmma_load_16x16x16_bf16_b{b}_{load}", "compute": f"wmma_sync_16x16x16_bf16bf16f32{b}",
             "store": f"wmma_store_16x16x16_f32_{store}"}
+
+
+@contextlib.contextmanager
+def wmma_operands(in_dtype: str):
+    """While it lasts, TVM's `get_wmma_intrin_group` answers a request for fp16 operands with the `in_dtype` (bf16)
+    intrinsics registered here: dlight's MatmulTensorization asks for fp16 by name, and is otherwise
+    dtype-generic. A request for an fp16 accumulator raises (there is no bf16 one), which dlight reads as "does
+    not tensorize". Not thread-safe: it patches a module attribute for the duration of one schedule."""
+    if in_dtype == "float16":
+        yield
+        return
+    stock = _cuda.get_wmma_intrin_group
+
+    wanted = in_dtype
+
+    def patched(load_scope, store_scope, in_dtype, out_dtype, trans_b):  # TVM's signature (dlight passes keywords)
+        if in_dtype != "float16" or out_dtype != "float32":
+            raise ValueError(f"no {wanted} wmma intrinsics accumulating in {out_dtype}")
+        return wmma_intrin_group(wanted, load_scope, store_scope, trans_b)
+
+    _cuda.get_wmma_intrin_group = patched
+    try:
+        yield
+    finally:
+        _cuda.get_wmma_intrin_group = stock
