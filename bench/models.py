@@ -263,7 +263,8 @@ def main(argv=None) -> dict:
     late = args.last.split(",")  # these cases after every model's others: the budget cuts them first
     pairs = [(m, c, d) for m in args.models.split(",") for c in args.cases.split(",") if c not in late
              for d in args.dtypes]
-    pairs += [(m, c, d) for c in args.cases.split(",") if c in late for m in args.models.split(",") for d in args.dtypes]
+    pairs += [(m, c, d) for c in args.cases.split(",") if c in late for m in args.models.split(",")
+              for d in args.dtypes]
     wanted = args.contenders.split(",")
     opts = {"smoke": args.smoke, "trials": args.trials, "work": args.work,
             "target": "llvm" if args.smoke else "cuda", "default": "tvm_default" in wanted,

@@ -492,7 +492,8 @@ def test_fp32_copy_of_a_bf16_model_upcasts_weights_casts_and_io():
 
     w = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
     graph = helper.make_graph(
-        [helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16), helper.make_node("MatMul", ["xb", "w"], ["y"])],
+        [helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+         helper.make_node("MatMul", ["xb", "w"], ["y"])],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
         [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [1, 3])], [numpy_helper.from_array(w, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
