@@ -37,6 +37,12 @@ def spying(modules: dict, seen: dict):
             setattr(m, n, orig[m, n])
 
 
+def case_dir(name: str, case: str, dtype: str) -> str:
+    """The work folder (and job name) of one build: `llama-prefill_512` for fp16 and fp32 (the names before bf16
+    rows existed), `llama-prefill_512-bf16` for bf16."""
+    return f"{name}-{case}" + ("-bf16" if dtype == "bfloat16" else "")
+
+
 def _main_dtypes(mod) -> list[str]:
     return [str(p.ty.dtype) for p in mod["main"].params]
 
@@ -62,11 +68,11 @@ def prepare(name: str, case: str, opts: dict) -> dict:
 
     torch.set_grad_enabled(False)
     t0 = time.time()
-    info: dict = {"model": name, "case": case}
+    info: dict = {"model": name, "case": case, "dtype": opts["dtype"]}
     model = hm.build(name, opts["smoke"])
     s = hm.shapes(name, case, model, opts["smoke"])
     feeds = hm.inputs(name, model, s)
-    folder = os.path.join(opts["work"], f"{name}-{case}")
+    folder = os.path.join(opts["work"], case_dir(name, case, opts["dtype"]))
     path = os.path.join(folder, f"{name}_{case}.onnx")
     hm.export(hm.wrap(model, case), feeds, path)
     info["param_checksum"] = float(sum(p.double().sum() for p in model.parameters()))
@@ -75,7 +81,7 @@ def prepare(name: str, case: str, opts: dict) -> dict:
 
     target = resolve_target(opts["target"])
     extra = {"io_dtype": opts["dtype"]} if "io_dtype" in {f.name for f in dataclasses.fields(Job)} else {}
-    job = Job(f"{name}-{case}", path, {}, opts["trials"], opts["dtype"], **extra)
+    job = Job(case_dir(name, case, opts["dtype"]), path, {}, opts["trials"], opts["dtype"], **extra)
     lines: list[str] = []
     t = time.time()
     with spying({prepare: ("to_compute_dtype",), pipeline: ("compile_module", "tune")}, {}) as seen:

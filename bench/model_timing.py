@@ -41,7 +41,8 @@ def measure_vm(vm, dtypes: list[str], ctx: dict) -> dict:
     import tvm
     from tvmfuse.export.runtime import to_numpy
     dev = ctx["dev"]
-    args = [tvm.runtime.tensor(a.astype(d), dev) for a, d in zip(ctx["feeds"].values(), dtypes)]
+    from tvmfuse.verify.outputs import cast_array
+    args = [tvm.runtime.tensor(cast_array(a, d), dev) for a, d in zip(ctx["feeds"].values(), dtypes)]
     outs = to_numpy(vm["main"](*args))
     io = {"float_inputs": sorted({d for d in dtypes if "float" in d}), "outputs": sorted({str(o.dtype) for o in outs})}
     row = _measured(outs, time_vm(vm, dev, args), io, ctx)

@@ -1,9 +1,14 @@
-"""Issue 9 bench: GPT-2 (124M), BERT-base and a Llama layer end to end from ONNX, fp16 — tvmfuse (the product path,
-`pipeline.run_job`, + a CUDA-graph build) vs TVM default (no pattern fusion, dlight) vs torch eager / torch.compile,
-at decode (batch 1-16, KV 512) and prefill (512, 2048) shapes. Writes DIR/models.json after every row, a PNG at the end.
+"""Issue 9 bench: GPT-2 (124M), BERT-base and a Llama layer end to end from ONNX, fp16 and/or bf16 — tvmfuse (the
+product path, `pipeline.run_job` with --dtype fp16|bf16, + a CUDA-graph build) vs TVM default (no pattern fusion,
+dlight) vs torch eager / torch.compile in the same dtype, at decode (batch 1-16, KV 512) and prefill (512, 2048)
+shapes. Every row is checked against torch fp32 with the same weights, at its dtype's tolerance
+(tvmfuse.verify.TOLERANCES: fp16 1e-2, bf16 5e-2), and says how many elements fall outside it. Writes
+DIR/models.json after every row, a PNG at the end.
 
     python3 bench/models.py --models gpt2,llama,bert --cases decode_b1,decode_b16,prefill_512,prefill_2048 \\
         --contenders tvmfuse,tvmfuse_cuda_graph,torch_eager,torch_compile,tvm_default --budget-s 480 --out DIR
+    python3 bench/models.py --models llama,gpt2,bert --cases decode_b1,decode_b16,prefill_512,prefill_2048 \\
+        --dtypes fp16,bf16 --contenders tvmfuse_cuda_graph,torch_compile_reduce_overhead --out DIR3
     python3 bench/models.py --cases decode_b1,decode_b16 --contenders torch_compile_reduce_overhead --out DIR2
     python3 bench/models.py --smoke --out /tmp/smoke    # CPU, tiny configs, llvm, fp32, decode_b1
 """
@@ -25,6 +30,25 @@ CONTENDERS = ["tvmfuse", "tvmfuse_cuda_graph", "torch_eager", "torch_compile", "
               "tvm_default"]
 T0 = time.time()
 RES: dict = {}
+SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def torch_dtype(dtype: str):
+    import torch
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """'fp16,bf16' -> ['float16', 'bfloat16'] (each as tvmfuse's --dtype spells it); a bad one is a clear error."""
+    from tvmfuse.errors import JobError
+    from tvmfuse.prepare.dtypes import parse_dtype
+    try:
+        dtypes = [parse_dtype(d, "--dtypes") for d in text.split(",") if d.strip()]
+    except JobError as err:
+        raise SystemExit(f"error: {err}") from None
+    if not dtypes or len(set(dtypes)) != len(dtypes):
+        raise SystemExit(f"error: --dtypes {text!r}: name each of fp32, fp16, bf16 at most once")
+    return dtypes
 
 
 def _no_gpu():
@@ -48,16 +72,17 @@ def versions() -> dict:
             "tvmfuse": tvmfuse.__version__, "numpy": np.__version__}
 
 
-def measure_case(args, info: dict, model, target, dev, ceilings) -> None:
-    """Every wanted contender of one (model, case) on the same inputs, against torch fp32 with the same weights."""
+def measure_case(args, info: dict, model, target, dev, ceilings, dtype: str) -> None:
+    """Every wanted contender of one (model, case) in `dtype` on the same inputs, against torch fp32 with the same
+    weights at `dtype`'s tolerance."""
     import torch
     name, case = info["model"], info["case"]
     s = hm.shapes(name, case, model, args.smoke)
     cuda = target.kind.name == "cuda"
-    tdev, tdt = ("cuda" if cuda else "cpu"), (torch.float16 if args.dtype == "float16" else torch.float32)
+    tdev, tdt = ("cuda" if cuda else "cpu"), torch_dtype(dtype)
     params = sum(p.numel() for p in model.parameters())
     checksum = float(sum(p.double().sum() for p in model.parameters()))
-    base = {"model": name, "case": case, **s, "params": params, "export_s": info["export_s"],
+    base = {"model": name, "case": case, "dtype": SHORT[dtype], **s, "params": params, "export_s": info["export_s"],
             "prepare_s": info["prepare_s"], "same_weights_as_onnx": None if info["param_checksum"] is None
             else abs(checksum - info["param_checksum"]) < 1e-6}
     if case.startswith("decode") and not hm.has_cache(name):
@@ -73,7 +98,7 @@ def measure_case(args, info: dict, model, target, dev, ceilings) -> None:
         ref = [o.float().cpu().numpy() for o in (out if isinstance(out, tuple) else (out,))]
         del ref_model, out
         low = hm.wrap(copy.deepcopy(model).to(tdev, tdt), case)
-    ctx = {"info": info, "feeds": feeds, "ref": ref, "dtype": args.dtype, "dev": dev, "cuda": cuda, "torch_low": low,
+    ctx = {"info": info, "feeds": feeds, "ref": ref, "dtype": dtype, "dev": dev, "cuda": cuda, "torch_low": low,
            "profile": args.profile,
            "torch_dtype": tdt,
            "torch_in": [torch.from_numpy(v).to(tdev, tdt if v.dtype.kind == "f" else None) for v in feeds.values()]}
@@ -95,12 +120,12 @@ def measure_case(args, info: dict, model, target, dev, ceilings) -> None:
         except Exception:  # pylint: disable=broad-except  (one contender's failure must not lose the others)
             _row(args, dict(base, contender=key, error=traceback.format_exc()[-3000:]))
         gc.collect()
-    ctx.clear()  # the fp16 torch copy and the inputs go before the next case
+    ctx.clear()  # the low-precision torch copy and the inputs go before the next case
     del low
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    for root, _, files in os.walk(os.path.join(args.work, f"{name}-{case}")):
+    for root, _, files in os.walk(os.path.join(args.work, model_builds.case_dir(name, case, dtype))):
         for f in files:
             if f.endswith(".so"):  # hundreds of MB each (the weights are inside)
                 os.remove(os.path.join(root, f))
@@ -111,28 +136,30 @@ def _row(args, row: dict) -> None:
     save(args.out)
     what = (f"{row['us']:.1f} us, err {row['max_abs_err']:.2e}" if "us" in row else
             row.get("skipped") or "FAILED " + row.get("error", "").strip().splitlines()[-1][:300])
-    log(row["model"], row["case"], row["contender"], what)
+    log(row["model"], row["case"], row.get("dtype", ""), row["contender"], what)
 
 
 def summary(rows: list[dict]) -> dict:
-    """Per model/case: each contender's us, and the best tvmfuse build against the best torch.compile mode. A TVM
-    result counts only if its output is right: finite, and within the fp16 tolerance or no further from torch fp32
-    than twice torch's own fp16 error (a 4096-wide random-weight Llama is off by 0.15 in torch fp16 itself);
-    the others are listed under "wrong_output" with their error and time."""
+    """Per model/case/dtype ("llama/prefill_512/bf16"): each contender's us, and the best tvmfuse build against
+    the best torch.compile mode in the same dtype. A TVM result counts only if its output is right: finite, and
+    within its dtype's tolerance or no further from torch fp32 than twice torch's own error in that dtype (a
+    4096-wide random-weight Llama is off by 0.15 in torch fp16 itself); the others are listed under
+    "wrong_output" with their error, elements outside the tolerance and time."""
     out: dict = {}
-    torch_err = {(r["model"], r["case"]): r["max_abs_err"] for r in rows
+    torch_err = {(r["model"], r["case"], r.get("dtype")): r["max_abs_err"] for r in rows
                  if r.get("contender") == "torch_eager" and "max_abs_err" in r}
     for r in rows:
         if "us" not in r:
             continue
-        us = out.setdefault(f"{r['model']}/{r['case']}", {})
-        err, ref = r.get("max_abs_err"), torch_err.get((r["model"], r["case"]))
+        us = out.setdefault(f"{r['model']}/{r['case']}/{r.get('dtype')}", {})
+        err, ref = r.get("max_abs_err"), torch_err.get((r["model"], r["case"], r.get("dtype")))
         right = r["contender"].startswith("torch") or (
             err is not None and math.isfinite(err) and (r.get("within_tol") or (ref is not None and err <= 2 * ref)))
         if right:
             us[r["contender"]] = round(r["us"], 1)
         else:
-            us.setdefault("wrong_output", {})[r["contender"]] = {"us": round(r["us"], 1), "max_abs_err": err}
+            us.setdefault("wrong_output", {})[r["contender"]] = {"us": round(r["us"], 1), "max_abs_err": err,
+                                                                 "violations": r.get("violations")}
     for us in out.values():
         ours = min((us[k] for k in ("tvmfuse", "tvmfuse_cuda_graph") if k in us), default=None)
         theirs = min((us[k] for k in ("torch_compile", "torch_compile_reduce_overhead") if k in us), default=None)
@@ -148,16 +175,17 @@ def chart(out: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib not importable: no PNG"
-    groups = list(dict.fromkeys((r["model"], r["case"]) for r in RES["rows"]))
+    groups = list(dict.fromkeys((r["model"], r["case"], r.get("dtype")) for r in RES["rows"]))
     fig, axs = plt.subplots(1, len(groups), figsize=(2.8 * len(groups), 3.4), squeeze=False)
-    for ax, (m, c) in zip(axs[0], groups):
-        rows = {r["contender"]: r["us"] for r in RES["rows"] if (r["model"], r["case"]) == (m, c) and "us" in r}
+    for ax, (m, c, d) in zip(axs[0], groups):
+        rows = {r["contender"]: r["us"] for r in RES["rows"]
+                if (r["model"], r["case"], r.get("dtype")) == (m, c, d) and "us" in r}
         keys = [k for k in CONTENDERS if k in rows]
         ax.bar(range(len(keys)), [rows[k] for k in keys], color=[f"C{CONTENDERS.index(k)}" for k in keys])
         ax.set_xticks(range(len(keys)), [k.replace("torch_compile", "compile").replace("_reduce_overhead", "+ro")
                                          .replace("tvmfuse_cuda_graph", "tvmfuse+cg") for k in keys],
                       rotation=60, fontsize=7)
-        ax.set_title(f"{m} {c}", fontsize=8)
+        ax.set_title(f"{m} {c} {d or ''}", fontsize=8)
         values = [rows[k] for k in keys]
         if values and max(values) > 20 * min(values):  # a generic kernel beside tuned ones: only a log axis shows both
             ax.set_yscale("log")
@@ -183,7 +211,9 @@ def main(argv=None) -> dict:
     p.add_argument("--budget-s", type=float, default=540, help="start no new contender after this many seconds")
     p.add_argument("--out", default="bench-models")
     p.add_argument("--work", default="/tmp/bench-models", help="ONNX files, exports and tuning logs")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny configs, llvm target, fp32")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny configs, llvm target, fp32 (unless --dtypes)")
+    p.add_argument("--dtypes", default=None, help="compute dtypes to measure, side by side: fp16, bf16 or both "
+                   "(fp16,bf16); every contender runs in each (torch in the same dtype). Default: fp16 (smoke: fp32)")
     p.add_argument("--overlap", action="store_true", help="measure while later builds still run (faster, but "
                    "the CPU load slows launch-bound contenders); default: all builds first, then measurements")
     p.add_argument("--profile", action="store_true", help="per-kernel times and where non-finite values appear "
@@ -201,7 +231,7 @@ def main(argv=None) -> dict:
         print(chart(os.path.dirname(os.path.abspath(args.chart))))
         return RES
     args.cases = args.cases or ("decode_b1" if args.smoke else "decode_b1,decode_b16,prefill_512,prefill_2048")
-    args.dtype = "float32" if args.smoke else "float16"
+    args.dtypes = parse_dtypes(args.dtypes or ("fp32" if args.smoke else "fp16"))
     args.jobs = (0 if args.smoke else 4) if args.jobs is None else args.jobs
     T0 = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -213,11 +243,13 @@ def main(argv=None) -> dict:
     dev = device_for(target)
     RES.clear()
     RES.update(date=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv if argv is None else argv,
-               versions=versions(), smoke=args.smoke, dtype=args.dtype, target=str(target.attrs.get("arch", "llvm")),
+               versions=versions(), smoke=args.smoke, dtypes=[SHORT[d] for d in args.dtypes],
+               target=str(target.attrs.get("arch", "llvm")),
                models={m: hm.NOTES[m] for m in args.models.split(",")}, rows=[],
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
-                     "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol by "
-                     "tvmfuse.verify.compare (fp16: atol 1e-2 + rtol 1e-2); ideal_us: all fp16 weights (+KV) once at "
+                     "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
+                     "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "
+                     "atol 1e-2 + rtol 1e-2, bf16: 5e-2 + 5e-2); ideal_us: all 2-byte weights (+KV) once at "
                      "the measured copy bandwidth, or 2*params*tokens FLOPs at the measured matmul peak; with --jobs N "
                      "the exports and builds ran in N CPU worker processes, before the measurements unless --overlap "
                      "(then during them)")
@@ -229,10 +261,12 @@ def main(argv=None) -> dict:
                    matmul_peak_TFLOPs=ceilings[1] / 1e12)
     save(args.out)
     late = args.last.split(",")  # these cases after every model's others: the budget cuts them first
-    pairs = [(m, c) for m in args.models.split(",") for c in args.cases.split(",") if c not in late]
-    pairs += [(m, c) for c in args.cases.split(",") if c in late for m in args.models.split(",")]
+    pairs = [(m, c, d) for m in args.models.split(",") for c in args.cases.split(",") if c not in late
+             for d in args.dtypes]
+    pairs += [(m, c, d) for c in args.cases.split(",") if c in late for m in args.models.split(",")
+              for d in args.dtypes]
     wanted = args.contenders.split(",")
-    opts = {"smoke": args.smoke, "dtype": args.dtype, "trials": args.trials, "work": args.work,
+    opts = {"smoke": args.smoke, "trials": args.trials, "work": args.work,
             "target": "llvm" if args.smoke else "cuda", "default": "tvm_default" in wanted,
             "graph": not args.smoke and "tvmfuse_cuda_graph" in wanted}
     needs_build = any(c in wanted for c in ("tvmfuse", "tvmfuse_cuda_graph", "tvm_default"))
@@ -241,8 +275,7 @@ def main(argv=None) -> dict:
     if workers:
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_no_gpu,
                                    max_tasks_per_child=1)  # a fresh process per build: memory back each time
-        futures = {(m, c): pool.submit(model_builds.prepare, m, c,
-                                       opts) for m, c in pairs}
+        futures = {(m, c, d): pool.submit(model_builds.prepare, m, c, dict(opts, dtype=d)) for m, c, d in pairs}
     if workers and not args.overlap:  # measure on an idle CPU: launch-bound contenders (torch eager, the VM) slow
         deadline = T0 + args.budget_s  # down while builds run beside them
         for fut in futures.values():
@@ -251,27 +284,28 @@ def main(argv=None) -> dict:
             except Exception:  # pylint: disable=broad-except  (its row reports it below)
                 pass
     built: dict = {}  # the fp32 HF models (CPU), built once each
-    for name, case in pairs:
+    for name, case, dtype in pairs:
+        where = {"model": name, "case": case, "dtype": SHORT[dtype], "contender": "-"}
         if time.time() - T0 > args.budget_s:
-            _row(args, {"model": name, "case": case, "contender": "-", "skipped": f"budget ({args.budget_s} s) spent"})
+            _row(args, dict(where, skipped=f"budget ({args.budget_s} s) spent"))
             continue
-        log("===", name, case)
+        log("===", name, case, SHORT[dtype])
         try:
             if name not in built:
                 built[name] = hm.build(name, args.smoke)
             model = built[name]
             if workers:  # wait for its build no longer than the budget lasts
-                info = futures[(name, case)].result(timeout=max(1.0, args.budget_s - (time.time() - T0)))
+                info = futures[(name, case, dtype)].result(timeout=max(1.0, args.budget_s - (time.time() - T0)))
             elif not needs_build:  # torch contenders only: no ONNX, no TVM
                 info = {"model": name, "case": case, "export_s": None, "prepare_s": None, "param_checksum": None}
             else:
-                info = model_builds.prepare(name, case, opts)
-            log(name, case, "built", {k: info[k] for k in ("export_s", "prepare_s")})
-            measure_case(args, info, model, target, dev, ceilings)
+                info = model_builds.prepare(name, case, dict(opts, dtype=dtype))
+            log(name, case, SHORT[dtype], "built", {k: info[k] for k in ("export_s", "prepare_s")})
+            measure_case(args, info, model, target, dev, ceilings, dtype)
         except FuturesTimeout:
-            _row(args, {"model": name, "case": case, "contender": "-", "skipped": "budget spent waiting for its build"})
+            _row(args, dict(where, skipped="budget spent waiting for its build"))
         except Exception:  # pylint: disable=broad-except
-            _row(args, {"model": name, "case": case, "contender": "-", "error": traceback.format_exc()[-3000:]})
+            _row(args, dict(where, error=traceback.format_exc()[-3000:]))
     if pool is not None:  # stop builds nobody will measure (workers are this script's own processes)
         procs = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
@@ -282,8 +316,9 @@ def main(argv=None) -> dict:
     RES["seconds"] = round(time.time() - T0, 1)
     save(args.out)
     for r in RES["rows"]:
-        print(f"{r['model']:6} {r['case']:13} {r['contender']:30}",
-              f"{r['us']:10.1f} us  err {r['max_abs_err']:.2e}" if "us" in r else (r.get("skipped") or "FAILED"))
+        print(f"{r['model']:6} {r['case']:13} {r.get('dtype', ''):5} {r['contender']:30}",
+              f"{r['us']:10.1f} us  err {r['max_abs_err']:.2e}, {r['violations']} outside" if "us" in r
+              else (r.get("skipped") or "FAILED"))
     return RES
 
 

@@ -39,17 +39,17 @@ def llvm():
 
 @pytest.fixture(scope="session")
 def hf_exports(tmp_path_factory):
-    """hf_exports(model, exporter='legacy') -> the path of a tiny HF export (tests/hf_export.py), each made once
-    per test session."""
+    """hf_exports(model, exporter='legacy', dtype='float32') -> the path of a tiny HF export (tests/hf_export.py;
+    dtype 'bfloat16': exported in bf16), each made once per test session."""
     hf_export = pytest.importorskip("hf_export")
     folder, cache = tmp_path_factory.mktemp("hf"), {}
 
-    def get(name: str, exporter: str = "legacy") -> str:
-        if (name, exporter) not in cache:
+    def get(name: str, exporter: str = "legacy", dtype: str = "float32") -> str:
+        if (name, exporter, dtype) not in cache:
             if exporter == "dynamo":
                 pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript (dev extra)")
-            cache[(name, exporter)] = hf_export.export(name, exporter, str(folder))
-        return cache[(name, exporter)]
+            cache[(name, exporter, dtype)] = hf_export.export(name, exporter, str(folder), dtype=dtype)
+        return cache[(name, exporter, dtype)]
     return get
 
 

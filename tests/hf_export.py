@@ -118,13 +118,20 @@ def _cumsum_symbolic(g, x, dim, dtype):
     return symbolic_opset11.cumsum(g, x, dim, dtype)
 
 
-def export(name: str, exporter: str, folder: str, ids_only: bool = False) -> str:
+def export(name: str, exporter: str, folder: str, ids_only: bool = False, dtype: str = "float32") -> str:
     """Export model `name` through `exporter` ('legacy' opset 17 or 'dynamo' opset 20); return the .onnx path.
-    `ids_only`: the model's only input is input_ids."""
-    path = os.path.join(folder, f"{name}_{exporter}{'_ids' if ids_only else ''}.onnx")
+    `ids_only`: the model's only input is input_ids. `dtype` "bfloat16": exported after `model.to(torch.bfloat16)`
+    (weights and activations stored in bf16; torch 2.13's legacy exporter cannot: "ScalarType ComplexDouble is an
+    unexpected tensor scalar type")."""
+    suffix = ("_ids" if ids_only else "") + ("_bf16" if dtype == "bfloat16" else "")
+    path = os.path.join(folder, f"{name}_{exporter}{suffix}.onnx")
     if os.path.exists(path):
         return path
     model = tiny_model(name, ids_only)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    elif dtype != "float32":
+        raise ValueError(dtype)
     args = tuple(torch.from_numpy(v) for v in example_inputs(ids_only=ids_only).values())
     names = ["input_ids"] if ids_only else ["input_ids", "attention_mask"]
     with warnings.catch_warnings(), torch.no_grad():

@@ -37,3 +37,32 @@ def test_smoke_gpt2_decode_rows(tmp_path):
     assert fused["patterns"].get("tvmfuse.attention") == 1  # one attention kernel, shared by both layers
     assert fused["launches"] < stock["launches"]  # pattern fusion: fewer kernel launches than stock TVM
     assert not list((tmp_path / "work").rglob("*.so")) and not list((tmp_path / "work").rglob("*.onnx"))
+
+
+def test_smoke_fp32_and_bf16_rows_side_by_side(tmp_path):
+    """--dtypes fp32,bf16: every contender once per dtype in one run (torch in that dtype too), each row checked
+    against torch fp32 at its own dtype's tolerance with the count of elements outside it."""
+    out = tmp_path / "out"
+    res = models.main(["--smoke", "--models", "gpt2", "--cases", "decode_b2", "--jobs", "0", "--dtypes", "fp32,bf16",
+                       "--contenders", "tvmfuse,torch_eager", "--out", str(out), "--work", str(tmp_path / "work")])
+    saved = json.loads((out / "models.json").read_text())
+    assert saved["dtypes"] == ["fp32", "bf16"]
+    rows = {(r["dtype"], r["contender"]): r for r in saved["rows"]}
+    assert set(rows) == {(d, c) for d in ("fp32", "bf16") for c in ("tvmfuse", "torch_eager")}, saved["rows"]
+    for row in rows.values():
+        assert "error" not in row, row.get("error")
+        assert row["within_tol"] and row["violations"] == 0, row
+    fused32, fused16 = rows["fp32", "tvmfuse"], rows["bf16", "tvmfuse"]
+    assert fused16["run_job_ok"] and fused16["verification_vs_onnxruntime"].startswith("ok")
+    assert fused16["io"]["float_inputs"] == ["bfloat16"]  # the past K/V go in as bf16 (--io-dtype bf16)
+    assert rows["bf16", "torch_eager"]["io"] == {"dtype": "bfloat16"}
+    assert 1e-4 < fused16["max_abs_err"] < 5e-2 and fused32["max_abs_err"] < 1e-4  # it really computed in bf16
+    assert set(res["summary"]) == {"gpt2/decode_b2/fp32", "gpt2/decode_b2/bf16"}
+    assert list((tmp_path / "work").glob("gpt2-decode_b2-bf16"))  # one work folder per dtype
+
+
+def test_bad_dtypes_is_one_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="--dtypes 'int8' is not supported: use fp32, fp16 or bf16"):
+        models.main(["--smoke", "--dtypes", "int8", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="name each of fp32, fp16, bf16 at most once"):
+        models.main(["--smoke", "--dtypes", "bf16,bfloat16", "--out", str(tmp_path)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import numpy as np
@@ -415,3 +416,144 @@ def test_failed_verification_with_fp16_lookups_builds_again_with_them_in_fp32(tm
 def test_fp16_embedding_export_passes_with_an_fp16_residual_stream(tmp_path):
     manifest = _export(tmp_path, _embedding(), "emb", "fp16")
     assert manifest["verification"]["status"] == "passed" and manifest["precision"]["residual_stream"] == "float16"
+
+
+# ---- models stored in bf16 (exported after model.to(torch.bfloat16)) ---------------------------------------
+
+LEGACY_BF16 = pytest.mark.xfail(raises=RuntimeError, strict=True, reason="torch 2.13's legacy exporter cannot export "
+                                "a bf16 model: 'ScalarType ComplexDouble is an unexpected tensor scalar type'")
+
+
+def _onnx_bf16_initializers(path) -> set[bytes]:
+    """The bytes of every bf16 initializer of two or more dimensions, as stored and transposed (the layout stage
+    stores [K, N] weights [N, K])."""
+    from onnx import numpy_helper
+
+    found = set()
+    for t in onnx.load(path).graph.initializer:
+        if t.data_type == onnx.TensorProto.BFLOAT16 and len(t.dims) >= 2:
+            a = numpy_helper.to_array(t)
+            found |= {a.tobytes(), np.ascontiguousarray(a.T).tobytes()}
+    return found
+
+
+@pytest.mark.parametrize("exporter", [pytest.param("legacy", marks=LEGACY_BF16), "dynamo"])
+def test_bf16_export_keeps_its_bf16_weights_with_fp32_accumulation(exporter, hf_exports):
+    """No round trip through fp32: every weight the prepared module holds is one of the model's bf16 initializers,
+    bit for bit (no fp32 copy of any 2-D weight exists), and each matmul accumulates in fp32."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    from tvmfuse.frontend.importer import load_onnx
+    from tvmfuse.prepare import prepare_module
+    from tvmfuse.prepare.precision import precision_info, weight_dtypes
+
+    path = hf_exports("llama", exporter, "bfloat16")
+    imported = import_model(load_onnx(path))
+    prepared = prepare_module(imported, "bf16")
+    weights = []
+    relax.analysis.post_order_visit(prepared["main"], lambda e: weights.append(e.value.numpy()) if isinstance(
+        e, tvm.ir.GenericConst) and len(e.value.shape) >= 2 and str(e.value.dtype).startswith(("float", "bfloat"))
+        else None)
+    assert weights and weight_dtypes(prepared) == {"bfloat16"}
+    stored = _onnx_bf16_initializers(path)
+    assert all(w.tobytes() in stored for w in weights)
+    matmuls = []
+    relax.analysis.post_order_visit(prepared["main"], lambda e: matmuls.append(str(e.ty.dtype)) if isinstance(
+        e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.matmul" else None)
+    assert matmuls and set(matmuls) == {"float32"}  # astype(matmul(a, b, out_dtype=float32), bfloat16)
+    info = precision_info(prepared, "bf16")
+    assert info["stored_dtype"] == "bfloat16" and info["pass"].startswith("none: the model is stored in bfloat16")
+    assert [str(p.ty.dtype) for p in prepared["main"].params] == ["int64", "int64"]
+    assert str(prepared["main"].ret_ty.dtype) == "float32"  # the float interface is float32, as for fp32 models
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_bf16_export_builds_and_verifies_against_its_fp32_copy(name, hf_exports, tmp_path):
+    """--dtype bf16 on llvm: the build passes against onnxruntime on an fp32 copy of the model (onnxruntime's CPU
+    provider runs no bf16 MatMul) at bf16's tolerance, and the manifest says bf16 throughout."""
+    pytest.importorskip("onnxscript")
+    manifest = _export(tmp_path, onnx.load(hf_exports(name, "dynamo", "bfloat16")), f"{name}_bf16", "bf16")
+    check = manifest["verification"]
+    assert check["status"] == "passed" and check["tolerance"]["float32"] == {"atol": 5e-2, "rtol": 5e-2}
+    assert check["reference"] == "onnxruntime on an fp32 copy of the bf16 model"
+    assert 0 < check["max_abs_err"] < 5e-2  # it computed in bf16, and within bf16's tolerance
+    precision = manifest["precision"]
+    assert precision["compute_dtype"] == precision["stored_dtype"] == "bfloat16"
+    assert precision["weights_dtype"] == ["bfloat16"] and precision["residual_stream"] == "bfloat16 (as stored)"
+    assert [t["dtype"] for t in manifest["outputs"]] == ["float32"]
+    assert re.search(r"(?<!b)float16|fp16", json.dumps(manifest)) is None  # nothing says fp16
+
+
+def test_fp32_copy_of_a_bf16_model_upcasts_weights_casts_and_io():
+    from onnx import TensorProto, helper, numpy_helper
+    import ml_dtypes
+
+    from tvmfuse.verify.reference import fp32_copy, stores_bf16
+
+    w = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+         helper.make_node("MatMul", ["xb", "w"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [1, 3])], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert stores_bf16(model)
+    copy = fp32_copy(model)
+    assert not stores_bf16(copy) and stores_bf16(model)  # the original is untouched
+    assert copy.graph.node[0].attribute[0].i == TensorProto.FLOAT
+    assert copy.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    np.testing.assert_array_equal(numpy_helper.to_array(copy.graph.initializer[0]), w.astype(np.float32))
+    out = onnxruntime_outputs(copy, {"x": np.ones((1, 2), np.float32)})[0]
+    np.testing.assert_array_equal(out, [[3.0, 5.0, 7.0]])
+
+
+def test_bf16_model_with_fp16_dtype_is_refused(hf_exports):
+    pytest.importorskip("onnxscript")
+    from tvmfuse.frontend.importer import load_onnx
+    from tvmfuse.prepare import prepare_module
+
+    imported = import_model(load_onnx(hf_exports("gpt2", "dynamo", "bfloat16")))
+    with pytest.raises(JobError, match="the model stores bfloat16 weights; --dtype float16 would round them"):
+        prepare_module(imported, "fp16")
+
+
+def test_bf16_needs_a_cuda_arch_with_native_bf16():
+    """The CUDA target keeps its arch (sm_90a), for which TVM's BF16 legalization passes leave bf16 alone; an arch
+    without bf16 (or none: TVM picks sm_50) is refused rather than emulated in fp32."""
+    from tvmfuse.errors import TvmfuseError
+    from tvmfuse.targets import check_compute_dtype, resolve_target
+
+    cuda = resolve_target("cuda")
+    assert str(cuda.attrs["arch"]) == "sm_90a"
+    version = tvm.support.nvcc.get_target_compute_version(cuda)
+    assert tvm.get_global_func("tvm.support.nvcc.supports_bf16")(version)
+    check_compute_dtype(cuda, "bfloat16")
+    check_compute_dtype(resolve_target('{"kind": "cuda", "arch": "sm_80"}'), "bfloat16")
+    check_compute_dtype(resolve_target('{"kind": "cuda", "arch": "sm_75"}'), "float16")
+    with pytest.raises(TvmfuseError, match="--dtype bf16 needs a CUDA arch of sm_80 or newer, the target's is sm_75"):
+        check_compute_dtype(resolve_target('{"kind": "cuda", "arch": "sm_75"}'), "bfloat16")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_bf16_export_fuses_attention_as_its_fp32_export(name, hf_exports):
+    """sdpa's NaN guard `where(isnan(p), 0, p)` around the fp32 softmax is written as ToMixedPrecision leaves it
+    (the guard in fp32, one cast to bf16 after it), so the attention pattern takes a bf16 export's attention
+    as it takes the fp32 export's. (Llama's RMSNorms stay unfused in the bf16 export: their bf16 result feeds
+    the fp32-accumulating matmuls, which the norm patterns' trailing-cast check reads as a cast.)"""
+    pytest.importorskip("onnxscript")
+    from collections import Counter
+
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.frontend.importer import load_onnx
+
+    groups = {}
+    for dtype, stored in (("float32", "float32"), ("bfloat16", "bfloat16")):
+        imported = import_model(load_onnx(hf_exports(name, "dynamo", stored)), {"batch": [1], "seq": [16]})
+        mod = to_compute_dtype(bind_params(imported.mod, imported.params), dtype)
+        fused = lower(mod, plan=decide(mod))
+        calls = []
+        relax.analysis.post_order_visit(fused.mod["main"], lambda e: calls.append(
+            fused.kernel_patterns.get(e.args[0].name_hint)) if isinstance(e, relax.Call)
+            and isinstance(getattr(e, "args", [None])[0], tvm.ir.GlobalVar) else None)
+        groups[dtype] = Counter(c for c in calls if c)
+    assert groups["bfloat16"]["tvmfuse.attention"] == groups["float32"]["tvmfuse.attention"] == 2, groups

@@ -1,5 +1,8 @@
 """tvmfuse.spaces.smallm: the small-M (decode batch) matmul default schedule on CUDA."""
 
+import re
+import shutil
+
 import numpy as np
 import pytest
 import tvm
@@ -14,12 +17,12 @@ from tvmfuse.spaces import smallm
 from tvmfuse.targets import resolve_target
 
 
-def _projection(rows, k, n, batch=1, transposed=True, dtype="float16"):
-    """y = x @ W^T + b in fp16 (or `dtype`) with fp32 accumulation, W stored [N, K] (as the layout stage leaves it)
-    or [K, N]."""
+def _projection(rows, k, n, batch=1, transposed=True, dtype="float16", w_dtype=None):
+    """y = x @ W^T + b in `dtype` (fp16 or bf16; W in `w_dtype`, default `dtype`) with fp32 accumulation, W stored
+    [N, K] (as the layout stage leaves it) or [K, N]."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((batch, rows, k), dtype))
-    w = relax.Var("w", relax.TensorType((n, k) if transposed else (k, n), dtype))
+    w = relax.Var("w", relax.TensorType((n, k) if transposed else (k, n), w_dtype or dtype))
     b = relax.Var("b", relax.TensorType((n,), dtype))
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
@@ -55,6 +58,57 @@ def test_small_m_kernel_is_one_launch_with_vector_loads_and_fp32_sums():
     assert src.count("__global__") == 2  # declaration + definition: one kernel
     assert "half4" in src  # 8-byte (4 x fp16) loads of x and W
     assert "float " in src and "__syncthreads" in src  # fp32 partial sums meeting in shared memory
+
+
+def test_bf16_small_m_kernel_widens_bf16_loads_to_fp32_sums():
+    """bf16 x bf16 -> fp32 at decode batch 16: the same one-launch kernel, bf16 vector loads (nv_bfloat16 x 4),
+    fp32 partial sums; it compiles with nvcc for sm_90a."""
+    cuda = resolve_target("cuda")
+    mod = _projection(16, 4096, 4096, dtype="bfloat16")
+    rule, _ = default_rule(_kernel(mod), cuda)
+    assert isinstance(rule, SmallBatchMatmul), type(rule).__name__
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    assert src.count("__global__") == 2
+    assert "nv_bfloat16* __restrict__ w_ptr" in src and "nv_bfloat164" in src  # bf16 weight, 8-byte loads
+    assert re.search(r"\bhalf\b", src) is None  # no fp16 type anywhere: nothing went through fp16
+    assert "float matmul_intermediate_rf" in src.replace("alignas(64) ", "")  # the partial sums are fp32
+    if shutil.which("nvcc") is not None:
+        with cuda:
+            ptx = bytes(tvm.support.nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc")).decode()
+        assert ".target sm_90a" in ptx and "cvt.f32.bf16" in ptx  # native bf16 -> fp32 widening, no emulation
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float16", "bfloat16"), ("bfloat16", "float16")])
+def test_small_m_refuses_mixed_fp16_bf16_operands(x_dtype, w_dtype):
+    """A matmul of fp16 by bf16 is no model's: the small-M rule leaves it to dlight rather than pick a conversion."""
+    fn = _kernel(_projection(16, 512, 256, dtype=x_dtype, w_dtype=w_dtype))
+    assert smallm.default_schedule(fn) is None and not smallm.applies(fn)
+    rule, _ = default_rule(fn, resolve_target("cuda"))
+    assert not isinstance(rule, SmallBatchMatmul)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+@pytest.mark.parametrize("rows,batch", [(16, 1), (1, 16), (4, 1), (32, 1)])
+def test_gpu_bf16_small_m_matches_numpy(rows, batch):
+    """bf16 inputs, fp32 accumulation, one bf16 rounding of the output: within 1e-2 + 1e-2 |want| of the fp32
+    product of the same bf16 values (one rounding is at most 2^-8 relative; the fp32 sums' order adds ~1e-6)."""
+    import ml_dtypes
+
+    cuda, dev, rng = resolve_target("cuda"), tvm.cuda(0), np.random.default_rng(0)
+    k, n = 1024, 768
+    x = rng.standard_normal((batch, rows, k)).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((n, k)) * 0.03).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    mod = _projection(rows, k, n, batch, dtype="bfloat16")
+    if rows > 1:
+        assert isinstance(default_rule(_kernel(mod), cuda)[0], SmallBatchMatmul)
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), dev)
+    out = vm["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)])
+    assert out.dtype == "bfloat16"
+    got = out.numpy().astype("float32")
+    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu

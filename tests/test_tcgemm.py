@@ -1,5 +1,7 @@
 """tvmfuse.spaces.tcgemm: the tensor-core GEMM default schedule and its tile sketches on CUDA."""
 
+import shutil
+
 import numpy as np
 import pytest
 import tvm
@@ -58,6 +60,149 @@ def test_tile_sketches_pass_postprocs_with_the_dynamic_shared_memory_limit():
     ours._initialize_with_tune_context(ctx)  # pylint: disable=protected-access
     for sch in tiles:
         assert ours.apply(sch.copy()) and not stock.apply(sch.copy())
+
+
+def test_bf16_gemm_runs_on_bf16_wmma_fragments_and_compiles_for_sm_90a():
+    """bf16 x bf16 -> fp32: the same rule and kernel, with nv_bfloat16 wmma fragments (tvmfuse.spaces.intrinsics);
+    nvcc turns them into the m16n16k16 bf16 wmma.mma with fp32 accumulation for sm_90a."""
+    cuda = resolve_target("cuda")
+    mod = _projection(512, 1024, 512, dtype="bfloat16")
+    got, _ = default_rule(_kernel(mod), cuda)
+    assert type(got) is TensorCoreGemm, type(got).__name__
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    assert src.count("__global__") == 2
+    assert "wmma::matrix_a, 16, 16, 16, nv_bfloat16, nvcuda::wmma::row_major>" in src
+    assert "wmma::matrix_b, 16, 16, 16, nv_bfloat16, nvcuda::wmma::col_major>" in src
+    assert "wmma::accumulator, 16, 16, 16, float>" in src and "cp.async.cg.shared.global" in src
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    with cuda:
+        ptx = bytes(tvm.support.nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc")).decode()
+    assert ".target sm_90a" in ptx
+    assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.bf16.bf16.f32" in ptx
+    assert "wmma.load.a.sync.aligned.row.m16n16k16.bf16" in ptx
+
+
+@pytest.mark.parametrize("rows,k,n", [(100, 768, 1000), (192, 1024, 512), (512, 768, 50257)])
+def test_bf16_gemm_the_tile_does_not_divide_gets_dlights_padded_wmma_with_bf16_fragments(rows, k, n):
+    """Shapes tcgemm's tile does not divide (GPT-2's 768 x 50257 LM head) go to dlight's padded wmma GEMM, with
+    the bf16 intrinsics in place of the fp16 ones it asks for; stock dlight ran them on CUDA cores (bf16 is not
+    one of its tensor-core dtypes) or, here, left them to its GeneralReduction rule."""
+    cuda = resolve_target("cuda")
+    mod = _projection(rows, k, n, dtype="bfloat16")
+    got, _ = default_rule(_kernel(mod), cuda)
+    assert type(got) is TensorCoreMatmul, type(got).__name__
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    assert "wmma::matrix_a, 16, 16, 16, nv_bfloat16, nvcuda::wmma::row_major>" in src
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    with cuda:
+        ptx = bytes(tvm.support.nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc")).decode()
+    assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.bf16.bf16.f32" in ptx
+
+
+def test_wmma_operands_patch_is_undone():
+    from tvm.s_tir.tensor_intrin import cuda as tvm_cuda
+
+    from tvmfuse.spaces.intrinsics import wmma_operands
+
+    stock = tvm_cuda.get_wmma_intrin_group
+    with wmma_operands("bfloat16"):
+        got = tvm_cuda.get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
+                                             out_dtype="float32", trans_b=True)
+        assert got["compute"] == "wmma_sync_16x16x16_bf16bf16f32_trans"
+        with pytest.raises(ValueError, match="no bfloat16 wmma intrinsics accumulating in float16"):
+            tvm_cuda.get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
+                                           out_dtype="float16", trans_b=True)
+    assert tvm_cuda.get_wmma_intrin_group is stock
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float16", "bfloat16"), ("bfloat16", "float16")])
+def test_gemm_rule_refuses_mixed_fp16_bf16_operands(x_dtype, w_dtype):
+    """wmma has no fp16 x bf16 instruction: the tensor-core rule leaves such a GEMM to dlight."""
+    fn = _kernel(_projection(512, 1024, 512, dtype=x_dtype, w_dtype=w_dtype))
+    assert tcgemm.default_schedule(fn) is None and not tcgemm.applies(fn)
+    got, _ = default_rule(fn, resolve_target("cuda"))
+    assert type(got) is not TensorCoreGemm
+
+
+def test_wmma_intrinsics_exist_for_fp16_and_bf16_only():
+    from tvm.s_tir import TensorIntrin
+
+    from tvmfuse.spaces.intrinsics import wmma_intrin_group
+
+    for dtype in ("float16", "bfloat16"):
+        for name in wmma_intrin_group(dtype).values():
+            assert TensorIntrin.get(name) is not None, name
+    with pytest.raises(ValueError, match="no wmma intrinsics for 'float32'"):
+        wmma_intrin_group("float32")
+
+
+def test_bf16_gemm_tunes_over_the_tile_sketches():
+    """MetaSchedule registers no bf16 tensor-core sketches: `--trials` on a bf16 GEMM explores tcgemm's tile sets."""
+    cuda = resolve_target("cuda")
+    fn = _kernel(_projection(512, 1024, 512, dtype="bfloat16"))
+    assert space_for(fn, cuda) is not None
+    ctx = ms.TuneContext(mod=tvm.IRModule({"main": fn}), target=cuda, space_generator=space_for(fn, cuda),
+                         search_strategy="replay-trace")
+    fitting = [v for v in tcgemm.KNOB_SETS if tcgemm.fits(512, 512, 1024, **dict(zip(tcgemm.KNOBS, v)))]
+    sketches = ctx.generate_design_space()
+    assert len(sketches) == len(fitting) >= 8
+    assert all("wmma_sync_16x16x16_bf16bf16f32_trans" in str(s.trace) for s in sketches)
+
+
+def _gpu_run_projection(mod, knobs, args):
+    """`mod` built for the H200 with the kernel scheduled by tile set `knobs` (None: the default rules), run on
+    `args`; the output as fp32."""
+    from tvm import relax, s_tir
+
+    cuda, dev = resolve_target("cuda"), tvm.cuda(0)
+    if knobs is not None:  # the kernel scheduled with this tile set, the rest by the defaults
+        gv = [g for g, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)][0]
+        sch = s_tir.Schedule(mod[gv])
+        assert tcgemm.schedule_tc_gemm(sch, **dict(zip(tcgemm.KNOBS, knobs)))
+        mod[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), dev)
+    return vm["main"](*[tvm.runtime.tensor(a, dev) for a in args]).numpy().astype("float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+@pytest.mark.parametrize("knobs", [None, (2, 4, 4, 4, 4, 8, 0), (4, 4, 2, 2, 4, 8, 3)])
+def test_gpu_bf16_tile_sets_match_numpy(knobs):
+    """bf16 inputs, fp32 accumulation on the tensor cores, one bf16 rounding of the output (at most 2^-8
+    relative): within 1e-2 + 1e-2 |want| of the fp32 product of the same bf16 values."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    m, k, n = 256, 1024, 512
+    x = rng.standard_normal((1, m, k)).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((n, k)) * 0.03).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    mod = _projection(m, k, n, dtype="bfloat16")
+    if knobs is None:
+        assert type(default_rule(_kernel(mod), resolve_target("cuda"))[0]) is TensorCoreGemm
+    got = _gpu_run_projection(mod, knobs, (x, w, b))
+    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+@pytest.mark.parametrize("rows,k,n", [(100, 768, 1000), (192, 1024, 512)])
+def test_gpu_bf16_padded_gemm_matches_numpy(rows, k, n):
+    """dlight's padded wmma GEMM with bf16 fragments (shapes tcgemm's tile does not divide), same bound as above."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, rows, k)).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((n, k)) * 0.03).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    mod = _projection(rows, k, n, dtype="bfloat16")
+    assert type(default_rule(_kernel(mod), resolve_target("cuda"))[0]) is TensorCoreMatmul
+    got = _gpu_run_projection(mod, None, (x, w, b))
+    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu

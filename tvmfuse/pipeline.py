@@ -37,9 +37,10 @@ from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.precision import has_fp16_lookups
 from tvmfuse.records import SCHEDULES_DIR, TuningDatabase, open_database
 from tvmfuse.spaces import apply_default_schedules, space_for
-from tvmfuse.targets import device_for, has_device, resolve_target, target_name
+from tvmfuse.targets import check_compute_dtype, device_for, has_device, resolve_target, target_name
 from tvmfuse.tune import TaskProgress, TuningInterrupted, kernel_records, kernels_keeping_default, tune, tune_templates
 from tvmfuse.verify import VariantCheck, Verification, compare_at_dims, latency_us, random_inputs
+from tvmfuse.verify.reference import reference_model
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
 Say = Callable[[str], None]
@@ -206,10 +207,11 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
     device = device_for(target)
     vm = relax.VirtualMachine(built.executable, device)
     weights = [w if w.device == device else w.copyto(device) for w in lowered.weights]  # (the build's are on the CPU)
-    reference: dict = {}  # a big model's reference runs in a child process: its peak RSS
-    checks = compare_at_dims(vm, device, job.path or imported.onnx_model, imported.inputs,
+    reference, reference_name = reference_model(job.path or imported.onnx_model, imported.onnx_model)
+    child: dict = {}  # a big model's reference runs in a child process: its peak RSS
+    checks = compare_at_dims(vm, device, reference, imported.inputs,
                              verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype,
-                             job.tolerance, weights, reference)
+                             job.tolerance, weights, child)
     dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
     if not check.ok:
         raise VerificationError(_failed(job, check, dims), job.fp16_lookups and has_fp16_lookups(bound))
@@ -217,8 +219,9 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
     after = latency_us(vm, device, feeds, job.io_dtype, weights)
     shapes = lowered.bucketed.shapes if lowered.bucketed else {}
     function = next((fn for fn, shape in shapes.items() if shape == checks[0][0]), "main")  # the one timed
-    extra = {"reference_peak_rss_bytes": reference["peak_rss_bytes"]} if reference else {}
-    return Verified({**check.as_dict(), **({"dims": [d for d, _ in checks]} if job.buckets else {}), **extra},
+    extra = {"reference_peak_rss_bytes": child["peak_rss_bytes"]} if child else {}
+    return Verified({**check.as_dict(), "reference": reference_name,
+                     **({"dims": [d for d, _ in checks]} if job.buckets else {}), **extra},
                     f"ok {check.max_abs_err:.1e}", after, after + _tuning_gain_us(built, lowered, function))
 
 
@@ -274,6 +277,7 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
         raise TvmfuseError(f"{job.name}: no {target.kind.name} device on this machine to measure on; "
                            "run on a machine with one, measure remotely with --rpc, or pass --trials 0 to build "
                            "with default schedules")
+    check_compute_dtype(target, job.dtype)
     log = lambda s: say(f"[{job.name}] {s}")  # noqa: E731
     started = time.time()
 

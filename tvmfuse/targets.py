@@ -70,3 +70,27 @@ def device_for(target) -> tvm.runtime.Device:
 def has_device(target: tvm.target.Target) -> bool:
     """True when this machine can run code built for `target`."""
     return target.kind.name == "llvm" or bool(device_for(target).exist)
+
+
+#: the oldest CUDA arch with native bf16 arithmetic and bf16 tensor cores (wmma/mma.sync ...bf16)
+BF16_MIN_ARCH = 80
+
+
+def cuda_arch_number(target: tvm.target.Target) -> int | None:
+    """A CUDA target's arch as a number ("sm_90a" -> 90), None for other targets or an arch that is not sm_NN[a-z]."""
+    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+    digits = arch[3:].rstrip("abcdefghijklmnopqrstuvwxyz") if arch.startswith("sm_") else ""
+    return int(digits) if digits.isdigit() else None
+
+
+def check_compute_dtype(target: tvm.target.Target, dtype: str) -> None:
+    """Refuse a bf16 build for a CUDA arch older than sm_80 (or none): TVM's BF16ComputeLegalize would quietly
+    compute every bf16 op in fp32 (it asks the arch through tvm.support.nvcc.supports_bf16) and no bf16 tensor-core
+    instruction exists there. The arch is kept as given (the nvidia/nvidia-h100 tag: sm_90a)."""
+    if dtype != "bfloat16" or target.kind.name != "cuda":
+        return
+    number = cuda_arch_number(target)
+    if number is None or number < BF16_MIN_ARCH:
+        raise TvmfuseError(f"--dtype bf16 needs a CUDA arch of sm_{BF16_MIN_ARCH} or newer, the target's is "
+                           f"{target.attrs.get('arch', 'not set')!s}: give --target cuda (sm_90a) or a target JSON "
+                           'with "arch", e.g. {"kind": "cuda", "arch": "sm_90a"}')

@@ -22,8 +22,8 @@ def make_manifest(job, target: tvm.target.Target, source: str, imported, bound: 
         "tvmfuse_version": __version__, "tvm_version": tvm.__version__,
         "model": {"name": job.name, "source": os.path.abspath(job.path) if job.path else source},
         "target": json.loads(target_json(target)),
-        "inputs": [_io_tensor(t.as_dict(), job.io_dtype) for t in imported.inputs],
-        "outputs": [_io_tensor(t.as_dict(), job.io_dtype) for t in imported.outputs],
+        "inputs": [_io_tensor(t.as_dict(), job.io_dtype, job.dtype) for t in imported.inputs],
+        "outputs": [_io_tensor(t.as_dict(), job.io_dtype, job.dtype) for t in imported.outputs],
         "precision": precision_info(bound, job.dtype, job.io_dtype),
         "cuda_graph": bool(job.cuda_graph and target.kind.name == "cuda"),
         "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
@@ -39,7 +39,10 @@ def make_manifest(job, target: tvm.target.Target, source: str, imported, bound: 
     return manifest
 
 
-def _io_tensor(tensor: dict, io_dtype: str | None) -> dict:
-    """An input/output as the exported module takes it: float32 becomes the io dtype (--io-dtype)."""
-    low = io_dtype not in (None, "float32") and tensor["dtype"] == "float32"
-    return {**tensor, "dtype": io_dtype} if low else tensor
+def _io_tensor(tensor: dict, io_dtype: str | None, compute_dtype: str = "float32") -> dict:
+    """An input/output as the exported module takes it: a float32 one (or, built with --dtype bf16, a bfloat16 one
+    of a model stored in bf16, which prepare.precision gives the float32 interface too) has the io dtype
+    (--io-dtype), float32 by default."""
+    if tensor["dtype"] == "float32" or (tensor["dtype"] == "bfloat16" and compute_dtype == "bfloat16"):
+        return {**tensor, "dtype": io_dtype if io_dtype not in (None, "float32") else "float32"}
+    return tensor

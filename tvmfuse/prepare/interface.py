@@ -18,15 +18,16 @@ def _dtype(expr) -> str:
     return str(getattr(expr.ty, "dtype", ""))
 
 
-def fp32_interface(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:
-    """Give `main` float32 params again: each fp16 param becomes a cast of a new fp32 param, bound first."""
+def fp32_interface(mod: tvm.IRModule, names: list[str], low: str = FLOAT16) -> tvm.IRModule:
+    """Give `main` float32 params again: each `low` (fp16, or bf16 for a model stored in bf16) param named in
+    `names` becomes a cast of a new fp32 param, bound first."""
     main = mod["main"]
     params, casts = [], []
     for p in main.params:
-        if p.name in names and str(p.ty.dtype) == FLOAT16:
+        if p.name in names and str(p.ty.dtype) == low:
             outer = relax.Var(p.name, relax.TensorType(p.ty.shape, FLOAT32))
             params.append(outer)
-            casts.append(relax.VarBinding(p, relax.BlockBuilder().normalize(relax.op.astype(outer, FLOAT16))))
+            casts.append(relax.VarBinding(p, relax.BlockBuilder().normalize(relax.op.astype(outer, low))))
         else:
             params.append(p)
     if not casts:
@@ -42,16 +43,17 @@ def fp32_interface(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:
     return out
 
 
-def low_interface(mod: tvm.IRModule, io_dtype: str) -> tvm.IRModule:
-    """`main` with its float32 inputs and outputs in `io_dtype`: each fp32 input becomes a cast of a new input,
-    each fp32 output a cast to `io_dtype`, and the exact round trips these make with the existing casts cancel."""
+def low_interface(mod: tvm.IRModule, io_dtype: str, from_dtype: str = FLOAT32, inputs: bool = True) -> tvm.IRModule:
+    """`main` with its `from_dtype` (float32) inputs and outputs in `io_dtype`: each such input becomes a cast of a
+    new input, each such output a cast to `io_dtype`, and the exact round trips these make with the existing casts
+    cancel. `inputs=False`: the outputs only (a bf16-stored model's bf16 outputs made float32)."""
     main = mod["main"]
     n_in = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
     params, pre, post = [], [], []
     for i, p in enumerate(main.params):
-        if i < n_in and _dtype(p) == FLOAT32:
+        if inputs and i < n_in and _dtype(p) == from_dtype:
             low = relax.Var(p.name, relax.TensorType(p.ty.shape, io_dtype))
-            pre.append(relax.VarBinding(p, relax.BlockBuilder().normalize(relax.op.astype(low, FLOAT32))))
+            pre.append(relax.VarBinding(p, relax.BlockBuilder().normalize(relax.op.astype(low, from_dtype))))
             p = low
         params.append(p)
 
@@ -66,7 +68,7 @@ def low_interface(mod: tvm.IRModule, io_dtype: str) -> tvm.IRModule:
         if isinstance(expr, relax.Var) and isinstance(expr.ty, relax.TupleType):
             return relax.Tuple([cast_out(bind(f"{expr.name}_{i}", relax.TupleGetItem(expr, i), t))
                                 for i, t in enumerate(expr.ty.fields)])
-        if isinstance(expr, relax.Var) and _dtype(expr) == FLOAT32:
+        if isinstance(expr, relax.Var) and _dtype(expr) == from_dtype:
             return bind(expr.name, relax.op.astype(expr, io_dtype), relax.TensorType(expr.ty.shape, io_dtype))
         return expr
 

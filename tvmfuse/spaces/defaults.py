@@ -11,7 +11,9 @@ from tvmfuse.errors import TvmfuseError
 from tvmfuse.isolation import DEFAULT_SCHEDULE
 from tvmfuse.isolation import record as record_failure
 from tvmfuse.spaces import elementwise, rowreduce, smallm, tcgemm
+from tvmfuse.spaces.intrinsics import wmma_operands
 from tvmfuse.spaces.table import classify
+from tvmfuse.targets import BF16_MIN_ARCH, cuda_arch_number
 
 
 ROW_DEFAULT = "default (tvmfuse row-reduction)"
@@ -48,8 +50,9 @@ class SmallBatchMatmul(dl.ScheduleRule):
 
 
 class TensorCoreGemm(dl.ScheduleRule):
-    """tvmfuse's tensor-core GEMM schedule (tvmfuse.spaces.tcgemm) with its measured default tile, for fp16 matmuls
-    read K-innermost whose sizes the 128x128x64 tile divides; dlight's Matmul (padding) takes the others."""
+    """tvmfuse's tensor-core GEMM schedule (tvmfuse.spaces.tcgemm) with its measured default tile, for fp16 and bf16
+    matmuls (fp32 accumulation) read K-innermost whose sizes the 128x128x64 tile divides; dlight's Matmul (padding)
+    takes the others (on CUDA cores for bf16: dlight has tensor-core rules for fp16 and int8 only)."""
 
     def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
@@ -68,7 +71,37 @@ class TensorCoreMatmul(dl.ScheduleRule):
             spec = target.export()
             target = tvm.target.Target({**{str(k): v for k, v in spec.items()}, "arch": arch[:-1]})
         with target:
+            if isinstance(func, tirx.PrimFunc) and bf16_tensor_cores(func, target):
+                with wmma_operands("bfloat16"):  # dlight's padded wmma GEMM with bf16 fragments
+                    space = dl.gpu.matmul.MatmulTensorization().apply(func, target, tunable)
+                if space is not None:
+                    return space
             return dl.gpu.Matmul().apply(func, target, tunable)
+
+
+def bf16_tensor_cores(func: tirx.PrimFunc, target: tvm.target.Target) -> bool:
+    """Whether dlight's padded wmma GEMM should take `func` with bf16 fragments: one bf16 x bf16 -> fp32 matmul
+    of M, N, K all above 64 (dlight's own threshold for tensor cores) on sm_80+. dlight's Matmul tensorizes fp16
+    and int8 only and would run it on CUDA cores (GPT-2's 768 x 50257 LM head, which tcgemm's tile does not
+    divide)."""
+    number = cuda_arch_number(target)
+    if number is None or number < BF16_MIN_ARCH:
+        return False
+    try:
+        sch = s_tir.Schedule(func)
+        from tvm.s_tir.dlight.analysis import get_root_block  # pylint: disable=import-outside-toplevel
+        from tvm.s_tir.dlight.gpu.matmul import get_reduction_blocks  # pylint: disable=import-outside-toplevel
+
+        blocks = get_reduction_blocks(sch, sch.get_child_blocks(get_root_block(sch)))
+        if not blocks or len(blocks) != 1:
+            return False
+        stmt = sch.get(blocks[0])
+        extents = [iv.dom.extent for iv in stmt.iter_vars]
+    except Exception:  # noqa: BLE001  (not a matmul dlight's analysis reads)
+        return False
+    if tcgemm.operand_dtype(stmt) != "bfloat16" or len(extents) < 3:
+        return False
+    return all(not isinstance(e, tirx.IntImm) or int(e) > 64 for e in extents[-3:])
 
 
 class AlignedCPUReduction(dl.cpu.Reduction):

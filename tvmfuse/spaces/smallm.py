@@ -5,6 +5,10 @@ M <= 64 and runs a 32x64 CUDA-core tile, which for M = 16 launches N/64 blocks (
 SMs idle): 280 µs for 16x4096x4096 fp16 (bench/results/models_run5.json profile), 35x the weight read. Here each
 warp streams TN rows of W once for all M rows of x (fp32 accumulation), lanes combine through shared memory, and
 the epilogue (cast, bias, activation) runs on the same warp.
+
+It is CUDA-core FMA code, the same for every float dtype: fp16 and bf16 operands are widened to fp32 in registers
+(a decode GEMM is bound by the weight read, not by the multiply). Both operands must share one dtype; a mixed
+fp16 x bf16 matmul is left to dlight.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def _analyze(sch: s_tir.Schedule):
     reads = [r for r in block.reads if len(r.region) >= 2]
     if len(reads) != 2 or any(not r.region[-1].min.same_as(k_var) for r in reads):
         return None
+    if str(reads[0].source.dtype) != str(reads[1].source.dtype):
+        return None  # mixed operand dtypes (fp16 x bf16): no conversion this schedule would make is the model's
     if not any(len(r.region) == 2 and r.region[0].min.same_as(n_var) for r in reads):
         return None  # no [N, K] weight
     return red, epi, math.prod(doms[:-2]), doms[-2], doms[-1]

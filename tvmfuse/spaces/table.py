@@ -15,13 +15,14 @@ def _is_gpu(target: tvm.target.Target) -> bool:
 
 
 def classify(func: tirx.PrimFunc) -> str | None:
-    """'row' (row reduction + epilogue), 'gemv' (matmul, small M), 'gemm' (matmul on tensor cores) or None."""
+    """'row' (row reduction + epilogue), 'gemv' (matmul, small M), 'gemm' (fp16 or bf16 matmul on tensor cores)
+    or None."""
     info = gemv.matmul_shape(func)
     if info is not None:
         m, _n, _k, dtype = info
         if m <= gemv.MAX_M:
             return "gemv"
-        if dtype == "float16":
+        if dtype in ("float16", "bfloat16"):
             return "gemm"
         return None
     if rowreduce.is_row_reduction(func):
@@ -51,6 +52,9 @@ def space_for(func: tirx.PrimFunc, target: tvm.target.Target) -> ms.space_genera
         posts = gemm.postprocs() if tensor_cores else kind  # a union's postprocs are the ones tuning applies
         return ms.space_generator.SpaceGeneratorUnion(spaces, sch_rules=[], postprocs=posts, mutator_probs=kind)
     if kind == "gemm":
+        if gemv.matmul_shape(func)[3] != "float16":  # bf16: MetaSchedule's sketches have fp16/int8 intrinsics only
+            return (ms.space_generator.ScheduleFn(tcgemm.space_fn, sch_rules=[], postprocs=gemm.tensorcore_postprocs(),
+                                                  mutator_probs="cuda-tensorcore") if tcgemm.applies(func) else None)
         if not tcgemm.applies(func):
             return gemm.space()
         tiles = ms.space_generator.ScheduleFn(tcgemm.space_fn, sch_rules=[], postprocs=gemm.tensorcore_postprocs(),

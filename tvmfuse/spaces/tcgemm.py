@@ -1,4 +1,4 @@
-"""Default CUDA schedule for fp16 GEMMs on tensor cores with tunable tiles: dlight's wmma matmul schedule with its block tile, warp tile, K chunk, copy width and pipeline depth as knobs instead of constants.
+"""Default CUDA schedule for fp16 and bf16 GEMMs on tensor cores with tunable tiles: dlight's wmma matmul schedule with its block tile, warp tile, K chunk, copy width and pipeline depth as knobs instead of constants.
 
 dlight's MatmulTensorization fixes a 128x128 block of 16 warps, each warp a 32x32 tile (2x2 wmma fragments), a
 64-wide K chunk and copies staged through registers: every 16-wide K step a warp loads 4 fragments for 4 MMAs
@@ -8,6 +8,10 @@ to C[b, i, j] += A[b, i, k] * B[b, j, k], wmma fragments loaded with ldmatrix, f
 into the write-back from shared memory). Both operands must be read K-innermost (the layout stage stores constant
 weights [N, K]); the rest stays with dlight. It is still mma.sync (HMMA.16816): ~300 TFLOP/s where cuBLAS's Hopper
 kernels reach ~660.
+
+bf16 x bf16 -> fp32 GEMMs get the same schedule with bf16 wmma fragments (tvmfuse.spaces.intrinsics registers
+them; TVM 0.27 has none, so without this rule a bf16 GEMM ran on CUDA cores). Both operands must share one dtype:
+a mixed fp16 x bf16 matmul has no wmma instruction and stays with dlight.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from tvm.s_tir.dlight.gpu.matmul import (auto_inline_consumer_chain, auto_inline
                                           get_reduction_blocks)
 
 from tvmfuse.spaces.common import schedule_or_none
+from tvmfuse.spaces.intrinsics import WMMA_IN_DTYPES, wmma_intrin_group
 
 WARP = 32
 MICRO = 16  # the wmma fragment is 16x16x16
@@ -41,9 +46,19 @@ def fits(m: int, n: int, k: int, wm: int, wn: int, fm: int, fn: int, kc: int, ve
             and (bk * bm) % (threads * vec) == 0 and (bk * bn) % (threads * vec) == 0 and k // bk >= max(stages, 2))
 
 
+def operand_dtype(stmt) -> str | None:
+    """The operands' dtype of a matmul block `stmt` this schedule takes: "float16" or "bfloat16" when both reads
+    have it and the block writes float32 (the accumulator), else None (mixed fp16 x bf16 operands included)."""
+    dtypes = {str(r.source.dtype) for r in stmt.reads}
+    if len(stmt.reads) != 2 or len(dtypes) != 1 or str(stmt.writes[0].source.dtype) != "float32":
+        return None
+    (dtype,) = dtypes
+    return dtype if dtype in WMMA_IN_DTYPES else None
+
+
 def _normalize(sch: s_tir.Schedule):
-    """Reindex the one fp16 x fp16 -> fp32 matmul to C[b, i, j] += A[b, i, k] * B[b, j, k]; (block, (B, M, N, K))
-    with static sizes, or None."""
+    """Reindex the one fp16 x fp16 or bf16 x bf16 -> fp32 matmul to C[b, i, j] += A[b, i, k] * B[b, j, k];
+    (block, (B, M, N, K), operand dtype) with static sizes, or None."""
     blocks = get_reduction_blocks(sch, sch.get_child_blocks(get_root_block(sch)))
     if not blocks or len(blocks) != 1:
         return None
@@ -54,9 +69,8 @@ def _normalize(sch: s_tir.Schedule):
         except Exception:  # noqa: BLE001  (a producer that cannot be inlined stays)
             pass
     stmt = sch.get(main)
-    if len(stmt.reads) != 2 or any(r.source.dtype != "float16" for r in stmt.reads):
-        return None
-    if stmt.writes[0].source.dtype != "float32":
+    dtype = operand_dtype(stmt)
+    if dtype is None:
         return None
     k_vars = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
     if len(k_vars) != 1 or any(not r.region[-1].min.same_as(k_vars[0]) for r in stmt.reads):
@@ -73,20 +87,18 @@ def _normalize(sch: s_tir.Schedule):
     doms = [iv.dom.extent for iv in sch.get(main).iter_vars]
     if len(doms) != 4 or not all(isinstance(d, tirx.IntImm) for d in doms):
         return None
-    return main, tuple(int(d) for d in doms)
+    return main, tuple(int(d) for d in doms), dtype
 
 
 def schedule_tc_gemm(sch: s_tir.Schedule, wm=None, wn=None, fm=None, fn=None, kc=None, vec=None, stages=0) -> bool:
-    """Schedule in place; False if the kernel is not an fp16 matmul (fp32 accumulation) whose sizes the tile
-    divides. Knobs: wm x wn warps per block, each warp fm x fn 16x16 fragments, K staged kc x 16 at a time, global
+    """Schedule in place; False if the kernel is not an fp16 or bf16 matmul (fp32 accumulation) whose sizes the
+    tile divides. Knobs: wm x wn warps per block, each warp fm x fn 16x16 fragments, K staged kc x 16 at a time, global
     loads `vec` halves wide, `stages`: the depth of the cp.async ring (0: dlight's register-staged double buffer);
     wm None: `default_knobs`."""
-    from tvm.s_tir.tensor_intrin.cuda import get_wmma_intrin_group  # pylint: disable=import-outside-toplevel
-
     got = _normalize(sch)
     if got is None:
         return False
-    main, (_, m, n, k) = got
+    main, (_, m, n, k), dtype = got
     if wm is None:
         wm, wn, fm, fn, kc, vec, stages = (default_knobs()[key] for key in KNOBS)
     if not fits(m, n, k, wm, wn, fm, fn, kc, vec, stages):
@@ -150,8 +162,7 @@ def schedule_tc_gemm(sch: s_tir.Schedule, wm=None, wn=None, fm=None, fn=None, kc
     sj0, sj1 = sch.split(sj, [None, MICRO])
     sch.reorder(si0, sj0, si1, sj1)
     init = sch.get_child_blocks(sch.decompose_reduction(outer, k0))[0]
-    intrins = get_wmma_intrin_group(load_scope="shared.dyn", store_scope="shared.dyn", in_dtype="float16",
-                                    out_dtype="float32", trans_b=True)
+    intrins = wmma_intrin_group(dtype, load_scope="shared.dyn", store_scope="shared.dyn", trans_b=True)
     for frag, load in ((a_frag, "load_a"), (b_frag, "load_b")):
         fi, fj = sch.get_loops(frag)[-2:]
         fi0, fi1 = sch.split(fi, [None, MICRO])
@@ -177,7 +188,7 @@ def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
 
 
 def applies(func: tirx.PrimFunc) -> bool:
-    """True for an fp16 matmul (fp32 accumulation) this schedule takes with its default knobs."""
+    """True for an fp16 or bf16 matmul (fp32 accumulation) this schedule takes with its default knobs."""
     return default_schedule(func) is not None
 
 
@@ -196,7 +207,7 @@ def space_fn(sch: s_tir.Schedule):
     got = _normalize(sch.copy())
     if got is None:
         return []
-    _, (_, m, n, k) = got
+    _, (_, m, n, k), _ = got
     out = []
     for values in KNOB_SETS:
         knobs = dict(zip(KNOBS, values))

@@ -8,7 +8,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.verify.inputs import random_inputs
-from tvmfuse.verify.reference import reference_in_child
+from tvmfuse.verify.child_reference import reference_in_child
 from tvmfuse.verify.outputs import Verification, compare, module_inputs, onnxruntime_outputs, run_vm
 
 
