@@ -37,6 +37,8 @@ class Job:
     cuda_graph: bool = False  # cuda: replay static launch sequences as CUDA graphs (tvmfuse.build.compile_module)
     fp16_lookups: bool = True  # fp16: embedding lookups in fp16, the residual stream fp16 (tvmfuse.precision)
     tolerance: tuple[float, float] | None = None  # (atol, rtol) for every float output (None: verify.TOLERANCES)
+    kv_cache: str | None = None  # "inplace" / "onnx" (None: in place where the model has the cache idiom)
+    max_seq: int | None = None  # the in-place cache's capacity (None: the largest bucket, else DEFAULT_MAX_SEQ)
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype, "dtype")  # "fp16" from a library caller: the verifier's tolerance key
