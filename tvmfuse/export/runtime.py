@@ -11,6 +11,7 @@ from tvm import relax
 
 from tvmfuse.errors import TvmfuseError
 from tvmfuse.export.digest import sha256_of
+from tvmfuse.export.generate import Generation, KVCache, generate
 from tvmfuse.export.library import FORMAT, LIBRARY, MANIFEST
 from tvmfuse.export.weights import load_weights
 from tvmfuse.targets import device_for
@@ -22,6 +23,7 @@ class LoadedModel:
 
     def __init__(self, path: str, device=None):
         folder = path if os.path.isdir(path) else os.path.dirname(path)
+        self.folder = folder
         manifest_path = os.path.join(folder, MANIFEST)
         if not os.path.exists(manifest_path):
             raise TvmfuseError(f"{folder}: no {MANIFEST}; not a tvmfuse export")
@@ -53,10 +55,21 @@ class LoadedModel:
             args = tuple(kwargs[n] for n in self.input_names)
         if len(args) != len(self.input_names):
             raise TypeError(f"expected {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(args)}")
-        tensors = [a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(np.asarray(a), self.device)
-                   for a in args]
+        tensors = [a if isinstance(a, (tvm.runtime.Tensor, tvm.runtime.ShapeTuple))
+                   else tvm.runtime.tensor(np.asarray(a), self.device) for a in args]
         out = self.vm["main"](*tensors, *self.weights)
         return to_numpy(out)
+
+
+    def kv_cache(self, batch: int) -> KVCache:
+        """A new in-place KV cache for `batch` rows on this model's device (the export's capacity and dtype)."""
+        if self.manifest.get("kv_cache", {}).get("mode") != "inplace":
+            raise TvmfuseError(f"{self.folder}: no in-place KV cache (built without one, or with --kv-cache onnx)")
+        return KVCache(self.manifest["kv_cache"], batch, self.device)
+
+    def generate(self, ids, new_tokens: int, on_token=None, cache: KVCache | None = None) -> Generation:
+        """Greedy decoding: prefill `ids` [batch, prompt], then `new_tokens` tokens per row (export.generate)."""
+        return generate(self, ids, new_tokens, on_token, cache)
 
 
 def load(path: str, device=None) -> LoadedModel:
