@@ -73,6 +73,19 @@ def test_greedy_tokens_match_onnxruntime_for_32_steps(kv_model, kv_exports, mode
         np.testing.assert_array_equal(model.generate(ids, STEPS, cache=cache).tokens, want)
 
 
+def test_gpt2_inplace_greedy_tokens_match_onnxruntime(tmp_path):
+    """GPT-2 (no GQA, K^T as a permute of the cache's view): in place, no cache copy, onnxruntime's tokens."""
+    path = hf_export.export_with_cache("gpt2", str(tmp_path))
+    assert _cache_copies(_lowered(path, "inplace")) == []
+    out = tmp_path / "out"
+    assert tune_main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                      "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0  # in place by default
+    ids = np.random.default_rng(5).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
+    model = load(str(out / "gpt2_kv-llvm"))
+    assert model.manifest["kv_cache"]["mode"] == "inplace"
+    np.testing.assert_array_equal(model.generate(ids, STEPS).tokens, _onnxruntime_greedy(path, ids, STEPS))
+
+
 def test_inplace_manifest_describes_the_step_and_its_cache(kv_exports):
     with open(os.path.join(kv_exports["inplace"], "manifest.json"), encoding="utf-8") as f:
         manifest = json.load(f)

@@ -60,6 +60,16 @@ def _past_param(expr, bound: dict, params: set):
             return None
 
 
+def _returned_site(expr, bound: dict, sites) -> bool:
+    """Whether a returned field is a cache concatenation (or a cast of one: the interface's output dtype)."""
+    while not (isinstance(expr, relax.Var) and expr in sites):
+        value = bound.get(expr) if isinstance(expr, relax.Var) else expr
+        if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.astype"):
+            return False
+        expr = value.args[0]
+    return True
+
+
 def find_cache_sites(mod: tvm.IRModule) -> list[tuple[relax.Var, relax.Var, relax.Expr]]:
     """(past param, concat var, step's K/V) for each `concat((past, new), axis=seq)` in `main` where past is a
     4-D [batch, kv heads, past, head dim] parameter of main: the exported KV cache idiom."""
@@ -104,11 +114,11 @@ class _InPlace(relax.PyExprMutator):
     past + seq positions (no copy), permute that view to [batch, kv heads, positions, head dim]. The returned
     tuple loses the concatenations (the `present` outputs)."""
 
-    def __init__(self, mod, sites: dict, caches: dict, past_len, capacity: int, ret_var):
+    def __init__(self, mod, sites: dict, caches: dict, past_len, capacity: int, ret_var, bound: dict):
         super().__init__(mod)
         self.sites, self.caches, self.past_len, self.capacity, self.ret_var = sites, caches, past_len, capacity, ret_var
+        self.bound = bound
         self.writers: dict = {}
-        self.dropped: list[int] = []  # positions of the returned tuple that were cache concatenations
 
     def _writer(self, cache: relax.Var) -> relax.GlobalVar:
         _, _, heads, dim = cache.ty.shape.values
@@ -139,16 +149,12 @@ class _InPlace(relax.PyExprMutator):
         self.set_var_remap(binding.var, self.builder_.emit(out, binding.var.name))
 
     def _returned(self, binding):
-        fields = []
-        for i, f in enumerate(binding.value.fields):
-            if f in self.sites:
-                self.dropped.append(i)
-            else:
-                fields.append(self.visit_expr(f))
+        """The returned tuple without the cache concatenations (one output left: that output alone)."""
+        fields = [self.visit_expr(f) for f in binding.value.fields if not _returned_site(f, self.bound, self.sites)]
         value = fields[0] if len(fields) == 1 else relax.Tuple(fields)
-        var = self.builder_.emit_output(value, binding.var.name) if isinstance(binding.var, relax.DataflowVar) \
-            is False and self.builder_.current_block_is_dataflow() else self.builder_.emit(value, binding.var.name)
-        self.set_var_remap(binding.var, var)
+        leaves_block = self.builder_.current_block_is_dataflow() and not isinstance(binding.var, relax.DataflowVar)
+        emit = self.builder_.emit_output if leaves_block else self.builder_.emit
+        self.set_var_remap(binding.var, emit(value, binding.var.name))
 
 
 def in_place_kv_cache(mod: tvm.IRModule, capacity: int, output_names: list[str]) -> tuple[tvm.IRModule, CacheLayout]:
@@ -174,10 +180,12 @@ def in_place_kv_cache(mod: tvm.IRModule, capacity: int, output_names: list[str])
         caches[past] = relax.Var(f"cache_{name}", relax.TensorType([capacity, batch, heads, dim], var.ty.dtype))
         by_var[var] = (past, new)
     ret = fn.body.body
-    mutator = _InPlace(mod, by_var, caches, past_len, capacity, ret if isinstance(ret, relax.Var) else None)
+    bound = _bindings(fn)
+    mutator = _InPlace(mod, by_var, caches, past_len, capacity, ret, bound)
     body = mutator.visit_expr(fn.body)
-    if isinstance(ret, relax.Tuple):
-        raise TvmfuseError("--kv-cache inplace: main returns a literal tuple (expected a bound one)")
+    if isinstance(ret, relax.Tuple):  # returned as a literal tuple: drop the concatenations' fields there
+        kept = [new for old, new in zip(ret.fields, body.body.fields) if not _returned_site(old, bound, by_var)]
+        body = mutator.builder_.normalize(relax.SeqExpr(body.blocks, kept[0] if len(kept) == 1 else relax.Tuple(kept)))
     pasts = {p for p, _, _ in sites}
     num_input = int(fn.attrs["num_input"]) if fn.attrs and "num_input" in fn.attrs else len(fn.params)
     inputs = [p for p in fn.params[:num_input] if p not in pasts]
@@ -194,7 +202,7 @@ def in_place_kv_cache(mod: tvm.IRModule, capacity: int, output_names: list[str])
                            "concatenation; pass --kv-cache onnx")
     present = {}
     for i, (p, var, _) in enumerate(sites):
-        idx = next((j for j, f in enumerate(ret_fields(fn)) if f.same_as(var)), None)
+        idx = next((j for j, f in enumerate(ret_fields(fn)) if _returned_site(f, bound, {var})), None)
         present[i] = output_names[idx] if idx is not None and idx < len(output_names) else None
     layout = CacheLayout(capacity, str(sites[0][1].ty.dtype), [
         CacheSite(p.name, present[i], caches[p].name, int(p.ty.shape.values[1]), int(p.ty.shape.values[3]))
@@ -205,5 +213,5 @@ def in_place_kv_cache(mod: tvm.IRModule, capacity: int, output_names: list[str])
 def ret_fields(fn: relax.Function) -> list:
     """The fields of the tuple main returns (bound to its return var), or [the returned expr]."""
     ret = fn.body.body
-    value = _bindings(fn).get(ret) if isinstance(ret, relax.Var) else ret
+    value = _bindings(fn).get(ret, ret) if isinstance(ret, relax.Var) else ret
     return list(value.fields) if isinstance(value, relax.Tuple) else [ret]
