@@ -150,6 +150,20 @@ def test_inplace_step_has_no_concat_or_copy_of_the_cache(kv_model):
     assert _cache_copies(_lowered(kv_model, "onnx"))  # the past -> present concatenations
 
 
+def test_compiled_step_views_the_cache_it_writes(kv_exports):
+    """In the exported VM code each cache register is written by kv_cache_write and then viewed as it is
+    (runtime.TVMTensorCreateView on the same register): no kernel or copy between the write and the read."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    text = relax.VMExecutable(tvm.runtime.load_module(os.path.join(kv_exports["inplace"], "model.so"))).as_text()
+    writes = re.findall(r"call\s+kv_cache_write_float32 in: (%\d+),", text)
+    views = re.findall(r"call\s+runtime.TVMTensorCreateView in: (%\d+),", text)
+    assert len(writes) == 4 and views == writes
+
+
 def test_prompt_longer_than_the_cache_is_one_error_line(kv_exports, capsys):
     code = cli_main(["generate", kv_exports["inplace"], "--batch", "1", "--prompt-len", str(CAPACITY + 1),
                      "--new-tokens", "4"])
