@@ -85,7 +85,7 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
         raise TvmfuseError("--max-seq must be a positive number of positions")
     for job in jobs:
         job.cuda_graph = args.cuda_graph
-        job.kv_cache, job.max_seq = args.kv_cache, args.max_seq
+        job.kv_cache, job.max_seq = args.kv_cache or job.kv_cache, args.max_seq or job.max_seq
     if args.batch is not None:
         if args.batch < 1:
             raise TvmfuseError("--batch must be >= 1")
