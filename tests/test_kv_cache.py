@@ -171,6 +171,27 @@ def test_prompt_longer_than_the_cache_is_one_error_line(kv_exports, capsys):
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and f"holds {CAPACITY}" in err[0]
 
 
+def test_generate_bad_input_is_one_error_line(kv_exports, tmp_path, capsys):
+    """Not an export, an export without a KV cache, unreadable or ragged ids, a zero count: one error line, exit 2."""
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    plain = tmp_path / "plain"
+    shutil.copytree(kv_exports["inplace"], plain)
+    manifest = json.loads((plain / "manifest.json").read_text())
+    del manifest["kv_cache"]
+    (plain / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "ragged.txt").write_text("1 2 3\n4 5\n")
+    (tmp_path / "words.txt").write_text("one two\n")
+    cases = [([str(tmp_path)], "no manifest.json"), ([str(plain)], "not a decoder step with a KV cache"),
+             ([kv_exports["inplace"], "--ids", str(tmp_path / "ragged.txt")], "rows of different lengths"),
+             ([kv_exports["inplace"], "--ids", str(tmp_path / "words.txt")], "cannot read token ids"),
+             ([kv_exports["inplace"], "--new-tokens", "0"], "--new-tokens must be >= 1")]
+    for args, message in cases:
+        code = cli_main(["generate", *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], (args, err)
+
+
 def test_generate_command_prints_its_times(kv_exports, tmp_path, capsys):
     ids = tmp_path / "ids.txt"
     ids.write_text("1 2 3\n4 5 6\n")
