@@ -86,6 +86,18 @@ def test_gpt2_inplace_greedy_tokens_match_onnxruntime(tmp_path):
     np.testing.assert_array_equal(model.generate(ids, STEPS).tokens, _onnxruntime_greedy(path, ids, STEPS))
 
 
+def test_inplace_with_a_decode_bucket_matches_onnxruntime(kv_model, tmp_path):
+    """--buckets seq=1: a static decode copy of the in-place step (dispatched for seq 1), the prefill on the
+    generic one; onnxruntime's greedy tokens. (The cost model used to fail on the bucket's "past + 1".)"""
+    out = tmp_path / "out"
+    assert tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                      "--logs", str(out / "logs"), "--max-seq", str(CAPACITY), "--buckets", "seq=1"]) == 0
+    model = load(str(out / "llama_kv-llvm"))
+    assert [f["function"] for f in model.manifest["buckets"]["functions"]] == ["main_seq1"]
+    ids = np.random.default_rng(6).integers(0, hf_export.VOCAB, (1, PROMPT), dtype=np.int64)
+    np.testing.assert_array_equal(model.generate(ids, 16).tokens, _onnxruntime_greedy(kv_model, ids, 16))
+
+
 def test_inplace_manifest_describes_the_step_and_its_cache(kv_exports):
     with open(os.path.join(kv_exports["inplace"], "manifest.json"), encoding="utf-8") as f:
         manifest = json.load(f)

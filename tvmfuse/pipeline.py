@@ -120,10 +120,14 @@ def frontend_phase(job: Job) -> Imported:
 def kv_cache_phase(bound: tvm.IRModule, imported: Imported, job: Job, say: Say) -> tuple[tvm.IRModule,
                                                                                      CacheLayout | None]:
     """A decoder step with past K/V inputs: unless --kv-cache onnx, its caches become preallocated tensors of
-    --max-seq positions written in place (prepare.kv_cache); returns the module and the cache layout (or None)."""
-    if job.kv_cache == "onnx" or (job.kv_cache is None and not find_cache_sites(bound)):
+    --max-seq positions (else the largest bucket of the past or total length, else DEFAULT_MAX_SEQ) written in
+    place (prepare.kv_cache); returns the module and the cache layout (or None)."""
+    sites = find_cache_sites(bound)
+    if job.kv_cache == "onnx" or (job.kv_cache is None and not sites):
         return bound, None
-    capacity = job.max_seq or max((max(v) for v in job.buckets.values()), default=DEFAULT_MAX_SEQ)
+    lengths = {str(p.ty.shape.values[2]) for p, _, _ in sites} | {  # the past dim, and the mask's past + seq
+        d for t in imported.inputs if "mask" in t.name for d in t.shape[-1:] if isinstance(d, str)}
+    capacity = job.max_seq or max((max(v) for d, v in job.buckets.items() if d in lengths), default=DEFAULT_MAX_SEQ)
     mod, layout = in_place_kv_cache(bound, capacity, [t.name for t in imported.outputs])
     say(f"KV cache in place: {len(layout.sites)} caches of {capacity} positions ({layout.dtype}), written at "
         f"past_len, read where they lie (--kv-cache onnx: the exported past -> present copy)")

@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
                         "caches and writes each step's K/V into them in place; 'onnx' keeps the exported "
                         "past -> present interface (every step copies the cache)")
     p.add_argument("--max-seq", type=int, metavar="N",
-                   help="capacity of the in-place KV cache in positions (default: the largest bucket, else 256)")
+                   help="capacity of the in-place KV cache in positions (default: the largest bucket of the past or total "
+                        "length dim, else 256)")
     p.add_argument("--out", default="out", metavar="DIR", help="where exports go (default: out)")
     p.add_argument("--logs", default="tuning_logs", metavar="DIR", help="tuning databases (default: tuning_logs)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
