@@ -11,6 +11,7 @@ import numpy as np
 import tvm
 
 from tvmfuse.errors import TvmfuseError
+from tvmfuse.verify.outputs import cast_array
 
 
 class KVCache:
@@ -20,8 +21,9 @@ class KVCache:
     def __init__(self, layout: dict, batch: int, device):
         self.capacity, self.dtype, self.batch = int(layout["capacity"]), layout["dtype"], batch
         self.names = [s["cache"] for s in layout["caches"]]
-        self.tensors = [tvm.runtime.tensor(np.zeros((self.capacity, batch, s["kv_heads"], s["head_dim"]),
-                                                    self.dtype), device) for s in layout["caches"]]
+        self.tensors = [tvm.runtime.tensor(cast_array(np.zeros((self.capacity, batch, s["kv_heads"], s["head_dim"]),
+                                                               np.float32), self.dtype), device)
+                        for s in layout["caches"]]  # zeros (bfloat16 through ml_dtypes)
         self.length = 0
 
     def reset(self) -> None:
@@ -88,7 +90,8 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
     dev = model.device
     names = [t["name"] for t in manifest["inputs"]]
     dtype = {t["name"]: t["dtype"] for t in manifest["inputs"]}
-    pasts = [tvm.runtime.tensor(np.zeros((batch, s["kv_heads"], 0, s["head_dim"]), dtype[s["past"]]), dev)
+    pasts = [tvm.runtime.tensor(cast_array(np.zeros((batch, s["kv_heads"], 0, s["head_dim"]), np.float32),
+                                           dtype[s["past"]]), dev)
              for s in layout["caches"]] if not inplace else []
 
     def step(tokens: np.ndarray, position: int) -> np.ndarray:
