@@ -44,6 +44,7 @@ def _onnxruntime_greedy(path: str, ids: np.ndarray, steps: int) -> np.ndarray:
     """Greedy decoding with onnxruntime over the original step: past -> present, fed back each step."""
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     pasts = [i for i in sess.get_inputs() if i.name.startswith("past_")]
+    presents = [o.name for o in sess.get_outputs() if o.name.startswith("present")]  # in the pasts' order
     feeds = {p.name: np.zeros((ids.shape[0], p.shape[1], 0, p.shape[3]), np.float32) for p in pasts}
     tokens, step_ids, total = [], ids, 0
     for _ in range(steps):
@@ -52,7 +53,7 @@ def _onnxruntime_greedy(path: str, ids: np.ndarray, steps: int) -> np.ndarray:
             "input_ids": step_ids, "attention_mask": np.ones((ids.shape[0], total), np.int64), **feeds})))
         step_ids = out["logits"][:, -1].argmax(-1).astype(np.int64)[:, None]
         tokens.append(step_ids[:, 0])
-        feeds = {p.name: out["present" + p.name[len("past"):]] for p in pasts}
+        feeds = {p.name: out[present] for p, present in zip(pasts, presents)}
     return np.stack(tokens, axis=1)
 
 
@@ -96,6 +97,21 @@ def test_inplace_with_a_decode_bucket_matches_onnxruntime(kv_model, tmp_path):
     assert [f["function"] for f in model.manifest["buckets"]["functions"]] == ["main_seq1"]
     ids = np.random.default_rng(6).integers(0, hf_export.VOCAB, (1, PROMPT), dtype=np.int64)
     np.testing.assert_array_equal(model.generate(ids, 16).tokens, _onnxruntime_greedy(kv_model, ids, 16))
+
+
+def test_optimum_style_cache_names_verify_and_generate(tmp_path):
+    """past_key_values.0.key / present.0.key (renamed by TVM's importer to past_key_values_0_key): verification
+    feeds onnxruntime by the ONNX names (it raised "Required inputs ... are missing"), the tokens match."""
+    path = hf_export.export_with_cache("llama", str(tmp_path), hf_names=True)
+    out = tmp_path / "out"
+    assert tune_main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                      "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0
+    model = load(str(out / "llama_kv_hf-llvm"))
+    assert model.manifest["verification"]["status"] == "passed"
+    assert [s["cache"] for s in model.manifest["kv_cache"]["caches"]][:2] == ["cache_key_values_0_key",
+                                                                              "cache_key_values_0_value"]
+    ids = np.random.default_rng(7).integers(0, hf_export.VOCAB, (1, PROMPT), dtype=np.int64)
+    np.testing.assert_array_equal(model.generate(ids, 8).tokens, _onnxruntime_greedy(path, ids, 8))
 
 
 def test_inplace_manifest_describes_the_step_and_its_cache(kv_exports):
