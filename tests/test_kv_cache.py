@@ -72,6 +72,8 @@ def test_greedy_tokens_match_onnxruntime_for_32_steps(kv_model, kv_exports, mode
         np.testing.assert_array_equal(model.generate(ids, STEPS, cache=cache).tokens, want)
         assert cache.length == PROMPT + STEPS - 1 and cache.capacity == CAPACITY
         np.testing.assert_array_equal(model.generate(ids, STEPS, cache=cache).tokens, want)
+        (logits,) = model(ids[:, :1], np.ones((BATCH, PROMPT + STEPS), np.int64), PROMPT + STEPS - 1, *cache.tensors)
+        assert logits.shape == (BATCH, 1, hf_export.VOCAB)  # one more step by hand, past_len as an int
 
 
 def test_gpt2_inplace_greedy_tokens_match_onnxruntime(tmp_path):
