@@ -148,7 +148,8 @@ def _cache_copies(fused) -> list[str]:
     main = fused.mod["main"]
     caches = {p for p in main.params if p.name.startswith(("cache_", "past_"))}
     bound = {b.var: b.value for blk in main.body.blocks for b in blk.bindings}
-    views = {v for v, c in bound.items() if isinstance(c, relax.Call) and getattr(c.op, "name", "") == "relax.memory.view"}
+    views = {v for v, c in bound.items()
+             if isinstance(c, relax.Call) and getattr(c.op, "name", "") == "relax.memory.view"}
     copies = []
     for var, call in bound.items():
         if not isinstance(call, relax.Call) or getattr(call.op, "name", "") not in ("relax.call_tir",
@@ -158,7 +159,8 @@ def _cache_copies(fused) -> list[str]:
         reads_cache = any(a in caches or a in views for a in args)
         if "concat" in kernel and reads_cache:
             copies.append(kernel)
-        elif reads_cache and fused.pattern_of(kernel) != "tvmfuse.attention" and not kernel.startswith("kv_cache_write"):
+        elif reads_cache and fused.pattern_of(kernel) != "tvmfuse.attention" \
+                and not kernel.startswith("kv_cache_write"):
             copies.append(kernel)
     return copies
 

@@ -53,7 +53,7 @@ class Generation:
 def _step_inputs(manifest: dict) -> tuple[str, str | None]:
     """(ids input, mask input or None) of the exported step; any other model input is an error."""
     cache = manifest["kv_cache"]
-    taken = {s.get("past") for s in cache["caches"]} | {s.get("cache") for s in cache["caches"]} | {cache.get("position")}
+    taken = {s.get(key) for s in cache["caches"] for key in ("past", "cache")} | {cache.get("position")}
     rest = [t for t in manifest["inputs"] if t["name"] not in taken]
     mask = next((t["name"] for t in rest if "mask" in t["name"]), None)
     ids = [t["name"] for t in rest if t["name"] != mask]

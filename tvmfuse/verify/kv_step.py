@@ -11,7 +11,7 @@ from tvm import relax
 from tvmfuse.verify.inputs import random_inputs
 from tvmfuse.verify.outputs import Verification, cast_array, compare, onnxruntime_outputs, to_numpy
 
-PAST, SEQ, BATCH = 3, 2, 2  # the checked step: 3 positions cached, 2 new ones, batch 2
+PAST, SEQ = 3, 2  # the checked step: 3 positions cached, 2 new ones (the other symbolic dims: verification_dims)
 
 
 def step_dims(inputs, past_inputs: list[str], base: dict[str, int]) -> dict[str, int]:
