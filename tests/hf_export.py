@@ -149,3 +149,50 @@ def export(name: str, exporter: str, folder: str, ids_only: bool = False, dtype:
         else:
             raise ValueError(exporter)
     return path
+
+
+def export_with_cache(name: str, folder: str, hf_names: bool = False) -> str:
+    """Export decoder `name` as one step with a KV cache, as an exporter writes it: inputs input_ids [batch, seq],
+    attention_mask [batch, total], past_key_<i> / past_value_<i> [batch, kv heads, past, head dim]; outputs
+    logits and present_key_<i> / present_value_<i> [batch, kv heads, total, head dim] (the past concatenated with
+    the step's K/V on the sequence axis), total = past + seq. Legacy exporter, opset 17; returns the .onnx path.
+    `hf_names`: the cache named as optimum exports it, past_key_values.<i>.key / present.<i>.key (dots, which TVM's
+    importer renames)."""
+    import transformers as tf
+
+    path = os.path.join(folder, f"{name}_kv{'_hf' if hf_names else ''}.onnx")
+    if os.path.exists(path):
+        return path
+    model = tiny_model(name).model
+    layers, kv_heads = model.config.num_hidden_layers, getattr(model.config, "num_key_value_heads", HEADS)
+    head_dim = HIDDEN // HEADS
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, *past):
+            cache = tf.DynamicCache()
+            for i in range(0, len(past), 2):
+                cache.update(past[i], past[i + 1], i // 2)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                             use_cache=True, return_dict=True)
+            return (out.logits, *[t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)])
+
+    batch, seq, past = 2, 3, 4
+    args = (torch.zeros(batch, seq, dtype=torch.int64), torch.ones(batch, past + seq, dtype=torch.int64),
+            *[torch.randn(batch, kv_heads, past, head_dim) for _ in range(2 * layers)])
+    kv = [f"{part}_{i}" for i in range(layers) for part in ("key", "value")]
+    names, outs = ["input_ids", "attention_mask"] + [f"past_{n}" for n in kv], ["logits"] + [f"present_{n}" for n in kv]
+    if hf_names:
+        kv = [f"{i}.{part}" for i in range(layers) for part in ("key", "value")]
+        names, outs = names[:2] + [f"past_key_values.{n}" for n in kv], ["logits"] + [f"present.{n}" for n in kv]
+    dims = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+            "logits": {0: "batch", 1: "seq"}, **{n: {0: "batch", 2: "past"} for n in names[2:]},
+            **{n: {0: "batch", 2: "total"} for n in outs[1:]}}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Step().eval(), args, path, input_names=names, output_names=outs, opset_version=17,
+                          dynamic_axes=dims, dynamo=False)
+    return path

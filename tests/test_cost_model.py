@@ -75,3 +75,16 @@ def test_device_table_has_gpus_and_host():
     assert {"h100", "h200", "cpu"} <= set(cm.DEVICES)
     assert cm.DEVICES["h200"].bandwidth > cm.DEVICES["h100"].bandwidth > cm.DEVICES["cpu"].bandwidth
     assert cm.device_for_target(None).name.startswith("host CPU")
+
+
+def test_symbolic_dim_with_a_constant_evaluates():
+    """A bucket binds seq = 1 in past + seq: the dim's text is "past + 1" (not "past + T.int64(1)", which the
+    cost model could not evaluate: every --buckets build of a KV cache step failed in decide)."""
+    import tvm
+
+    from tvmfuse.decide.cost_model import Dims
+    from tvmfuse.patterns.readers import dim_str
+
+    past = tvm.tirx.Var("past", "int64")
+    text = dim_str(past + tvm.tirx.IntImm("int64", 1))
+    assert text == "past + 1" and Dims({"past": 7}).value(text) == 8

@@ -85,3 +85,27 @@ def test_cpp_example_matches_python_vm_and_onnxruntime(tmp_path):
         np.testing.assert_allclose(cpp["first"], ort_out.ravel()[:8], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(cpp["sum"], ort_out.astype(np.float64).sum(), rtol=1e-4, atol=1e-3)
 
+
+
+def test_cpp_generate_matches_python_generate(tmp_path):
+    """examples/cpp/generate: the in-place KV cache step driven from C++ (caches allocated once, prefill at
+    past_len 0, then one token a step) gives the tokens of `tvmfuse.load(...).generate`."""
+    pytest.importorskip("transformers")
+    import hf_export  # pylint: disable=import-outside-toplevel
+
+    build = build_runner(tmp_path)
+    path, out = hf_export.export_with_cache("llama", str(tmp_path)), tmp_path / "out"
+    assert main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                 "--logs", str(out / "logs"), "--max-seq", "24"]) == 0
+    model = load(str(out / "llama_kv-llvm"))
+    layout = model.manifest["kv_cache"]
+    site = layout["caches"][0]
+    args = [str(build / "generate"), str(out / "llama_kv-llvm" / "model.so"), "--caches", str(len(layout["caches"])),
+            "--capacity", str(layout["capacity"]), "--kv-heads", str(site["kv_heads"]), "--head-dim",
+            str(site["head_dim"]), "--ids", "5,7,11,13", "--new-tokens", "12"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    want = model.generate(np.array([[5, 7, 11, 13]]), 12).tokens[0]
+    assert done.stdout.split("tokens")[-1].split() == [str(t) for t in want]
+    too_long = subprocess.run(args[:-1] + ["30"], capture_output=True, text=True, timeout=60)
+    assert too_long.returncode == 2 and too_long.stderr.startswith("error:")

@@ -72,3 +72,26 @@ def test_identical_groups_share_one_prim_func(llvm):
     assert all(c.startswith("tvmfuse.matmul_bias_relu@") for c in fused.candidate_kernels)
     assert set(fused.candidate_kernels.values()) == set(fused.kernels())
     assert check_against_ort(model, imp, fused, llvm).ok
+
+
+def test_kernel_taking_a_scalar_stays_out_of_fuseops_groups(llvm):
+    """positions = arange(seq) + past (a KV cache step's positions, `past` a symbolic dim passed as a scalar):
+    FuseTIR failed in RenewDefs when FuseOps grouped the add with its neighbours; now the add is its own kernel,
+    marked opaque, and the module runs."""
+    import tvm
+    from tvm import relax
+
+    past, seq = tvm.tirx.Var("past", "int64"), tvm.tirx.Var("seq", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([past, seq], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            pos = bb.emit(relax.op.add(relax.op.arange(relax.prim_value(seq), dtype="int64"), relax.prim_value(past)))
+            out = bb.emit_output(relax.op.multiply(pos, pos))
+        bb.emit_func_output(out)
+    fused = lower(bb.get(), patterns=[])
+    opaque = [k for k in fused.kernels() if int(fused.mod[k].attrs.get("op_pattern", -1)) == 8]
+    assert opaque and all("add" in k for k in opaque)
+    vm = relax.VirtualMachine(tvm.compile(fused.mod, llvm), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(np.zeros((3, 4), "float32"))).numpy()
+    np.testing.assert_array_equal(got, (np.arange(4) + 3) ** 2)

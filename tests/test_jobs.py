@@ -119,3 +119,14 @@ def test_job_checks_a_library_callers_tolerance():
     assert Job("m", None, tolerance=[0.1, 0]).tolerance == (0.1, 0.0)
     with pytest.raises(JobError, match="tolerance 'x'"):
         Job("m", None, tolerance="x")
+
+
+def test_jobs_file_kv_cache_and_max_seq(tmp_path):
+    (tmp_path / "jobs.toml").write_text('[[model]]\npath = "a.onnx"\nmax_seq = 1024\n'
+                                        '[[model]]\npath = "b.onnx"\nkv_cache = "onnx"\n')
+    a, b = load_jobs(str(tmp_path / "jobs.toml"))
+    assert (a.kv_cache, a.max_seq, b.kv_cache, b.max_seq) == (None, 1024, "onnx", None)
+    for bad, message in (('kv_cache = "paged"', "'kv_cache' must be"), ("max_seq = 0", "'max_seq' must be")):
+        (tmp_path / "bad.toml").write_text(f'[[model]]\npath = "a.onnx"\n{bad}\n')
+        with pytest.raises(JobError, match=message):
+            load_jobs(str(tmp_path / "bad.toml"))

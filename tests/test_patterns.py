@@ -141,6 +141,22 @@ def attention_dynamo(b=2, h=4, s=8, d=16, leak=None, key_split=None) -> onnx.Mod
                    _c("half", d ** -0.25), _c("zero", 0.0)])
 
 
+def attention_cache_view(b=2, h=4, kv=2, s=8, d=16, leak=None) -> onnx.ModelProto:
+    """GQA attention over K and V given positions first, [S,B,KV,D] (the in-place KV cache's view): each is
+    permuted to [B,KV,S,D], then repeated to the query heads (expand, reshape), K transposed, softmax, P @ V."""
+    g = h // kv
+    nodes = []
+    for x in ("k", "v"):
+        nodes += [_n("Transpose", [x], f"{x}h", perm=[1, 2, 0, 3]), _n("Unsqueeze", [f"{x}h", "ax2"], f"{x}u"),
+                  _n("Expand", [f"{x}u", "rep"], f"{x}e"), _n("Reshape", [f"{x}e", "heads"], f"{x}r")]
+    nodes += [_n("Transpose", ["kr"], "kt", perm=[0, 1, 3, 2]), _n("MatMul", ["q", "kt"], "sc"),
+              _n("Mul", ["sc", "scale"], "ss"), _n("Softmax", ["ss"], "p", axis=-1), _n("MatMul", ["p", "vr"], "y")]
+    outs = [_t("y", [b, h, s, d])] + ([_t(leak, [b, h, s, s])] if leak else [])
+    return _model(nodes, [_t("q", [b, h, s, d]), _t("k", [s, b, kv, d]), _t("v", [s, b, kv, d])], outs,
+                  [_c("scale", 1 / math.sqrt(d)), _c("ax2", [2], np.int64), _c("rep", [b, kv, g, s, d], np.int64),
+                   _c("heads", [b, h, s, d], np.int64)])
+
+
 CASES = {  # pattern[/variant] -> (builder, name of an intermediate to leak)
     "tvmfuse.matmul_bias_gelu": (lambda leak=None: matmul_bias("gelu", leak=leak), "a1"),
     "tvmfuse.matmul_bias_gelu_tanh": (lambda leak=None: matmul_bias("gelu_tanh", leak=leak), "a2"),
@@ -292,3 +308,12 @@ def test_attention_head_merge_not_taken(variant, llvm):
     assert any("transpose" in n for n in names), names
     check = check_against_ort(model, imp, fused, llvm)
     assert check.ok, check.as_dict()
+
+
+def test_attention_reads_a_positions_first_cache_view_in_one_kernel(llvm):
+    """K and V as the in-place KV cache's [S,B,KV,D] view: their head permutes and the GQA repeat are inside the
+    attention kernel (before, K's permute was a kernel of its own: a copy of the cache every step)."""
+    model = attention_cache_view()
+    imp, fused = lower_model(model)
+    assert [fused.pattern_of(k) for k in fused.kernels()] == ["tvmfuse.attention"], fused.kernels()
+    assert check_against_ort(model, imp, fused, llvm).ok

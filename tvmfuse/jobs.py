@@ -18,7 +18,7 @@ from tvmfuse.errors import JobError
 from tvmfuse.export.library import check_safe_name
 from tvmfuse.prepare.dtypes import check_io_dtype, parse_dtype
 
-MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype", "buckets", "tolerance"}
+MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype", "buckets", "tolerance", "kv_cache", "max_seq"}
 TOP_KEYS = {"trials", "model", "dtype", "io_dtype", "tolerance"}
 
 
@@ -37,6 +37,8 @@ class Job:
     cuda_graph: bool = False  # cuda: replay static launch sequences as CUDA graphs (tvmfuse.build.compile_module)
     fp16_lookups: bool = True  # fp16: embedding lookups in fp16, the residual stream fp16 (tvmfuse.precision)
     tolerance: tuple[float, float] | None = None  # (atol, rtol) for every float output (None: verify.TOLERANCES)
+    kv_cache: str | None = None  # "inplace" / "onnx" (None: in place where the model has the cache idiom)
+    max_seq: int | None = None  # the in-place cache's capacity (None: the largest bucket, else DEFAULT_MAX_SEQ)
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype, "dtype")  # "fp16" from a library caller: the verifier's tolerance key
@@ -146,7 +148,18 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32", io_d
                         job_dtype, _io_dtype(path, where, entry.get("io_dtype", default_io), job_dtype)))
         jobs[-1].buckets = _buckets(path, where, entry.get("buckets", {}))
         jobs[-1].tolerance = _tolerance(path, where, entry.get("tolerance", default_tol))
+        jobs[-1].kv_cache, jobs[-1].max_seq = _kv_cache(path, where, entry)
     return jobs
+
+
+def _kv_cache(path: str, where: str, entry: dict) -> tuple[str | None, int | None]:
+    """A model's `kv_cache = "inplace" | "onnx"` and `max_seq = N` (the in-place cache's capacity)."""
+    mode, max_seq = entry.get("kv_cache"), entry.get("max_seq")
+    if mode not in (None, "inplace", "onnx"):
+        raise JobError(f"{path}: {where}: 'kv_cache' must be \"inplace\" or \"onnx\", not {mode!r}")
+    if max_seq is not None and (not isinstance(max_seq, int) or isinstance(max_seq, bool) or max_seq <= 0):
+        raise JobError(f"{path}: {where}: 'max_seq' must be a positive integer, not {max_seq!r}")
+    return mode, max_seq
 
 
 def _trials(path: str, where: str, value) -> int | None:

@@ -34,15 +34,18 @@ from tvmfuse.jobs import Job
 from tvmfuse.kernels import apply_hopper_kernels, substitute
 from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
+from tvmfuse.prepare.kv_cache import CacheLayout, find_cache_sites, in_place_kv_cache
 from tvmfuse.prepare.precision import has_fp16_lookups
 from tvmfuse.records import SCHEDULES_DIR, TuningDatabase, open_database
 from tvmfuse.spaces import apply_default_schedules, space_for
 from tvmfuse.targets import check_compute_dtype, device_for, has_device, resolve_target, target_name
 from tvmfuse.tune import TaskProgress, TuningInterrupted, kernel_records, kernels_keeping_default, tune, tune_templates
-from tvmfuse.verify import VariantCheck, Verification, compare_at_dims, latency_us, random_inputs
+from tvmfuse.verify import VariantCheck, Verification, compare_at_dims, compare_kv_step, latency_us, random_inputs
+from tvmfuse.verify import step_dims
 from tvmfuse.verify.reference import reference_model
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
+DEFAULT_MAX_SEQ = 256  # the in-place KV cache's capacity without --max-seq or buckets
 Say = Callable[[str], None]
 
 
@@ -70,6 +73,8 @@ class Lowered:
     fused: Fused
     bucketed: Bucketed | None
     weights: list = field(default_factory=list)  # main's trailing weight params (weights outside the library)
+    cache: CacheLayout | None = None  # the KV cache updated in place (prepare.kv_cache), None: the ONNX interface
+    past_inputs: list[str] = field(default_factory=list)  # the exported step's past K/V inputs, if any
 
     @property
     def kernels(self) -> list[str]:
@@ -115,6 +120,23 @@ def frontend_phase(job: Job) -> Imported:
     dtype = parse_dtype(job.dtype, "dtype")
     big = bool(job.path) and weight_files.outside(has_external_data(model), weights_nbytes(model))
     return import_model(model, job.shapes, source, folder, weight_dtype=dtype if big and dtype != "float32" else None)
+
+
+def kv_cache_phase(bound: tvm.IRModule, imported: Imported, job: Job, say: Say) -> tuple[tvm.IRModule,
+                                                                                     CacheLayout | None]:
+    """A decoder step with past K/V inputs: unless --kv-cache onnx, its caches become preallocated tensors of
+    --max-seq positions (else the largest bucket of the past or total length, else DEFAULT_MAX_SEQ) written in
+    place (prepare.kv_cache); returns the module and the cache layout (or None)."""
+    sites = find_cache_sites(bound)
+    if job.kv_cache == "onnx" or (job.kv_cache is None and not sites):
+        return bound, None
+    lengths = {str(p.ty.shape.values[2]) for p, _, _ in sites} | {  # the past dim, and the mask's past + seq
+        d for t in imported.inputs if "mask" in t.name for d in t.shape[-1:] if isinstance(d, str)}
+    capacity = job.max_seq or max((max(v) for d, v in job.buckets.items() if d in lengths), default=DEFAULT_MAX_SEQ)
+    mod, layout = in_place_kv_cache(bound, capacity, [t.name for t in imported.outputs])
+    say(f"KV cache in place: {len(layout.sites)} caches of {capacity} positions ({layout.dtype}), written at "
+        f"past_len, read where they lie (--kv-cache onnx: the exported past -> present copy)")
+    return mod, layout
 
 
 def fuse_phase(bound: tvm.IRModule, target: tvm.target.Target, settings: Settings | None = None) -> Fused:
@@ -207,10 +229,23 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
     device = device_for(target)
     vm = relax.VirtualMachine(built.executable, device)
     weights = [w if w.device == device else w.copyto(device) for w in lowered.weights]  # (the build's are on the CPU)
+    if lowered.cache is not None:  # the in-place step against onnxruntime's past -> present step
+        check, args = compare_kv_step(vm, device, job.path or imported.onnx_model, imported.inputs,
+                                      [t.name for t in imported.outputs], lowered.cache.as_dict(),
+                                      verification_dims(imported.symbolic_dims, {})[0], job.dtype, job.tolerance,
+                                      weights)
+        if not check.ok:
+            raise VerificationError(_failed(job, check, {}), False)
+        timer = vm.time_evaluator("main", device, number=5, repeat=3, min_repeat_ms=50)
+        after = float(sorted(timer(*args).results)[1] * 1e6)
+        return Verified(check.as_dict(), f"ok {check.max_abs_err:.1e}", after,
+                        after + _tuning_gain_us(built, lowered, "main"))
+    dims_list = verification_dims(imported.symbolic_dims, job.buckets)
+    if lowered.past_inputs:  # the mask covers past + seq
+        dims_list = [step_dims(imported.inputs, lowered.past_inputs, d) for d in dims_list]
     reference, reference_name = reference_model(job.path or imported.onnx_model, imported.onnx_model)
     child: dict = {}  # a big model's reference runs in a child process: its peak RSS
-    checks = compare_at_dims(vm, device, reference, imported.inputs,
-                             verification_dims(imported.symbolic_dims, job.buckets), job.io_dtype, job.dtype,
+    checks = compare_at_dims(vm, device, reference, imported.inputs, dims_list, job.io_dtype, job.dtype,
                              job.tolerance, weights, child)
     dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
     if not check.ok:
@@ -236,7 +271,8 @@ def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: I
                              work_dir, lowered.bucketed)
     report = fusion_report(fused.plan, fused, {k: us for k, (_, us) in built.records.items() if us is not None})
     manifest["fusion"] = report["totals"]
-    manifest["failures"] = failures_so_far()  # kernels that fell back to their default schedule, and why
+    manifest["failures"] = failures_so_far()
+    manifest.update(_cache_interface(manifest, lowered))  # kernels that fell back to their default schedule, and why
     output = export(built.executable, manifest, dest, extra_files=report_files(report),
                     weights=lowered.weights if lowered.weights else None,
                     late=lambda: {"build": weight_files.build_stats(started, weight_bytes)})
@@ -289,6 +325,8 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
         log(f"symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them get default "
             "schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
     bound = prepare_module(imported, job.dtype, job.io_dtype, job.fp16_lookups, one_copy=outside)
+    past_inputs = [p.name for p, _, _ in find_cache_sites(bound)]
+    bound, cache = kv_cache_phase(bound, imported, job, log)
     fused = fuse_phase(bound, target)
     kernels = fused.kernels()
     log(f"{len(kernels)} kernels, {len(fused.kernel_patterns)} fused by pattern: "
@@ -298,7 +336,7 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
     database = open_database(work_dir, target, schedules, log, fused.mod)
     fused = kernels_phase(fused, target, database, trials, rpc, _progress_printer(job.name, say), log)
     bucketed = buckets_phase(bound, fused, job, target, database, trials, rpc, say) if job.buckets else None
-    lowered = Lowered(bucketed.fused if bucketed else fused, bucketed)
+    lowered = Lowered(bucketed.fused if bucketed else fused, bucketed, cache=cache, past_inputs=past_inputs)
     if outside:  # main's large constants (the weights as the kernels read them) become its trailing params
         lowered.fused.mod, lowered.weights = weight_files.unbind_weights(lowered.fused.mod)
     if bucketed:
@@ -330,6 +368,31 @@ def plan_model(path: str, target: str, settings: Settings, shapes: dict | None =
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
+
+def _cache_interface(manifest: dict, lowered: Lowered) -> dict:
+    """The manifest's `kv_cache` (how generate drives the step) and, in place, the step's own inputs and
+    outputs: the past inputs replaced by past_len and the caches, the present outputs gone."""
+    if not lowered.past_inputs:
+        return {}
+    inputs = {t["name"]: t for t in manifest["inputs"]}
+    if lowered.cache is None:
+        outputs = [t["name"] for t in manifest["outputs"]]
+        caches = [{"past": p, "present": outputs[1 + i] if 1 + i < len(outputs) else None,
+                   "kv_heads": inputs[p]["shape"][1], "head_dim": inputs[p]["shape"][3]}
+                  for i, p in enumerate(lowered.past_inputs)]
+        return {"kv_cache": {"mode": "onnx", "caches": caches}}
+    cache = lowered.cache.as_dict()
+    pasts, presents = {s["past"] for s in cache["caches"]}, {s["present"] for s in cache["caches"]}
+    past_dim = inputs[cache["caches"][0]["past"]]["shape"][2]
+    step_inputs = [t for t in manifest["inputs"] if t["name"] not in pasts]
+    step_inputs.append({"name": cache["position"], "shape": [1], "dtype": "shape", "dims": [past_dim]})
+    for s in cache["caches"]:
+        batch = inputs[s["past"]]["shape"][0]
+        step_inputs.append({"name": s["cache"], "shape": [cache["capacity"], batch, s["kv_heads"], s["head_dim"]],
+                            "dtype": cache["dtype"]})
+    return {"inputs": step_inputs, "outputs": [t for t in manifest["outputs"] if t["name"] not in presents],
+            "kv_cache": cache}
+
 
 def _failed(job: Job, check: Verification, dims: dict) -> str:
     return (f"{job.name}: verification against onnxruntime FAILED (max abs err {check.max_abs_err:.3g}, "

@@ -13,6 +13,7 @@ COMMANDS = {
     "schedules": "tvmfuse.cli.schedules",
     "serve": "tvmfuse.cli.serve:serve_main",
     "queue": "tvmfuse.cli.serve:queue_main",
+    "generate": "tvmfuse.cli.generate",
 }
 
 

@@ -42,6 +42,13 @@ def parser() -> argparse.ArgumentParser:
                         "cuts launch overhead at decode sizes; symbolic-shape regions stay launches")
     p.add_argument("--batch", type=int, metavar="N",
                    help="candidates built and measured per tuning round (default: 16 on llvm, 64 on cuda)")
+    p.add_argument("--kv-cache", choices=("inplace", "onnx"),
+                   help="a decoder step with past K/V inputs: 'inplace' (default where found) preallocates the "
+                        "caches and writes each step's K/V into them in place; 'onnx' keeps the exported "
+                        "past -> present interface (every step copies the cache)")
+    p.add_argument("--max-seq", type=int, metavar="N",
+                   help="capacity of the in-place KV cache in positions (default: the largest bucket of the past or total "
+                        "length dim, else 256)")
     p.add_argument("--out", default="out", metavar="DIR", help="where exports go (default: out)")
     p.add_argument("--logs", default="tuning_logs", metavar="DIR", help="tuning databases (default: tuning_logs)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
@@ -75,8 +82,11 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
     buckets = parse_buckets(args.buckets)
     for job in jobs:  # a jobs file's own buckets win
         job.buckets = job.buckets or dict(buckets)
+    if args.max_seq is not None and args.max_seq <= 0:
+        raise TvmfuseError("--max-seq must be a positive number of positions")
     for job in jobs:
         job.cuda_graph = args.cuda_graph
+        job.kv_cache, job.max_seq = args.kv_cache or job.kv_cache, args.max_seq or job.max_seq
     if args.batch is not None:
         if args.batch < 1:
             raise TvmfuseError("--batch must be >= 1")

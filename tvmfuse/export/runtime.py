@@ -11,6 +11,7 @@ from tvm import relax
 
 from tvmfuse.errors import TvmfuseError
 from tvmfuse.export.digest import sha256_of
+from tvmfuse.export.generate import Generation, KVCache, generate
 from tvmfuse.export.library import FORMAT, LIBRARY, MANIFEST
 from tvmfuse.export.weights import load_weights
 from tvmfuse.targets import device_for
@@ -18,10 +19,12 @@ from tvmfuse.verify.outputs import to_numpy
 
 
 class LoadedModel:
-    """A callable over an exported module: `model(x, ...)` or `model(x=...)` -> list of numpy arrays."""
+    """A callable over an exported module: `model(x, ...)` or `model(x=...)` -> list of numpy arrays (a KV cache
+    step's `past_len` may be an int, its caches `KVCache.tensors`, written in place)."""
 
     def __init__(self, path: str, device=None):
         folder = path if os.path.isdir(path) else os.path.dirname(path)
+        self.folder = folder
         manifest_path = os.path.join(folder, MANIFEST)
         if not os.path.exists(manifest_path):
             raise TvmfuseError(f"{folder}: no {MANIFEST}; not a tvmfuse export")
@@ -44,6 +47,7 @@ class LoadedModel:
         self.weights = load_weights(folder, stored, device) if stored["storage"] != "embedded" else []
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(lib), device)
         self.input_names = [t["name"] for t in self.manifest["inputs"]]
+        self._shape_inputs = {t["name"] for t in self.manifest["inputs"] if t["dtype"] == "shape"}  # past_len
 
     def __call__(self, *args, **kwargs) -> list[np.ndarray]:
         if kwargs:
@@ -53,10 +57,23 @@ class LoadedModel:
             args = tuple(kwargs[n] for n in self.input_names)
         if len(args) != len(self.input_names):
             raise TypeError(f"expected {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(args)}")
-        tensors = [a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(np.asarray(a), self.device)
-                   for a in args]
+        tensors = [tvm.runtime.ShapeTuple([int(a)] if np.ndim(a) == 0 else [int(x) for x in a])
+                   if name in self._shape_inputs and not isinstance(a, tvm.runtime.ShapeTuple)
+                   else a if isinstance(a, (tvm.runtime.Tensor, tvm.runtime.ShapeTuple))
+                   else tvm.runtime.tensor(np.asarray(a), self.device) for name, a in zip(self.input_names, args)]
         out = self.vm["main"](*tensors, *self.weights)
         return to_numpy(out)
+
+
+    def kv_cache(self, batch: int) -> KVCache:
+        """A new in-place KV cache for `batch` rows on this model's device (the export's capacity and dtype)."""
+        if self.manifest.get("kv_cache", {}).get("mode") != "inplace":
+            raise TvmfuseError(f"{self.folder}: no in-place KV cache (built without one, or with --kv-cache onnx)")
+        return KVCache(self.manifest["kv_cache"], batch, self.device)
+
+    def generate(self, ids, new_tokens: int, on_token=None, cache: KVCache | None = None) -> Generation:
+        """Greedy decoding: prefill `ids` [batch, prompt], then `new_tokens` tokens per row (export.generate)."""
+        return generate(self, ids, new_tokens, on_token, cache)
 
 
 def load(path: str, device=None) -> LoadedModel:

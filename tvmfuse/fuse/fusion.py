@@ -68,6 +68,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
         simplify_transposes,
         relax.transform.LegalizeOps(customize_legalize_map=LEGALIZE),
         relax.transform.AnnotateTIROpPattern(),
+        opaque_scalar_kernels,
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
@@ -133,6 +134,16 @@ def inline_shape_params(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
                   if isinstance(p.ty, relax.ShapeType) and p.ty.values is not None}
         if shapes:
             mod[gv] = _Substitute(shapes).visit_expr(fn)
+    return mod
+
+
+@tvm.transform.module_pass(opt_level=0, name="OpaqueScalarKernels")
+def opaque_scalar_kernels(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
+    """A legalized kernel taking a scalar (an R.prim_value such as a KV cache's past length) is kept out of
+    FuseOps' groups: FuseTIR would define that scalar's variable twice (RenewDefs' check fails)."""
+    for gv, fn in list(mod.functions.items()):
+        if isinstance(fn, tirx.PrimFunc) and any(isinstance(p.ty, tvm.ir.PrimType) for p in fn.params):
+            mod[gv] = fn.with_attr("op_pattern", 8)  # kOpaque
     return mod
 
 

@@ -39,7 +39,7 @@ def make_attention_pattern() -> Annotated:
     precision each matmul accumulates in fp32 and is cast to the compute dtype, the scores are cast back up for
     the mask and softmax (fp32), and the probabilities down again for P @ V: the optional `cast`s."""
     q_in, k_in, v_in, mask = wildcard(), wildcard(), wildcard(), wildcard()
-    (k_gqa, k_exp), (v_gqa, _) = _gqa(k_in), _gqa(_heads(v_in))
+    (k_gqa, k_exp), (v_gqa, _) = _gqa(_heads(k_in)), _gqa(_heads(v_in))  # (a cache's [S,B,KV,D] view: permuted)
     q = _heads(q_in)
     k = _key_transpose(k_gqa) | _key_transpose(_op("permute_dims", k_in)) | _key_transpose(k_in)
     v = v_gqa | _heads(v_in)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import tvm
 from tvm import relax
 from tvm.relax.transform import PatternCheckContext
@@ -33,9 +35,10 @@ def ndim(expr) -> int:
 
 
 def dim_str(d) -> str:
-    """A dim as text: "64" for constants (not "T.int64(64)"), the expression for symbolic ones."""
+    """A dim as text: "64" for constants (not "T.int64(64)"), the expression for symbolic ones, its constants
+    plain too ("past + 1", as the cost model evaluates it, for a bucket's past + seq at seq = 1)."""
     value = getattr(d, "value", None)
-    return str(value) if isinstance(value, int) else str(d)
+    return str(value) if isinstance(value, int) else re.sub(r"T\.u?int(?:8|16|32|64)\((-?\d+)\)", r"\1", str(d))
 
 
 def same_dim(a, b) -> bool:

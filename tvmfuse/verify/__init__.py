@@ -3,6 +3,7 @@ each hand-written kernel variant against the generic kernel it replaces."""
 
 from tvmfuse.verify.inputs import random_inputs
 from tvmfuse.verify.kernels import VariantCheck
+from tvmfuse.verify.kv_step import compare_kv_step, step_dims
 from tvmfuse.verify.measure import compare_at_dims, latency_us
 from tvmfuse.verify.outputs import TOLERANCES, Verification, compare, onnxruntime_outputs, run_vm
 

@@ -57,7 +57,18 @@ def run_vm(vm: relax.VirtualMachine, device, arrays: list[np.ndarray], io_dtype:
 def onnxruntime_outputs(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """onnxruntime's outputs on `feeds`; `model` a path: the session opens the file (external data from the model's
     folder, never one serialized proto), without pre-packed weight copies; else the proto, serialized."""
-    return onnx_io.ort_session(model, low_memory=isinstance(model, str)).run(None, feeds)
+    session = onnx_io.ort_session(model, low_memory=isinstance(model, str))
+    return session.run(None, onnx_feeds([i.name for i in session.get_inputs()], feeds))
+
+
+def onnx_feeds(names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`feeds` keyed by the ONNX input `names`: TVM's importer renames inputs (`past_key_values.0.key` becomes
+    `past_key_values_0_key`), and the module's inputs carry those names."""
+    if set(feeds) <= set(names):
+        return feeds
+    renamed = {n.replace(".", "_"): n for n in names}
+    renamed.update({f"input_{k}": n for k, n in list(renamed.items()) if not k[:1].isalpha() and k[:1] != "_"})
+    return {renamed.get(k, k): v for k, v in feeds.items()}
 
 
 def tolerance(output_dtype: str, compute_dtype: str | None = None) -> tuple[float, float]:

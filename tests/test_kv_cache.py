@@ -1,0 +1,262 @@
+"""The KV cache updated in place (issue 24): a tiny 2-layer Llama step exported with past_key_values, built on llvm
+with the in-place cache and with --kv-cache onnx; greedy tokens equal to onnxruntime's greedy loop for 32 steps;
+the in-place step copies no cache; a prompt the cache cannot hold is one error line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+pytest.importorskip("transformers")
+import hf_export  # noqa: E402  (tests/ is on sys.path)
+
+from tvmfuse.cli import main as cli_main  # noqa: E402
+from tvmfuse.cli.tune import main as tune_main  # noqa: E402
+from tvmfuse.errors import TvmfuseError  # noqa: E402
+from tvmfuse.export.runtime import load  # noqa: E402
+
+CAPACITY, STEPS, BATCH, PROMPT = 48, 32, 2, 5
+
+
+@pytest.fixture(scope="module")
+def kv_model(tmp_path_factory):
+    return hf_export.export_with_cache("llama", str(tmp_path_factory.mktemp("kv_onnx")))
+
+
+@pytest.fixture(scope="module")
+def kv_exports(kv_model, tmp_path_factory):
+    """{mode: export folder}: the step built once in place (capacity 48) and once with --kv-cache onnx."""
+    folders = {}
+    for mode in ("inplace", "onnx"):
+        out = tmp_path_factory.mktemp(f"kv_{mode}")
+        code = tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                          "--logs", str(out / "logs"), "--kv-cache", mode, "--max-seq", str(CAPACITY)])
+        assert code == 0
+        folders[mode] = str(out / "llama_kv-llvm")
+    return folders
+
+
+def _onnxruntime_greedy(path: str, ids: np.ndarray, steps: int) -> np.ndarray:
+    """Greedy decoding with onnxruntime over the original step: past -> present, fed back each step."""
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    pasts = [i for i in sess.get_inputs() if i.name.startswith("past_")]
+    presents = [o.name for o in sess.get_outputs() if o.name.startswith("present")]  # in the pasts' order
+    feeds = {p.name: np.zeros((ids.shape[0], p.shape[1], 0, p.shape[3]), np.float32) for p in pasts}
+    tokens, step_ids, total = [], ids, 0
+    for _ in range(steps):
+        total += step_ids.shape[1]
+        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {
+            "input_ids": step_ids, "attention_mask": np.ones((ids.shape[0], total), np.int64), **feeds})))
+        step_ids = out["logits"][:, -1].argmax(-1).astype(np.int64)[:, None]
+        tokens.append(step_ids[:, 0])
+        feeds = {p.name: out[present] for p, present in zip(pasts, presents)}
+    return np.stack(tokens, axis=1)
+
+
+@pytest.mark.parametrize("mode", ["inplace", "onnx"])
+def test_greedy_tokens_match_onnxruntime_for_32_steps(kv_model, kv_exports, mode):
+    ids = np.random.default_rng(3).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
+    model = load(kv_exports[mode])
+    assert model.manifest["kv_cache"]["mode"] == mode
+    assert model.manifest["verification"]["status"] == "passed"
+    got = model.generate(ids, new_tokens=STEPS)
+    want = _onnxruntime_greedy(kv_model, ids, STEPS)
+    np.testing.assert_array_equal(got.tokens, want)
+    assert len(got.step_ms) == STEPS - 1 and got.prefill_ms > 0 and got.tokens_per_s > 0
+    if mode == "inplace":  # a cache handed in is reused after a reset: the same tokens again
+        cache = model.kv_cache(BATCH)
+        np.testing.assert_array_equal(model.generate(ids, STEPS, cache=cache).tokens, want)
+        assert cache.length == PROMPT + STEPS - 1 and cache.capacity == CAPACITY
+        np.testing.assert_array_equal(model.generate(ids, STEPS, cache=cache).tokens, want)
+        (logits,) = model(ids[:, :1], np.ones((BATCH, PROMPT + STEPS), np.int64), PROMPT + STEPS - 1, *cache.tensors)
+        assert logits.shape == (BATCH, 1, hf_export.VOCAB)  # one more step by hand, past_len as an int
+
+
+def test_gpt2_inplace_greedy_tokens_match_onnxruntime(tmp_path):
+    """GPT-2 (no GQA, K^T as a permute of the cache's view): in place, no cache copy, onnxruntime's tokens."""
+    path = hf_export.export_with_cache("gpt2", str(tmp_path))
+    assert _cache_copies(_lowered(path, "inplace")) == []
+    out = tmp_path / "out"
+    assert tune_main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                      "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0  # in place by default
+    ids = np.random.default_rng(5).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
+    model = load(str(out / "gpt2_kv-llvm"))
+    assert model.manifest["kv_cache"]["mode"] == "inplace"
+    np.testing.assert_array_equal(model.generate(ids, STEPS).tokens, _onnxruntime_greedy(path, ids, STEPS))
+
+
+def test_inplace_with_a_decode_bucket_matches_onnxruntime(kv_model, tmp_path):
+    """--buckets seq=1: a static decode copy of the in-place step (dispatched for seq 1), the prefill on the
+    generic one; onnxruntime's greedy tokens. (The cost model used to fail on the bucket's "past + 1".)"""
+    out = tmp_path / "out"
+    assert tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                      "--logs", str(out / "logs"), "--max-seq", str(CAPACITY), "--buckets", "seq=1"]) == 0
+    model = load(str(out / "llama_kv-llvm"))
+    assert [f["function"] for f in model.manifest["buckets"]["functions"]] == ["main_seq1"]
+    ids = np.random.default_rng(6).integers(0, hf_export.VOCAB, (1, PROMPT), dtype=np.int64)
+    np.testing.assert_array_equal(model.generate(ids, 16).tokens, _onnxruntime_greedy(kv_model, ids, 16))
+
+
+def test_optimum_style_cache_names_verify_and_generate(tmp_path):
+    """past_key_values.0.key / present.0.key (renamed by TVM's importer to past_key_values_0_key): verification
+    feeds onnxruntime by the ONNX names (it raised "Required inputs ... are missing"), the tokens match."""
+    path = hf_export.export_with_cache("llama", str(tmp_path), hf_names=True)
+    out = tmp_path / "out"
+    assert tune_main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                      "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0
+    model = load(str(out / "llama_kv_hf-llvm"))
+    assert model.manifest["verification"]["status"] == "passed"
+    assert [s["cache"] for s in model.manifest["kv_cache"]["caches"]][:2] == ["cache_key_values_0_key",
+                                                                              "cache_key_values_0_value"]
+    ids = np.random.default_rng(7).integers(0, hf_export.VOCAB, (1, PROMPT), dtype=np.int64)
+    np.testing.assert_array_equal(model.generate(ids, 8).tokens, _onnxruntime_greedy(path, ids, 8))
+
+
+def test_inplace_manifest_describes_the_step_and_its_cache(kv_exports):
+    with open(os.path.join(kv_exports["inplace"], "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    cache = manifest["kv_cache"]
+    assert cache["capacity"] == CAPACITY and cache["dtype"] == "float32" and cache["position"] == "past_len"
+    assert [s["cache"] for s in cache["caches"]] == ["cache_key_0", "cache_value_0", "cache_key_1", "cache_value_1"]
+    assert [t["name"] for t in manifest["inputs"]] == ["input_ids", "attention_mask", "past_len", "cache_key_0",
+                                                       "cache_value_0", "cache_key_1", "cache_value_1"]
+    assert manifest["inputs"][3]["shape"] == [CAPACITY, "batch", 2, 16]
+    assert [t["name"] for t in manifest["outputs"]] == ["logits"]
+
+
+def _lowered(path: str, mode: str):
+    from tvmfuse.jobs import Job  # pylint: disable=import-outside-toplevel
+    from tvmfuse.pipeline import frontend_phase, fuse_phase, kv_cache_phase  # pylint: disable=import-outside-toplevel
+    from tvmfuse.prepare import prepare_module  # pylint: disable=import-outside-toplevel
+    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
+
+    job = Job(name="kv", path=path, kv_cache=mode, max_seq=CAPACITY)
+    imported = frontend_phase(job)
+    bound, _ = kv_cache_phase(prepare_module(imported), imported, job, lambda s: None)
+    return fuse_phase(bound, resolve_target("llvm"))
+
+
+def _cache_copies(fused) -> list[str]:
+    """Kernels of main that copy a cache-sized tensor: a concatenation, or any kernel other than the attention
+    reading a cache (the write kernel aside), or a copy of a past/cache parameter."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    main = fused.mod["main"]
+    caches = {p for p in main.params if p.name.startswith(("cache_", "past_"))}
+    bound = {b.var: b.value for blk in main.body.blocks for b in blk.bindings}
+    views = {v for v, c in bound.items()
+             if isinstance(c, relax.Call) and getattr(c.op, "name", "") == "relax.memory.view"}
+    copies = []
+    for var, call in bound.items():
+        if not isinstance(call, relax.Call) or getattr(call.op, "name", "") not in ("relax.call_tir",
+                                                                                   "relax.call_tir_inplace"):
+            continue
+        kernel, args = call.args[0].name_hint, list(call.args[1].fields)
+        reads_cache = any(a in caches or a in views for a in args)
+        if "concat" in kernel and reads_cache:
+            copies.append(kernel)
+        elif reads_cache and fused.pattern_of(kernel) != "tvmfuse.attention" \
+                and not kernel.startswith("kv_cache_write"):
+            copies.append(kernel)
+    return copies
+
+
+def test_inplace_step_has_no_concat_or_copy_of_the_cache(kv_model):
+    """In place: each cache is written by the in-place kernel, viewed (no copy) and read only by the attention;
+    no kernel concatenates or copies it. The check itself finds the copies of the ONNX-semantics step."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    fused = _lowered(kv_model, "inplace")
+    main = fused.mod["main"]
+    assert _cache_copies(fused) == []
+    calls = [b.value for blk in main.body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)]
+    writes = [c for c in calls if getattr(c.op, "name", "") == "relax.call_tir_inplace"]
+    assert len(writes) == 4 and all(c.args[0].name_hint.startswith("kv_cache_write") for c in writes)
+    assert sum(getattr(c.op, "name", "") == "relax.memory.view" for c in calls) == 4
+    assert not any("concatenate" in str(c.args[0]) and any(str(a).startswith("cache_") for a in c.args[1].fields)
+                   for c in calls if getattr(c.op, "name", "") == "relax.call_tir")
+    assert _cache_copies(_lowered(kv_model, "onnx"))  # the past -> present concatenations
+
+
+def test_compiled_step_views_the_cache_it_writes(kv_exports):
+    """In the exported VM code each cache register is written by kv_cache_write and then viewed as it is
+    (runtime.TVMTensorCreateView on the same register): no kernel or copy between the write and the read."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    text = relax.VMExecutable(tvm.runtime.load_module(os.path.join(kv_exports["inplace"], "model.so"))).as_text()
+    writes = re.findall(r"call\s+kv_cache_write_float32 in: (%\d+),", text)
+    views = re.findall(r"call\s+runtime.TVMTensorCreateView in: (%\d+),", text)
+    assert len(writes) == 4 and views == writes
+
+
+def test_prompt_longer_than_the_cache_is_one_error_line(kv_exports, capsys):
+    code = cli_main(["generate", kv_exports["inplace"], "--batch", "1", "--prompt-len", str(CAPACITY + 1),
+                     "--new-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and f"holds {CAPACITY}" in err[0]
+
+
+def test_generate_bad_input_is_one_error_line(kv_exports, tmp_path, capsys):
+    """Not an export, an export without a KV cache, unreadable or ragged ids, a zero count: one error line, exit 2."""
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    plain = tmp_path / "plain"
+    shutil.copytree(kv_exports["inplace"], plain)
+    manifest = json.loads((plain / "manifest.json").read_text())
+    del manifest["kv_cache"]
+    (plain / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "ragged.txt").write_text("1 2 3\n4 5\n")
+    (tmp_path / "words.txt").write_text("one two\n")
+    cases = [([str(tmp_path)], "no manifest.json"), ([str(plain)], "not a decoder step with a KV cache"),
+             ([kv_exports["inplace"], "--ids", str(tmp_path / "ragged.txt")], "rows of different lengths"),
+             ([kv_exports["inplace"], "--ids", str(tmp_path / "words.txt")], "cannot read token ids"),
+             ([kv_exports["inplace"], "--new-tokens", "0"], "--new-tokens must be >= 1")]
+    for args, message in cases:
+        code = cli_main(["generate", *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], (args, err)
+
+
+def test_generate_command_prints_its_times(kv_exports, tmp_path, capsys):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3\n4 5 6\n")
+    assert cli_main(["generate", kv_exports["inplace"], "--ids", str(ids), "--new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill" in out and "ms/token" in out and "tokens/s (batch 2, KV cache inplace)" in out
+    assert "6/6 tokens" in out and out.count("tokens[") == 2
+
+
+def test_inplace_on_a_model_without_a_cache_is_an_error():
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.prepare.kv_cache import in_place_kv_cache  # pylint: disable=import-outside-toplevel
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([2, 3], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(x, x))
+        bb.emit_func_output(out)
+    with pytest.raises(TvmfuseError, match="no KV cache"):
+        in_place_kv_cache(bb.get(), 16, ["y"])
+
+
+@pytest.mark.gpu
+def test_cuda_inplace_decode_matches_onnxruntime(kv_model, tmp_path):
+    """On a GPU: the in-place step built for CUDA (attention templates where they take the cache's view, the
+    generic kernel elsewhere) gives onnxruntime's greedy tokens; with CUDA graphs too."""
+    ids = np.random.default_rng(4).integers(0, hf_export.VOCAB, (1, PROMPT), dtype=np.int64)
+    want = _onnxruntime_greedy(kv_model, ids, STEPS)
+    for extra in ([], ["--cuda-graph"]):
+        out = tmp_path / f"cuda{len(extra)}"
+        assert tune_main([kv_model, "--target", "cuda", "--trials", "0", "--schedules", "none", "--out", str(out),
+                          "--logs", str(out / "logs"), "--max-seq", str(CAPACITY), *extra]) == 0
+        folder = next(p for p in out.iterdir() if p.name.startswith("llama_kv-"))
+        np.testing.assert_array_equal(load(str(folder)).generate(ids, STEPS).tokens, want)

@@ -1,0 +1,127 @@
+"""Greedy generation on an exported decoder step: prefill the prompt, then one token a step, through the in-place
+KV cache (`KVCache`) or, for an export built with --kv-cache onnx, by feeding each step's present outputs back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import tvm
+
+from tvmfuse.errors import TvmfuseError
+from tvmfuse.verify.outputs import cast_array
+
+
+class KVCache:
+    """The in-place step's caches on the device, one [capacity, batch, kv heads, head dim] tensor per past K/V
+    input of the exported step, in the manifest's order; `length` positions are filled."""
+
+    def __init__(self, layout: dict, batch: int, device):
+        self.capacity, self.dtype, self.batch = int(layout["capacity"]), layout["dtype"], batch
+        self.names = [s["cache"] for s in layout["caches"]]
+        self.tensors = [tvm.runtime.tensor(cast_array(np.zeros((self.capacity, batch, s["kv_heads"], s["head_dim"]),
+                                                               np.float32), self.dtype), device)
+                        for s in layout["caches"]]  # zeros (bfloat16 through ml_dtypes)
+        self.length = 0
+
+    def reset(self) -> None:
+        """Start a new sequence: nothing past `length` is read, so the tensors are reused as they are."""
+        self.length = 0
+
+
+@dataclass
+class Generation:
+    """What `generate` returns: the new tokens [batch, new_tokens] and the times."""
+
+    tokens: np.ndarray
+    prefill_ms: float
+    step_ms: list[float] = field(default_factory=list)  # each decode step after the prefill
+
+    @property
+    def ms_per_token(self) -> float:
+        return float(np.mean(self.step_ms)) if self.step_ms else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: new tokens (all rows of the batch) per second of decode steps."""
+        total = sum(self.step_ms)
+        return self.tokens.shape[0] * len(self.step_ms) / (total / 1e3) if total else 0.0
+
+
+def _step_inputs(manifest: dict) -> tuple[str, str | None]:
+    """(ids input, mask input or None) of the exported step; any other model input is an error."""
+    cache = manifest["kv_cache"]
+    taken = {s.get(key) for s in cache["caches"] for key in ("past", "cache")} | {cache.get("position")}
+    rest = [t for t in manifest["inputs"] if t["name"] not in taken]
+    mask = next((t["name"] for t in rest if "mask" in t["name"]), None)
+    ids = [t["name"] for t in rest if t["name"] != mask]
+    if len(ids) != 1:
+        raise TvmfuseError(f"generate drives input_ids, attention_mask and the KV cache; this step takes "
+                           f"{', '.join(t['name'] for t in rest)}")
+    return ids[0], mask
+
+
+def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, float], None] | None = None,
+             cache: KVCache | None = None) -> Generation:
+    """Greedy decoding on a loaded export (`tvmfuse.load`): `ids` [batch, prompt] int64; returns `new_tokens`
+    tokens per row. `on_token(i, ms)` is called after each decode step; `cache` (in place) is reused after a
+    reset, else created. A prompt plus new tokens that do not fit the cache is a TvmfuseError."""
+    manifest = model.manifest
+    if "kv_cache" not in manifest:
+        raise TvmfuseError(f"{model.folder}: not a decoder step with a KV cache (no past K/V inputs were found "
+                           "when it was built)")
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 2 or ids.shape[1] < 1 or new_tokens < 1:
+        raise TvmfuseError(f"generate needs ids [batch, prompt >= 1] and new tokens >= 1 (got ids {list(ids.shape)}, "
+                           f"{new_tokens} new tokens)")
+    layout, (ids_name, mask_name) = manifest["kv_cache"], _step_inputs(manifest)
+    batch, prompt = ids.shape
+    inplace = layout["mode"] == "inplace"
+    if inplace:
+        need = prompt + new_tokens - 1  # the last token is not fed back
+        if prompt > layout["capacity"] or need > layout["capacity"]:
+            raise TvmfuseError(f"the prompt ({prompt} tokens) and {new_tokens} new tokens need {need} positions; "
+                               f"this export's KV cache holds {layout['capacity']} (rebuild with a larger --max-seq)")
+        if cache is None or cache.batch != batch:
+            cache = KVCache(layout, batch, model.device)
+        cache.reset()
+    dev = model.device
+    names = [t["name"] for t in manifest["inputs"]]
+    dtype = {t["name"]: t["dtype"] for t in manifest["inputs"]}
+    pasts = [tvm.runtime.tensor(cast_array(np.zeros((batch, s["kv_heads"], 0, s["head_dim"]), np.float32),
+                                           dtype[s["past"]]), dev)
+             for s in layout["caches"]] if not inplace else []
+
+    def step(tokens: np.ndarray, position: int) -> np.ndarray:
+        nonlocal pasts
+        feed = {ids_name: tvm.runtime.tensor(tokens, dev)}
+        if mask_name:
+            feed[mask_name] = tvm.runtime.tensor(np.ones((batch, position + tokens.shape[1]), np.int64), dev)
+        if inplace:
+            feed[layout["position"]] = tvm.runtime.ShapeTuple([position])
+            feed.update(zip(cache.names, cache.tensors))
+        else:
+            feed.update(zip((s["past"] for s in layout["caches"]), pasts))
+        out = model.vm["main"](*[feed[n] for n in names], *model.weights)
+        outs = [out] if hasattr(out, "numpy") else list(out)
+        if not inplace:
+            presents = {t["name"]: o for t, o in zip(manifest["outputs"], outs)}
+            pasts = [presents[s["present"]] for s in layout["caches"]]
+        else:
+            cache.length = position + tokens.shape[1]
+        return outs[0].numpy()[:, -1].argmax(-1).astype(np.int64)
+
+    start = time.perf_counter()
+    token = step(ids, 0)
+    result = Generation(np.zeros((batch, new_tokens), np.int64), (time.perf_counter() - start) * 1e3)
+    result.tokens[:, 0] = token
+    for i in range(1, new_tokens):
+        start = time.perf_counter()
+        token = step(token[:, None], prompt + i - 1)
+        result.step_ms.append((time.perf_counter() - start) * 1e3)
+        result.tokens[:, i] = token
+        if on_token is not None:
+            on_token(i, result.step_ms[-1])
+    return result
