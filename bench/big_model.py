@@ -9,7 +9,8 @@ Phases, each in its own process (so each one's memory is its own and the GPU is 
   export  build the model on the GPU (fp32, seed 0), its fp32 logits on seeded input_ids (the reference), the ONNX
           export (legacy exporter, static [1, seq], opset 17; weights as external data), then torch eager and
           torch.compile (reduce-overhead) in fp16 on the same weights: time and error against the fp32 logits;
-  build   `python -m tvmfuse tune MODEL --target cuda --dtype fp16 --trials 0`: wall time, peak RSS (the manifest's),
+  build   `python -m tvmfuse tune MODEL --target cuda --dtype fp16 --trials 0 --tolerance 5e-2,5e-2`: wall time, peak
+          RSS (the manifest's),
           the .so's and the weights' sizes, the job's own verification against onnxruntime;
   run     `tvmfuse.load` the export, time `main` (prefill) and compare it with the fp32 logits.
 Results accumulate in OUT/big_model.json after every phase (a phase that fails or runs out of time leaves the
@@ -148,7 +149,7 @@ def phase_build(args) -> dict:
     p = _paths(args)
     cmd = [sys.executable, "-m", "tvmfuse", "tune", p["onnx"], "--target", "llvm" if args.smoke else "cuda",
            "--dtype", "fp16", "--trials",
-           "0", "--out", p["out"], "--logs", p["logs"]]
+           "0", "--out", p["out"], "--logs", p["logs"], "--tolerance", args.tolerance]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     info = {"command": " ".join(["python", "-m", "tvmfuse", "tune", "MODEL", *cmd[5:]]), "rc": proc.returncode,
@@ -199,6 +200,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--work", default="/tmp/big", help="where the ONNX file and the export go (tens of GB)")
     ap.add_argument("--out", required=True, help="where big_model.json goes")
+    ap.add_argument("--tolerance", default="5e-2,5e-2",
+                    help="the build's verification tolerance (ATOL,RTOL): fp16's default 1e-2 fails a 32-layer model "
+                         "with random weights by rounding alone (run 1: max abs err 0.028 for tvmfuse, 0.99 for "
+                         "torch's own fp16 on the same weights)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (llvm): checks the flow")
     ap.add_argument("--phase", default="all", choices=["all", "export", "build", "run"])
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting phases after this many seconds")

@@ -274,6 +274,33 @@ def test_buckets_with_weights_outside_share_one_copy(tmp_path):
         assert function in called, (batch, called)
 
 
+def test_bf16_model_with_external_data_builds_in_bf16(tmp_path):
+    """A model stored in bf16 whose weight is external data: read as bf16 (no fp32 copy), built with --dtype bf16,
+    verified against the fp32 copy of the model, and the stored weight is the file's bf16 bits."""
+    import ml_dtypes  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((64, 96)) / 8).astype(ml_dtypes.bfloat16)
+    init = helper.make_tensor("w", TensorProto.BFLOAT16, [64, 96], w.view(np.uint16).tobytes(), raw=True)
+    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+             helper.make_node("MatMul", ["xb", "w"], ["yb"]),
+             helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "b", [onnx_models._f32("x", [4, 64])], [onnx_models._f32("y", [4, 96])], [init])
+    path = str(tmp_path / "m" / "b.onnx")
+    os.makedirs(tmp_path / "m")
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10), path,
+                    save_as_external_data=True, location="b.data", size_threshold=0)
+    assert main([path, "--target", "llvm", "--trials", "0", "--dtype", "bf16", "--out", str(tmp_path / "out"),
+                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
+    export = tmp_path / "out" / "b-llvm"
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed"
+    assert manifest["weights"]["nbytes"] == 64 * 96 * 2
+    (stored,) = load(str(export)).weights
+    assert str(stored.dtype) == "bfloat16"
+    assert sorted(stored.numpy().view(np.uint16).ravel()) == sorted(w.view(np.uint16).ravel())  # (any layout)
+
+
 def _constants(func) -> list:
     import tvm  # noqa: PLC0415
 

@@ -80,17 +80,23 @@ def check_external_data(model: onnx.ModelProto, folder: str, source: str) -> Non
 def read_external(tensor: onnx.TensorProto, folder: str, source: str = "model") -> np.ndarray:
     """The values of an external initializer, read from its file (one copy in memory; the proto stays empty)."""
     path, offset, length = _location(tensor, folder, source)
-    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
-    if tensor.data_type in (TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2):
+    if tensor.data_type in (TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2):
         raise ModelError(f"{source}: initializer {tensor.name}: external {TensorProto.DataType.Name(tensor.data_type)} "
                          "weights are not supported yet")
+    bf16 = tensor.data_type == TensorProto.BFLOAT16  # read as its 16-bit words, then viewed as ml_dtypes' bfloat16
+    dtype = np.dtype("<u2") if bf16 else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
     count = length // dtype.itemsize
     with open(path, "rb") as f:
         f.seek(offset)
         array = np.fromfile(f, dtype=dtype, count=count)
     if array.size != count:
         raise ModelError(f"{source}: external data file {path} is truncated (initializer {tensor.name})")
-    return array.astype(dtype.newbyteorder("="), copy=False).reshape(tuple(tensor.dims))
+    array = array.astype(dtype.newbyteorder("="), copy=False).reshape(tuple(tensor.dims))
+    if bf16:
+        import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+        return array.view(ml_dtypes.bfloat16)
+    return array
 
 
 def cast_array(array: np.ndarray, dtype: str) -> np.ndarray:
