@@ -39,21 +39,6 @@ def _shape(args) -> dict:
     return SMOKE if args.smoke else LLAMA2_7B
 
 
-def _timer(fn, cuda: bool) -> float:
-    """Median us per call: bench.run's CUDA-event timer on the GPU, wall clock otherwise."""
-    if cuda:
-        from bench.run import t_events
-        one = t_events(fn, iters=1, reps=3)
-        return t_events(fn, iters=int(min(50, max(3, 5e4 / max(one, 1.0)))), reps=5)
-    import numpy as np
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e6)
-    return float(np.median(ts))
-
-
 def _paths(args) -> dict:
     w = args.work
     return {"onnx": os.path.join(w, "onnx", "llama7b.onnx"), "ids": os.path.join(w, "ids.npy"),
@@ -87,6 +72,7 @@ def phase_export(args) -> dict:
 
     sys.path.insert(0, ROOT)
     from bench import hf_models as hm
+    from bench.model_timing import time_torch
 
     p, info = _paths(args), {}
     os.makedirs(args.work, exist_ok=True)
@@ -137,7 +123,7 @@ def phase_export(args) -> dict:
             row["compile_s"] = round(time.time() - t, 1)
         with torch.no_grad():
             out = fn(x).float().cpu().numpy()
-            row["us"] = round(_timer(lambda: fn(x), cuda), 1)
+            row["us"] = round(time_torch(lambda: fn(x), cuda), 1)
         row.update(_error(out, ref))
         torch_rows["torch_" + mode.replace("-", "_")] = row
         _merge(args.out, "torch", torch_rows)

@@ -113,11 +113,11 @@ def test_templates_take_bf16_and_name_a_dtype_they_refuse():
         "prefill template is fp16/bf16 only, fp32 on llvm (got float64)"
 
 
-def _attention_module(mask: bool, kv_heads: int = 4):
-    """softmax(Q K^T * 1/sqrt(d) [+ mask]) V in [B,H,S,D] fp16, lowered by the fuse stage."""
+def _attention_module(mask: bool, kv_heads: int = 4, dt: str = "float16"):
+    """softmax(Q K^T * 1/sqrt(d) [+ mask]) V in [B,H,S,D] fp16 (or `dt`), lowered by the fuse stage."""
     from tvmfuse.fuse.fusion import lower
     from tvmfuse.patterns import fusion_patterns
-    bb, dt = relax.BlockBuilder(), "float16"
+    bb = relax.BlockBuilder()
     q, k, v = (relax.Var(n, relax.TensorType((1, 4, 64, 64), dt)) for n in "qkv")
     params = [q, k, v] + ([relax.Var("m", relax.TensorType((1, 1, 64, 64), dt))] if mask else [])
     with bb.function("main", params):
@@ -642,24 +642,6 @@ def test_cuda_bf16_variants_compile_for_sm_90a():
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src and src.count("__syncthreads_or(") == 2
 
 
-def _bf16_prefill_module(mask: bool):
-    """softmax(Q K^T * 0.125 [+ mask]) V in [B,H,S,D] bf16 (1 x 4 heads x 64 x 64), lowered by the fuse stage."""
-    from tvmfuse.fuse.fusion import lower
-    from tvmfuse.patterns import fusion_patterns
-    bb, dt = relax.BlockBuilder(), "bfloat16"
-    q, k, v = (relax.Var(n, relax.TensorType((1, 4, 64, 64), dt)) for n in "qkv")
-    params = [q, k, v] + ([relax.Var("m", relax.TensorType((1, 1, 64, 64), dt))] if mask else [])
-    with bb.function("main", params):
-        with bb.dataflow():
-            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
-            s = bb.emit(relax.op.multiply(s, relax.const(0.125, dt)))
-            if mask:
-                s = bb.emit(relax.op.add(s, params[3]))
-            o = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), v))
-        bb.emit_func_output(o)
-    return lower(bb.get(), patterns=fusion_patterns(["tvmfuse.attention"]))
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_bf16_attention_kernels_take_the_templates_and_compile_for_sm_90a():
     """The fused bf16 attention of decode and prefill (with and without a mask) is replaced by its template on
@@ -671,8 +653,8 @@ def test_bf16_attention_kernels_take_the_templates_and_compile_for_sm_90a():
 
     cuda = resolve_target("cuda")
     for fused, template in [(decode_attention(512, None, "bfloat16"), "attention_decode"),
-                            (_bf16_prefill_module(False), "attention_prefill"),
-                            (_bf16_prefill_module(True), "attention_prefill")]:
+                            (_attention_module(False, dt="bfloat16"), "attention_prefill"),
+                            (_attention_module(True, dt="bfloat16"), "attention_prefill")]:
         assert list(fused.kernel_patterns.values()) == ["tvmfuse.attention"], fused.rejections
         log = []
         new = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=log)

@@ -254,14 +254,7 @@ def test_buckets_with_weights_outside_share_one_copy(tmp_path):
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "dyn",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 96])], [w])
-    path = str(tmp_path / "m" / "dyn.onnx")
-    os.makedirs(tmp_path / "m")
-    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10), path,
-                    save_as_external_data=True, location="dyn.data", size_threshold=0)
-    assert main([path, "--target", "llvm", "--trials", "0", "--buckets", "batch=4", "--out", str(tmp_path / "out"),
-                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
-    export = tmp_path / "out" / "dyn-llvm"
-    manifest = json.loads((export / "manifest.json").read_text())
+    path, export, manifest = _build_external(graph, tmp_path, "--buckets", "batch=4")
     assert manifest["verification"]["status"] == "passed"
     assert manifest["weights"]["count"] == 1 and manifest["weights"]["nbytes"] == 64 * 96 * 4
     model = load(str(export))
@@ -286,19 +279,25 @@ def test_bf16_model_with_external_data_builds_in_bf16(tmp_path):
              helper.make_node("MatMul", ["xb", "w"], ["yb"]),
              helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT)]
     graph = helper.make_graph(nodes, "b", [onnx_models._f32("x", [4, 64])], [onnx_models._f32("y", [4, 96])], [init])
-    path = str(tmp_path / "m" / "b.onnx")
-    os.makedirs(tmp_path / "m")
-    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10), path,
-                    save_as_external_data=True, location="b.data", size_threshold=0)
-    assert main([path, "--target", "llvm", "--trials", "0", "--dtype", "bf16", "--out", str(tmp_path / "out"),
-                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
-    export = tmp_path / "out" / "b-llvm"
-    manifest = json.loads((export / "manifest.json").read_text())
+    _, export, manifest = _build_external(graph, tmp_path, "--dtype", "bf16")
     assert manifest["verification"]["status"] == "passed"
     assert manifest["weights"]["nbytes"] == 64 * 96 * 2
     (stored,) = load(str(export)).weights
     assert str(stored.dtype) == "bfloat16"
     assert sorted(stored.numpy().view(np.uint16).ravel()) == sorted(w.view(np.uint16).ravel())  # (any layout)
+
+
+def _build_external(graph, tmp_path, *flags):
+    """Save `graph` as tmp_path/m/NAME.onnx with every initializer external data, build it (llvm, --trials 0,
+    `flags`); returns (model path, export folder, manifest)."""
+    path = str(tmp_path / "m" / f"{graph.name}.onnx")
+    os.makedirs(tmp_path / "m")
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10), path,
+                    save_as_external_data=True, location=f"{graph.name}.data", size_threshold=0)
+    assert main([path, "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "out"), "--logs",
+                 str(tmp_path / "logs"), "--schedules", "none", *flags]) == 0
+    export = tmp_path / "out" / f"{graph.name}-llvm"
+    return path, export, json.loads((export / "manifest.json").read_text())
 
 
 def _constants(func) -> list:
