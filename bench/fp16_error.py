@@ -4,6 +4,7 @@ switched on alone or with the others; the layer is written out from the HF modul
 ~1e-5 with no rounding). A helper's study, 2026-12-01 (docs/benchmarks.md, eighth session).
 
     python bench/fp16_error.py [--seq 512] [--seeds 0,1]     # ~1 min per configuration on 2 cores
+    python bench/fp16_error.py --dtype bf16 [--ablate]       # the bf16 build's rounding points (BF16_CONFIGS)
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ ALL = ["W", "emb", "n1", "q", "k", "v", "rope_tab", "rope_ops", "qk_scale", "sco
 
 
 class Emu:
-    def __init__(self, model):
+    def __init__(self, model, low=torch.float16):
         self.m = model
+        self.low = low
         mm = model.model; L = mm.layers[0]; a = L.self_attn; p = L.mlp
         g = lambda lin: lin.weight.detach().clone()
         self.W32 = dict(emb=mm.embed_tokens.weight.detach().clone(), q=g(a.q_proj), k=g(a.k_proj), v=g(a.v_proj),
                         o=g(a.o_proj), gate=g(p.gate_proj), up=g(p.up_proj), down=g(p.down_proj), head=g(model.lm_head))
-        self.W16 = {k: v.half().float() for k, v in self.W32.items()}
+        self.W16 = {k: v.to(low).float() for k, v in self.W32.items()}  # the weights in `low` (fp16 or bf16)
         self.nw = [L.input_layernorm.weight, L.post_attention_layernorm.weight, mm.norm.weight]
         self.eps = model.config.rms_norm_eps
         self.rot = mm.rotary_emb
@@ -45,8 +47,10 @@ class Emu:
         """The layer's logits with the rounding points `on`; `tap(name, tensor)` sees each point's value as stored."""
         on = set(on)
 
+        lo = self.low
+
         def r(n, x):
-            x = x.half().float() if n in on else x
+            x = x.to(lo).float() if n in on else x
             if tap is not None:
                 tap(n, x)
             return x
@@ -58,7 +62,7 @@ class Emu:
         q = q.view(T, nh, hd).transpose(0, 1); k = k.view(T, nh, hd).transpose(0, 1); v = v.view(T, nh, hd).transpose(0, 1)
         pos = torch.arange(T)[None]
         cos, sin = self.rot(h[None], pos); cos = r("rope_tab", cos[0]); sin = r("rope_tab", sin[0])
-        ro = (lambda x: x.half().float()) if "rope_ops" in on else (lambda x: x)
+        ro = (lambda x: x.to(lo).float()) if "rope_ops" in on else (lambda x: x)
         def rope(t):
             t2 = torch.cat((-t[..., hd // 2:], t[..., :hd // 2]), -1)
             return ro(ro(t * cos) + ro(t2 * sin))
@@ -66,22 +70,27 @@ class Emu:
         if "scale_fused" in on:   # fp16 q,k rope'd + scaled in fp32 in one kernel, one fp16 rounding
             s = math.sqrt(1 / math.sqrt(hd))
             if "rope_out" in on: raise ValueError
-            q = (q * s).half().float(); k = (k * s).half().float()
+            q = (q * s).to(lo).float(); k = (k * s).to(lo).float()
             sc = q @ k.transpose(-1, -2)
         elif "qk_scale" in on:
-            s = float(torch.tensor(math.sqrt(1 / math.sqrt(hd))).half())
-            q = (q * s).half().float(); k = (k * s).half().float()
+            s = float(torch.tensor(math.sqrt(1 / math.sqrt(hd))).to(lo))
+            q = (q * s).to(lo).float(); k = (k * s).to(lo).float()
             sc = q @ k.transpose(-1, -2)
         elif "scale_const16" in on:  # the GPU template: fp32 scores scaled by the fp16 constant's square
-            s = float(torch.tensor(math.sqrt(1 / math.sqrt(hd))).half())
+            s = float(torch.tensor(math.sqrt(1 / math.sqrt(hd))).to(lo))
             sc = (q @ k.transpose(-1, -2)) * (s * s)
         else:
             sc = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
         sc = r("scores", sc)
         mask = torch.ones(T, T, dtype=torch.bool).tril()
         sc = sc.masked_fill(~mask, float("-inf"))
-        P = r("probs", torch.softmax(sc, -1))
-        at = r("attn", P @ v).transpose(0, 1).reshape(T, nh * hd)
+        if "probs_flash" in on:  # the prefill template: exp(s - max) rounded for the PV product, the sum in fp32
+            e = torch.exp(sc - sc.amax(-1, keepdim=True))
+            at = r("attn", (e.to(lo).float() @ v) / e.sum(-1, keepdim=True))
+        else:
+            P = r("probs", torch.softmax(sc, -1))
+            at = r("attn", P @ v)
+        at = at.transpose(0, 1).reshape(T, nh * hd)
         o = r("o", at @ W["o"].T)
         h = r("res1", h + o)
         x = r("n2", self.norm(h, self.nw[1]))
@@ -93,10 +102,11 @@ class Emu:
         x = r("n3", self.norm(h, self.nw[2]))
         return r("logits", x @ W["head"].T)[None]
 
-def stats(out, ref):
-    """Max abs error, violations of |err| <= 1e-2 + 1e-2 |ref| (tvmfuse's fp16 tolerance), worst err / allowance."""
+def stats(out, ref, tol=1e-2):
+    """Max abs error, violations of |err| <= tol + tol |ref| (tvmfuse's fp16 tolerance 1e-2, bf16 5e-2), worst
+    err / allowance."""
     e = (out - ref).abs()
-    allowance = 1e-2 + 1e-2 * ref.abs()
+    allowance = tol + tol * ref.abs()
     return dict(max=float(e.max()), rms=float((out - ref).pow(2).mean().sqrt()), viol=int((e > allowance).sum()),
                 ratio=float((e / allowance).max()))
 
@@ -113,18 +123,76 @@ CONFIGS = {
 }
 
 
+#: the bf16 build (prepare/precision.py's bf16 path, as on the H200): every weight but the embedding table bf16
+#: (take keeps its fp32 table: no fp16 lookups in bf16, so the residual stream and its sums are fp32), the norm
+#: outputs feeding the matmuls bf16, q/k/v bf16, the rotary tables bf16 constants, the rotary kernel in fp32
+#: storing q/k once, fp32 scores with the exact scale, P = exp(s - max) rounded to bf16 for the PV product (its
+#: sum fp32), the attention output, o, SwiGLU (one kernel: silu(g) * u in fp32, stored once) and down bf16, the
+#: final norm's output bf16 before the LM head, the logits fp32 (the head's fp32 accumulator is the output)
+WEIGHTS = ["W:" + n for n in ("q", "k", "v", "o", "gate", "up", "down", "head")]
+BF16_BUILD = set(WEIGHTS) | {"n1", "q", "k", "v", "rope_tab", "rope_out", "probs_flash", "attn", "o", "n2", "mlp",
+                             "down", "n3"}
+#: rounding points taken out of the bf16 build one at a time (a name: that point; "W": every weight)
+BF16_POINTS = {"W": set(WEIGHTS), "n1": {"n1"}, "qkv": {"q", "k", "v"}, "rope_tab": {"rope_tab"},
+               "rope_out": {"rope_out"}, "probs": {"probs_flash"}, "attn": {"attn"}, "o": {"o"}, "n2": {"n2"},
+               "mlp": {"mlp"}, "down": {"down"}, "n3": {"n3"}}
+BF16_CONFIGS = {
+    "bf16 build": BF16_BUILD,
+    "bf16 build + silu(g) stored": BF16_BUILD | {"silu"},
+    # what torch-style bf16 inference rounds besides: the embedding table, both residual sums, the logits,
+    # the rotary products op by op
+    "torch-style bf16": BF16_BUILD | {"W:emb", "emb", "res1", "res2", "logits", "rope_ops", "silu"} - {"rope_out"},
+    "fp16 build, same points": BF16_BUILD,  # run in fp16 (the lower rows' yardstick)
+    # what could be fp32 for (almost) nothing: the rotary tables (constants, 2 x [T, 128]), then also the o and
+    # down projections' outputs, which only the fp32 residual sums read (4 bytes instead of 2 written and read)
+    "bf16 build, rope tables fp32": BF16_BUILD - {"rope_tab"},
+    "bf16 build, rope tables, o, down fp32": BF16_BUILD - {"rope_tab", "o", "down"},
+    # and the rotary embedding in the QKV GEMM's epilogue (q, k rounded once, after the rotation, not twice):
+    # every rounding point of this layer that is not a bf16 tensor-core operand or a bf16 weight
+    "bf16 build, all but operands fp32": BF16_BUILD - {"rope_tab", "o", "down", "q", "k"},
+}
+
+
+def bf16_table(emu16, emu, ids, ref, seed, seq, ablate, only=None):
+    rows = []
+    for name, on in BF16_CONFIGS.items():
+        if only and name not in only:
+            continue
+        e = emu16 if name.startswith("fp16") else emu
+        rows.append((name, on, e))
+    if ablate:
+        for point, names in BF16_POINTS.items():
+            rows.append((f"bf16 build without {point}", BF16_BUILD - names, emu))
+        for point, names in BF16_POINTS.items():
+            rows.append((f"only {point}", set(names), emu))
+    for name, on, e in rows:
+        out = e.forward(ids, on)
+        s, wide = stats(out, ref, 5e-2), stats(out, ref, 8e-2)
+        print(f"seq={seq} seed={seed} {name:38s} max={s['max']:.5f} rms={s['rms']:.5f} "
+              f"outside(5e-2)={s['viol']:3d} worst/allowance={s['ratio']:.3f} "
+              f"outside(8e-2)={wide['viol']:3d} worst/allowance(8e-2)={wide['ratio']:.3f}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--seeds", default="0")
+    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
+    p.add_argument("--ablate", action="store_true", help="bf16: each rounding point alone and taken out")
+    p.add_argument("--configs", default="", help="bf16: only these BF16_CONFIGS rows (names separated by ';')")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     model = H.build("llama", False)
     emu, wrapped = Emu(model), H.wrap(model, "prefill_512")
+    bf16_emu = Emu(model, torch.bfloat16) if args.dtype == "bf16" else None
     for seed in (int(s) for s in args.seeds.split(",")):
         feeds = H.inputs("llama", model, dict(batch=1, seq=args.seq, kv_len=0), seed=seed)
         ids = torch.from_numpy(feeds["input_ids"])
         ref = wrapped(ids)
+        if args.dtype == "bf16":
+            bf16_table(emu, bf16_emu, ids, ref, seed, args.seq, args.ablate,
+                       [c for c in args.configs.split(";") if c])
+            continue
         for name, on in CONFIGS.items():
             s = stats(emu.forward(ids, on), ref)
             print(f"seq={args.seq} seed={seed} {name:26s} max={s['max']:.5f} rms={s['rms']:.5f} "

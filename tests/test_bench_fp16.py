@@ -50,3 +50,22 @@ def test_match_finds_the_reference_tensor_in_another_layout(llama):
     row = T.match(out, ref, ref)
     assert row["ref"] == "rope_k" and row["layout"] == 1 and row["rel_rms"] < 1e-3
     assert T.match(np.random.default_rng(0).standard_normal(out.shape), ref, ref) is None
+
+
+def test_bf16_emulation_rounds_by_bf16_precision(llama):
+    """Emu(model, bfloat16): each rounding point moves its tensor by bf16's precision (8 significant bits, ~8x
+    fp16's error); the bf16 build's configuration keeps what that build keeps fp32 (embedding table, residual
+    sums, logits) and rounds the attention probabilities as the prefill template does (exp(s - max) in bf16)."""
+    model, ids, ref = llama
+    emu16, emu = E.Emu(model), E.Emu(model, torch.bfloat16)
+    assert float((emu.forward(ids, ()) - ref).abs().max()) < 1e-5
+    e16 = T.taps(emu16, ids, {"n1"})["n1"]
+    exact, rounded = T.taps(emu, ids, ()), T.taps(emu, ids, {"n1"})
+    err = T.rel_rms(rounded["n1"], exact["n1"])
+    assert 5e-4 < err < 5e-3 and err > 4 * T.rel_rms(e16, exact["n1"]), err
+    assert not {"emb", "W:emb", "res1", "res2", "logits"} & E.BF16_BUILD
+    assert {"probs_flash", "rope_out", "n3"} <= E.BF16_BUILD and "probs" not in E.BF16_BUILD
+    out = emu.forward(ids, E.BF16_BUILD)
+    assert 1e-4 < float((out - ref).abs().max()) < 0.1
+    flash = emu.forward(ids, {"probs_flash"})
+    assert 0 < float((flash - ref).abs().max()) < 0.02

@@ -557,3 +557,31 @@ def test_bf16_export_fuses_attention_as_its_fp32_export(name, hf_exports):
             and isinstance(getattr(e, "args", [None])[0], tvm.ir.GlobalVar) else None)
         groups[dtype] = Counter(c for c in calls if c)
     assert groups["bfloat16"]["tvmfuse.attention"] == groups["float32"]["tvmfuse.attention"] == 2, groups
+
+
+def test_bf16_llama_rounds_where_the_bf16_emulation_says(hf_exports):
+    """bench/fp16_error.py's BF16_BUILD (docs/precision.md, "bf16 accuracy") describes the bf16 build of an fp32
+    Llama export: the embedding lookup, both residual sums and the logits (the head's accumulator) fp32, every
+    matmul weight bf16, each norm output rounded to bf16 before its GEMM, the rotary tables bf16 constants. If
+    this changes, the emulation's table changes with it."""
+    from tvmfuse.frontend.importer import load_onnx
+
+    imported = import_model(load_onnx(hf_exports("llama")), {"batch": [1], "seq": [16]})
+    mod = to_compute_dtype(bind_params(imported.mod, imported.params), "bfloat16")
+    calls = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    dt = lambda e: str(getattr(e.ty, "dtype", ""))  # noqa: E731
+    takes = [c for c in calls if c.op.name == "relax.take" and "float" in dt(c)]  # not the mask's bool one
+    assert takes and all(dt(c) == "float32" for c in takes)  # the embedding table stays fp32
+    adds = [c for c in calls if c.op.name == "relax.add" and len(c.ty.shape) == 3
+            and all(len(getattr(a.ty, "shape", [])) == 3 for a in c.args)]
+    assert len(adds) >= 2 and len(adds) % 2 == 0 and all(dt(c) == "float32" for c in adds)  # 2 residual sums a layer
+    matmuls = [c for c in calls if c.op.name == "relax.matmul"]
+    assert matmuls and all(str(c.attrs.out_dtype) == "float32" for c in matmuls)
+    assert {dt(c.args[0]) for c in matmuls} == {"bfloat16"}
+    assert dt(mod["main"].body.body) == "float32" and not any(  # the logits: the head's fp32 result itself
+        c.op.name == "relax.astype" and c.args[0].same_as(mod["main"].body.body) for c in calls)
+    tables = [a for c in calls if c.op.name == "relax.multiply" and len(c.ty.shape) == 4
+              for a in c.args if isinstance(a, tvm.ir.GenericConst) and len(a.ty.shape) == 4]
+    assert tables and all(dt(t) == "bfloat16" for t in tables)  # cos/sin
