@@ -103,7 +103,7 @@ class Emu:
         return r("logits", x @ W["head"].T)[None]
 
 def stats(out, ref, tol=1e-2):
-    """Max abs error, violations of |err| <= tol + tol |ref| (tvmfuse's fp16 tolerance 1e-2, bf16 5e-2), worst
+    """Max abs error, violations of |err| <= tol + tol |ref| (tvmfuse's fp16 tolerance 1e-2, bf16 8e-2; 5e-2 was bf16's before), worst
     err / allowance."""
     e = (out - ref).abs()
     allowance = tol + tol * ref.abs()

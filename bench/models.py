@@ -2,7 +2,7 @@
 product path, `pipeline.run_job` with --dtype fp16|bf16, + a CUDA-graph build) vs TVM default (no pattern fusion,
 dlight) vs torch eager / torch.compile in the same dtype, at decode (batch 1-16, KV 512) and prefill (512, 2048)
 shapes. Every row is checked against torch fp32 with the same weights, at its dtype's tolerance
-(tvmfuse.verify.TOLERANCES: fp16 1e-2, bf16 5e-2), and says how many elements fall outside it. Writes
+(tvmfuse.verify.TOLERANCES: fp16 1e-2, bf16 8e-2), and says how many elements fall outside it. Writes
 DIR/models.json after every row, a PNG at the end.
 
     python3 bench/models.py --models gpt2,llama,bert --cases decode_b1,decode_b16,prefill_512,prefill_2048 \\
@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "
-                     "atol 1e-2 + rtol 1e-2, bf16: 5e-2 + 5e-2); ideal_us: all 2-byte weights (+KV) once at "
+                     "atol 1e-2 + rtol 1e-2, bf16: 8e-2 + 8e-2); ideal_us: all 2-byte weights (+KV) once at "
                      "the measured copy bandwidth, or 2*params*tokens FLOPs at the measured matmul peak; with --jobs N "
                      "the exports and builds ran in N CPU worker processes, before the measurements unless --overlap "
                      "(then during them)")

@@ -249,7 +249,7 @@ def test_tiny_block_keeps_its_fp32_pattern_kernels(dtype):
         sorted(lower(bound).kernel_patterns.values())
 
 
-@pytest.mark.parametrize("dtype,tol", [("fp16", 1e-2), ("bf16", 5e-2)])
+@pytest.mark.parametrize("dtype,tol", [("fp16", 1e-2), ("bf16", 8e-2)])
 def test_tiny_block_mixed_precision_end_to_end(tmp_path, dtype, tol):
     manifest = _export(tmp_path, make_tiny_block(seq=4, hidden=32, ffn=64), "blk", dtype)
     check = manifest["verification"]
@@ -284,7 +284,7 @@ def test_io_dtype_takes_the_output_cast_of_an_fp32_norm_into_its_kernel():
     assert sorted(low_io.kernel_patterns.values()) == sorted(fp32_io.kernel_patterns.values())
 
 
-@pytest.mark.parametrize("dtype,tol", [("fp16", 1e-2), ("bf16", 5e-2)])
+@pytest.mark.parametrize("dtype,tol", [("fp16", 1e-2), ("bf16", 8e-2)])
 def test_io_dtype_end_to_end(tmp_path, dtype, tol):
     """--io-dtype: the export has 2 kernels fewer, verifies against onnxruntime (fed the same values in fp32)
     within the compute dtype's tolerance, and its manifest says the interface dtype."""
@@ -474,9 +474,9 @@ def test_bf16_export_builds_and_verifies_against_its_fp32_copy(name, hf_exports,
     pytest.importorskip("onnxscript")
     manifest = _export(tmp_path, onnx.load(hf_exports(name, "dynamo", "bfloat16")), f"{name}_bf16", "bf16")
     check = manifest["verification"]
-    assert check["status"] == "passed" and check["tolerance"]["float32"] == {"atol": 5e-2, "rtol": 5e-2}
+    assert check["status"] == "passed" and check["tolerance"]["float32"] == {"atol": 8e-2, "rtol": 8e-2}
     assert check["reference"] == "onnxruntime on an fp32 copy of the bf16 model"
-    assert 0 < check["max_abs_err"] < 5e-2  # it computed in bf16, and within bf16's tolerance
+    assert 0 < check["max_abs_err"] < 8e-2  # it computed in bf16, and within bf16's tolerance
     precision = manifest["precision"]
     assert precision["compute_dtype"] == precision["stored_dtype"] == "bfloat16"
     assert precision["weights_dtype"] == ["bfloat16"] and precision["residual_stream"] == "bfloat16 (as stored)"

@@ -19,6 +19,18 @@ def test_fp16_tolerance_is_1e2():
     assert not compare([want + np.float16(5e-2)], [want]).ok
 
 
+def test_bf16_tolerance_is_8e2_ten_epsilons_as_fp16s_is():
+    """fp16's 1e-2 is ~10 x 2^-10; bf16's is ~10 x 2^-7 = 7.8e-2 -> 8e-2 (an fp32 output of a bf16 build too)."""
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+    want = np.zeros(8, ml_dtypes.bfloat16)
+    assert compare([want + ml_dtypes.bfloat16(7e-2)], [want]).ok
+    assert not compare([want + ml_dtypes.bfloat16(1e-1)], [want]).ok
+    f32 = np.zeros(8, "float32")
+    assert compare([f32 + 7e-2], [f32], compute_dtype="bfloat16").ok
+    assert not compare([f32 + 7e-2], [f32], compute_dtype="float16").ok
+
+
 def test_nan_only_where_the_reference_has_nan():
     want = np.array([1.0, np.nan], "float32")
     assert compare([want.copy()], [want]).ok

@@ -12,8 +12,10 @@ from tvm import relax
 from tvmfuse.frontend import onnx_io
 from tvmfuse.frontend.onnx_io import cast_array
 
-#: (atol, rtol) per output dtype: an element passes when |tvm - ort| <= atol + rtol * |ort|.
-TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2), "float64": (1e-7, 1e-7)}
+#: (atol, rtol) per output dtype: an element passes when |tvm - ort| <= atol + rtol * |ort|. fp16 and bf16 follow
+#: one rule, ten times the dtype's epsilon (2^-10, 2^-7), rounded: 1e-2 and 8e-2 (bf16's error is 8x fp16's on the
+#: same kernels, bench/fp16_error.py --dtype bf16; its old 5e-2 was only 5x fp16's; docs/precision.md)
+TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (8e-2, 8e-2), "float64": (1e-7, 1e-7)}
 
 
 @dataclass
@@ -73,7 +75,7 @@ def onnx_feeds(names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, np.n
 
 def tolerance(output_dtype: str, compute_dtype: str | None = None) -> tuple[float, float]:
     """(atol, rtol) for an output: by its dtype, loosened to the compute dtype's for a mixed-precision build
-    (fp32 outputs of a module computing in fp16 get fp16's 1e-2, bf16's 5e-2)."""
+    (fp32 outputs of a module computing in fp16 get fp16's 1e-2, bf16's 8e-2)."""
     atol, rtol = TOLERANCES.get(output_dtype, (0.0, 0.0))
     if compute_dtype and output_dtype in TOLERANCES and compute_dtype in TOLERANCES:
         c_atol, c_rtol = TOLERANCES[compute_dtype]
