@@ -1,5 +1,5 @@
 """A real-size LLM end to end: Llama-2-7B's shapes (hidden 4096, intermediate 11008, 32 heads, vocab 32000) with
-random weights, exported by torch.onnx (fp32, weights as external data), built by the product with `--dtype fp16
+random weights, exported by torch.onnx (fp32, weights as external data; the dynamo exporter by default), built by the product with `--dtype fp16
 --trials 0` (weights outside model.so), and its prefill timed against torch.compile (reduce-overhead) on the same
 weights in fp16, in one run.
 
@@ -7,7 +7,7 @@ weights in fp16, in one run.
 
 Phases, each in its own process (so each one's memory is its own and the GPU is free for the next):
   export  build the model on the GPU (fp32, seed 0), its fp32 logits on seeded input_ids (the reference), the ONNX
-          export (legacy exporter, static [1, seq], opset 17; weights as external data), then torch eager and
+          export (dynamo exporter, or --exporter legacy at opset 17; static [1, seq]; weights as external data), then torch eager and
           torch.compile (reduce-overhead) in fp16 on the same weights: time and error against the fp32 logits;
   build   `python -m tvmfuse tune MODEL --target cuda --dtype fp16 --trials 0 --tolerance 5e-2,5e-2`: wall time, peak
           RSS (the manifest's),
@@ -97,12 +97,20 @@ def phase_export(args) -> dict:
     import warnings
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, (x,), p["onnx"], input_names=["input_ids"], output_names=["logits"],
-                          opset_version=17, dynamo=False)
+        info["exporter"] = args.exporter
+        if args.exporter == "dynamo":
+            try:  # 3.7x faster than the legacy exporter on one 7B-shaped layer (8.9 s vs 33 s, 2 CPU cores)
+                torch.onnx.export(module, (x,), p["onnx"], input_names=["input_ids"], output_names=["logits"],
+                                  dynamo=True, external_data=True)
+            except Exception as err:  # pylint: disable=broad-except
+                info["exporter"], info["dynamo_error"] = "legacy", f"{type(err).__name__}: {str(err)[:300]}"
+        if info["exporter"] == "legacy":
+            torch.onnx.export(module, (x,), p["onnx"], input_names=["input_ids"], output_names=["logits"],
+                              opset_version=17, dynamo=False)
     if args.smoke:  # small enough to stay inline: store it as a big model is (weights as external data)
         import onnx
         onnx.save_model(onnx.load(p["onnx"]), p["onnx"], save_as_external_data=True, location="llama7b.onnx.data",
-                        size_threshold=0)
+                        size_threshold=1024)  # (onnx's default: shape-like tensors stay inline for onnxruntime)
     info["export_s"] = round(time.time() - t, 1)
     folder = os.path.dirname(p["onnx"])
     info["onnx_files"] = len(os.listdir(folder))
@@ -186,6 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--work", default="/tmp/big", help="where the ONNX file and the export go (tens of GB)")
     ap.add_argument("--out", required=True, help="where big_model.json goes")
+    ap.add_argument("--exporter", default="dynamo", choices=["dynamo", "legacy"],
+                    help="torch.onnx exporter (dynamo falls back to legacy if it fails; run 1 used legacy: 435 s)")
     ap.add_argument("--tolerance", default="5e-2,5e-2",
                     help="the build's verification tolerance (ATOL,RTOL): fp16's default 1e-2 fails a 32-layer model "
                          "with random weights by rounding alone (run 1: max abs err 0.028 for tvmfuse, 0.99 for "
