@@ -13,6 +13,8 @@
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 
+#include "host_alloc.h"
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -24,15 +26,8 @@
 
 namespace {
 
-constexpr int kPooledAllocator = 2;  // tvm.runtime.vm.VirtualMachine.POOLED_ALLOCATOR
-
-struct CPUAlloc {
-  void AllocData(DLTensor* t) {
-    t->data = std::aligned_alloc(64, (tvm::ffi::GetDataSize(*t) + 63) / 64 * 64);
-    if (t->data == nullptr) throw std::bad_alloc();
-  }
-  void FreeData(DLTensor* t) { std::free(t->data); }
-};
+using tvmfuse_example::CPUAlloc;
+using tvmfuse_example::kPooledAllocator;
 
 tvm::ffi::Tensor Empty(const std::vector<int64_t>& shape, DLDataType dtype, DLDevice dev) {
   tvm::ffi::Tensor t = tvm::ffi::Tensor::FromNDAlloc(CPUAlloc(), tvm::ffi::ShapeView(shape.data(), shape.size()),

@@ -17,6 +17,8 @@
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 
+#include "host_alloc.h"
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -29,16 +31,8 @@
 
 namespace {
 
-constexpr int kPooledAllocator = 2;  // tvm.runtime.vm.VirtualMachine.POOLED_ALLOCATOR
-
-// Host memory for input tensors (ffi::Tensor::FromNDAlloc calls these).
-struct CPUAlloc {
-  void AllocData(DLTensor* t) {
-    t->data = std::aligned_alloc(64, (tvm::ffi::GetDataSize(*t) + 63) / 64 * 64);
-    if (t->data == nullptr) throw std::bad_alloc();
-  }
-  void FreeData(DLTensor* t) { std::free(t->data); }
-};
+using tvmfuse_example::CPUAlloc;
+using tvmfuse_example::kPooledAllocator;
 
 std::vector<int64_t> ParseDims(const std::string& text) {
   std::vector<int64_t> dims;
