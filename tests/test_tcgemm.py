@@ -172,16 +172,21 @@ def _gpu_run_projection(mod, knobs, args):
 def test_gpu_bf16_tile_sets_match_numpy(knobs):
     """bf16 inputs, fp32 accumulation on the tensor cores, one bf16 rounding of the output (at most 2^-8
     relative): within 1e-2 + 1e-2 |want| of the fp32 product of the same bf16 values."""
+    _check_bf16_projection(256, 1024, 512, knobs, TensorCoreGemm if knobs is None else None)
+
+
+def _check_bf16_projection(rows, k, n, knobs, rule):
+    """x @ W^T + b in bf16 on the GPU (with `knobs`, or the default rule, asserted to be `rule` when given) against
+    the fp32 product of the same bf16 values, within 1e-2 + 1e-2 |want|."""
     import ml_dtypes
 
     rng = np.random.default_rng(0)
-    m, k, n = 256, 1024, 512
-    x = rng.standard_normal((1, m, k)).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((1, rows, k)).astype(ml_dtypes.bfloat16)
     w = (rng.standard_normal((n, k)) * 0.03).astype(ml_dtypes.bfloat16)
     b = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
-    mod = _projection(m, k, n, dtype="bfloat16")
-    if knobs is None:
-        assert type(default_rule(_kernel(mod), resolve_target("cuda"))[0]) is TensorCoreGemm
+    mod = _projection(rows, k, n, dtype="bfloat16")
+    if rule is not None:
+        assert type(default_rule(_kernel(mod), resolve_target("cuda"))[0]) is rule
     got = _gpu_run_projection(mod, knobs, (x, w, b))
     want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
@@ -192,17 +197,7 @@ def test_gpu_bf16_tile_sets_match_numpy(knobs):
 @pytest.mark.parametrize("rows,k,n", [(100, 768, 1000), (192, 1024, 512)])
 def test_gpu_bf16_padded_gemm_matches_numpy(rows, k, n):
     """dlight's padded wmma GEMM with bf16 fragments (shapes tcgemm's tile does not divide), same bound as above."""
-    import ml_dtypes
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, rows, k)).astype(ml_dtypes.bfloat16)
-    w = (rng.standard_normal((n, k)) * 0.03).astype(ml_dtypes.bfloat16)
-    b = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
-    mod = _projection(rows, k, n, dtype="bfloat16")
-    assert type(default_rule(_kernel(mod), resolve_target("cuda"))[0]) is TensorCoreMatmul
-    got = _gpu_run_projection(mod, None, (x, w, b))
-    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
-    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    _check_bf16_projection(rows, k, n, None, TensorCoreMatmul)
 
 
 @pytest.mark.gpu
