@@ -163,10 +163,8 @@ def test_attention_template_scales_by_the_models_exact_value():
     assert abs(float(np.float16(128 ** -0.25)) ** 2 / 128 ** -0.5 - 1) > 3e-4  # what it was
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
-def test_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
-    """fp32 arithmetic in 8-lane vectors (head dim 128) compiles with nvcc (an fp32x8 broadcast of -1 did not:
-    the negation stays fp16, exact there), and x, cos and sin still move in 16-byte vectors."""
+def _rope_cuda_source(dtype: str, monkeypatch):
+    """(the CUDA source of the fused rotary group at head dim 128 in `dtype`, the cuda target)."""
     from checks import cuda_sources  # pylint: disable=import-outside-toplevel
 
     from tvmfuse.build import compile_module
@@ -174,9 +172,17 @@ def test_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 
     monkeypatch.setattr(sys.modules[__name__], "D", 128)
-    fused = lower(_rope_module("float16"), patterns=fusion_patterns(["tvmfuse.rotary_embedding"]))
+    fused = lower(_rope_module(dtype), patterns=fusion_patterns(["tvmfuse.rotary_embedding"]))
     target = resolve_target("cuda")
     (src,) = cuda_sources(compile_module(apply_default_schedules(fused.mod, target), target))
+    return src, target
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
+    """fp32 arithmetic in 8-lane vectors (head dim 128) compiles with nvcc (an fp32x8 broadcast of -1 did not:
+    the negation stays fp16, exact there), and x, cos and sin still move in 16-byte vectors."""
+    src, _ = _rope_cuda_source("float16", monkeypatch)
     assert src.count("*(uint4*)(x_ptr") == 3 and "*(uint4*)(cos_ptr" in src and "*(uint4*)(sin_ptr" in src
     assert "(float)(((half2*)" in src and "= (half)(((float2*)" in src  # up to fp32, one rounding down
 
@@ -280,16 +286,7 @@ def test_bf16_rotary_group_computes_in_fp32_and_rounds_once(llvm):
 def test_bf16_rotary_group_compiles_for_cuda_with_16_byte_vectors(monkeypatch):
     """bf16 x, cos and sin move in 16-byte vectors (8 bf16), go up to fp32 pair by pair and come down once at
     the store; nvcc compiles it for sm_90a."""
-    from checks import cuda_sources  # pylint: disable=import-outside-toplevel
-
-    from tvmfuse.build import compile_module
-    from tvmfuse.spaces import apply_default_schedules  # pylint: disable=import-outside-toplevel
-    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
-
-    monkeypatch.setattr(sys.modules[__name__], "D", 128)
-    fused = lower(_rope_module("bfloat16"), patterns=fusion_patterns(["tvmfuse.rotary_embedding"]))
-    target = resolve_target("cuda")
-    (src,) = cuda_sources(compile_module(apply_default_schedules(fused.mod, target), target))
+    src, target = _rope_cuda_source("bfloat16", monkeypatch)
     assert src.count("*(uint4*)(x_ptr") == 3 and "*(uint4*)(cos_ptr" in src and "*(uint4*)(sin_ptr" in src
     assert "(float)(((nv_bfloat162*)" in src and "= (nv_bfloat16)(((float2*)" in src  # up to fp32, one rounding down
     with target:

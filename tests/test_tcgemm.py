@@ -204,20 +204,11 @@ def test_gpu_bf16_padded_gemm_matches_numpy(rows, k, n):
 @pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
 @pytest.mark.parametrize("knobs", [None, (2, 4, 4, 4, 4, 8, 0), (4, 4, 2, 2, 4, 8, 3)])
 def test_gpu_tile_sets_match_numpy(knobs):
-    from tvm import relax, s_tir
-
-    cuda, dev, rng = resolve_target("cuda"), tvm.cuda(0), np.random.default_rng(0)
+    rng = np.random.default_rng(0)
     m, k, n = 256, 1024, 512
     x = rng.standard_normal((1, m, k)).astype("float16")
     w = (rng.standard_normal((n, k)) * 0.03).astype("float16")
     b = rng.standard_normal(n).astype("float16")
-    mod = _projection(m, k, n)
-    if knobs is not None:  # the kernel scheduled with this tile set, the rest by the defaults
-        gv = [g for g, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)][0]
-        sch = s_tir.Schedule(mod[gv])
-        assert tcgemm.schedule_tc_gemm(sch, **dict(zip(tcgemm.KNOBS, knobs)))
-        mod[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), dev)
-    got = vm["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)]).numpy().astype("float32")
+    got = _gpu_run_projection(_projection(m, k, n), knobs, (x, w, b))
     want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
     assert np.abs(got - want).max() < 2e-2
