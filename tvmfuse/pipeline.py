@@ -271,8 +271,8 @@ def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: I
                              work_dir, lowered.bucketed)
     report = fusion_report(fused.plan, fused, {k: us for k, (_, us) in built.records.items() if us is not None})
     manifest["fusion"] = report["totals"]
-    manifest["failures"] = failures_so_far()
-    manifest.update(_cache_interface(manifest, lowered))  # kernels that fell back to their default schedule, and why
+    manifest["failures"] = failures_so_far()  # kernels that fell back to their default schedule, and why
+    manifest.update(_cache_interface(manifest, lowered))
     output = export(built.executable, manifest, dest, extra_files=report_files(report),
                     weights=lowered.weights if lowered.weights else None,
                     late=lambda: {"build": weight_files.build_stats(started, weight_bytes)})

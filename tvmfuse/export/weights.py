@@ -45,18 +45,14 @@ def outside(has_external_data: bool, weight_bytes: int) -> bool:
 
 @relax.expr_functor.mutator
 class _Unbind(relax.PyExprMutator):
-    """Each large constant becomes the parameter its tensor has in `params` (by `_key`)."""
+    """Each constant whose tensor has a parameter in `params` (by `_key`: the large ones) becomes it."""
 
-    def __init__(self, min_bytes: int, params: dict):
+    def __init__(self, params: dict):
         super().__init__()
-        self.min_bytes = min_bytes
         self.params = params
 
     def visit_generic_const_(self, op):  # pylint: disable=arguments-renamed
-        value = op.value
-        if not isinstance(value, tvm.runtime.Tensor) or nbytes(value) < self.min_bytes:
-            return op
-        return self.params[_key(value)]
+        return self.params.get(_key(op.value), op) if isinstance(op.value, tvm.runtime.Tensor) else op
 
 
 def _param_for(mutator, op):
@@ -65,7 +61,7 @@ def _param_for(mutator, op):
     if not isinstance(value, tvm.runtime.Tensor) or nbytes(value) < mutator.min_bytes:
         return op
     if op not in mutator.vars:
-        mutator.vars[op] = relax.Var(f"weight{len(mutator.vars)}", relax.TensorType(list(value.shape), str(value.dtype)))
+        mutator.vars[op] = relax.Var(f"weight{len(mutator.vars)}", _tensor_type(value))
     return mutator.vars[op]
 
 
@@ -114,27 +110,30 @@ def unbind_weights(mod: tvm.IRModule, min_bytes: int = MIN_BYTES) -> tuple[tvm.I
     names = ["main"] + sorted(gv.name_hint for gv, f in mod.functions.items()
                               if isinstance(f, relax.Function) and gv.name_hint.startswith("main_")
                               and f.attrs is not None and "num_input" in f.attrs)
-    order: dict = {}  # the tensor's data pointer -> (its constant, its parameter's type)
+    order: dict = {}  # the tensor's _key -> the tensor (in order of first use)
 
     def collect(expr):
         value = getattr(expr, "value", None) if isinstance(expr, tvm.ir.GenericConst) else None
         if isinstance(value, tvm.runtime.Tensor) and nbytes(value) >= min_bytes:
-            order.setdefault(_key(value), (expr, relax.TensorType(list(value.shape), str(value.dtype))))
+            order.setdefault(_key(value), value)
 
     for name in names:
         relax.analysis.post_order_visit(mod[name], collect)
     if not order:
         return mod, []
-    index = {key: i for i, key in enumerate(order)}
     # fresh GlobalVars for the functions whose signature grows (a GlobalVar keeps the type it was added with)
     bb = relax.BlockBuilder(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint not in names},
                                          attrs=mod.attrs, global_infos=mod.global_infos))
     for name in names:
         fn = mod[name]
-        params = [relax.Var(f"weight{i}", ty) for i, (_, ty) in enumerate(order.values())]
-        body = _Unbind(min_bytes, {key: params[i] for key, i in index.items()}).visit_expr(fn.body)
+        params = [relax.Var(f"weight{i}", _tensor_type(t)) for i, t in enumerate(order.values())]
+        body = _Unbind(dict(zip(order, params))).visit_expr(fn.body)
         bb.add_func(relax.Function(list(fn.params) + params, body, fn.ret_ty, fn.is_pure, fn.attrs, fn.span), name)
-    return bb.get(), [c.value for c, _ in order.values()]
+    return bb.get(), list(order.values())
+
+
+def _tensor_type(value: tvm.runtime.Tensor) -> relax.TensorType:
+    return relax.TensorType(list(value.shape), str(value.dtype))
 
 
 def _key(value: tvm.runtime.Tensor) -> tuple:

@@ -94,7 +94,7 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
         super()._parse_graph_initializers(graph)
         for name in self.read_as:
             var_name = name.removeprefix("onnx::")
-            if self._keep_params_in_input and var_name in self._params:
+            if var_name in self._params:
                 array = self._params[var_name][1]
                 self._nodes[name] = self._new_var(var_name, shape=array.shape, dtype="float32")
                 self._params[var_name] = (self._nodes[name], array)
@@ -144,6 +144,8 @@ def import_graph(model: onnx.ModelProto, shape_dict=None, keep_params_in_input: 
             warnings.warn(str(exc))
     importer = Importer(shape_dict, "float32", keep_params_in_input=keep_params_in_input, sanitize=True)
     importer.folder = folder or "."
-    importer.read_as = dict.fromkeys(matmul_weights(model), weight_dtype) if weight_dtype else {}
+    # (as params only: a constant read in another dtype would change the graph's types)
+    importer.read_as = dict.fromkeys(matmul_weights(model), weight_dtype) if weight_dtype and keep_params_in_input \
+        else {}
     mod = importer.from_onnx(model.graph, _opset(model))
     return with_sources(mod, getattr(importer, "op_sources", {}))  # named if a call is left unlowered
