@@ -275,7 +275,8 @@ def main(argv=None) -> dict:
     if workers:
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_no_gpu,
                                    max_tasks_per_child=1)  # a fresh process per build: memory back each time
-        futures = {(m, c, d): pool.submit(model_builds.prepare, m, c, dict(opts, dtype=d)) for m, c, d in pairs}
+        futures = {(m, c): pool.submit(model_builds.prepare, m, c, opts, args.dtypes)
+                   for m, c in dict.fromkeys((m, c) for m, c, _ in pairs)}  # one export per case, every dtype
     if workers and not args.overlap:  # measure on an idle CPU: launch-bound contenders (torch eager, the VM) slow
         deadline = T0 + args.budget_s  # down while builds run beside them
         for fut in futures.values():
@@ -284,6 +285,7 @@ def main(argv=None) -> dict:
             except Exception:  # pylint: disable=broad-except  (its row reports it below)
                 pass
     built: dict = {}  # the fp32 HF models (CPU), built once each
+    here: dict = {}  # without workers: (model, case) -> {dtype: build info}, built in this process
     for name, case, dtype in pairs:
         where = {"model": name, "case": case, "dtype": SHORT[dtype], "contender": "-"}
         if time.time() - T0 > args.budget_s:
@@ -295,11 +297,13 @@ def main(argv=None) -> dict:
                 built[name] = hm.build(name, args.smoke)
             model = built[name]
             if workers:  # wait for its build no longer than the budget lasts
-                info = futures[(name, case, dtype)].result(timeout=max(1.0, args.budget_s - (time.time() - T0)))
+                info = futures[(name, case)].result(timeout=max(1.0, args.budget_s - (time.time() - T0)))[dtype]
             elif not needs_build:  # torch contenders only: no ONNX, no TVM
                 info = {"model": name, "case": case, "export_s": None, "prepare_s": None, "param_checksum": None}
             else:
-                info = model_builds.prepare(name, case, dict(opts, dtype=dtype))
+                if (name, case) not in here:
+                    here[(name, case)] = model_builds.prepare(name, case, opts, args.dtypes)
+                info = here[(name, case)][dtype]
             log(name, case, SHORT[dtype], "built", {k: info[k] for k in ("export_s", "prepare_s")})
             measure_case(args, info, model, target, dev, ceilings, dtype)
         except FuturesTimeout:
