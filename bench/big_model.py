@@ -64,6 +64,12 @@ def _error(got, want) -> dict:
             "outside_fp16_tolerance": int((diff > 1e-2 + 1e-2 * np.abs(want)).sum())}
 
 
+def _export_folder(p: dict) -> str:
+    """The build's export: OUT/llama7b-<target> (`llama7b-llvm`, `llama7b-cuda-sm_90a`: the target names its arch)."""
+    found = sorted(f for f in os.listdir(p["out"]) if f.startswith("llama7b-")) if os.path.isdir(p["out"]) else []
+    return os.path.join(p["out"], found[0] if found else "llama7b-(none)")
+
+
 def phase_export(args) -> dict:
     """Model on the GPU, fp32 reference logits, ONNX export, then torch eager / torch.compile in fp16."""
     import numpy as np
@@ -148,7 +154,7 @@ def phase_build(args) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     info = {"command": " ".join(["python", "-m", "tvmfuse", "tune", "MODEL", *cmd[5:]]), "rc": proc.returncode,
             "wall_s": round(time.time() - t, 1), "log_tail": (proc.stdout + proc.stderr)[-3000:]}
-    export = os.path.join(p["out"], "llama7b-llvm" if args.smoke else "llama7b-cuda")
+    export = _export_folder(p)
     manifest_path = os.path.join(export, "manifest.json")
     if os.path.exists(manifest_path):
         manifest = json.load(open(manifest_path, encoding="utf-8"))
@@ -175,7 +181,7 @@ def phase_run(args) -> dict:
 
     p = _paths(args)
     t = time.time()
-    model = tvmfuse.load(os.path.join(p["out"], "llama7b-llvm" if args.smoke else "llama7b-cuda"))
+    model = tvmfuse.load(_export_folder(p))
     info = {"load_s": round(time.time() - t, 1)}
     dev = model.device
     ids = tvm.runtime.tensor(np.load(p["ids"]), dev)
