@@ -123,15 +123,16 @@ CONFIGS = {
 }
 
 
-#: the bf16 build (prepare/precision.py's bf16 path, as on the H200): every weight but the embedding table bf16
-#: (take keeps its fp32 table: no fp16 lookups in bf16, so the residual stream and its sums are fp32), the norm
-#: outputs feeding the matmuls bf16, q/k/v bf16, the rotary tables bf16 constants, the rotary kernel in fp32
-#: storing q/k once, fp32 scores with the exact scale, P = exp(s - max) rounded to bf16 for the PV product (its
-#: sum fp32), the attention output, o, SwiGLU (one kernel: silu(g) * u in fp32, stored once) and down bf16, the
-#: final norm's output bf16 before the LM head, the logits fp32 (the head's fp32 accumulator is the output)
+#: the bf16 build (prepare/precision.py's bf16 path, as on the H200): every weight bf16, the embedding lookup bf16
+#: (its table a bf16 constant: precision._lookups_in_compute_dtype), so the residual stream and its sums are bf16,
+#: the norm outputs feeding the matmuls bf16, q/k/v bf16, the rotary tables bf16 constants, the rotary kernel in
+#: fp32 storing q/k once, fp32 scores with the exact scale, P = exp(s - max) rounded to bf16 for the PV product
+#: (its sum fp32), the attention output, o, SwiGLU (one kernel: silu(g) * u in fp32, stored once) and down bf16,
+#: the final norm's output bf16 before the LM head, the logits fp32 (the head's fp32 accumulator is the output)
 WEIGHTS = ["W:" + n for n in ("q", "k", "v", "o", "gate", "up", "down", "head")]
-BF16_BUILD = set(WEIGHTS) | {"n1", "q", "k", "v", "rope_tab", "rope_out", "probs_flash", "attn", "o", "n2", "mlp",
-                             "down", "n3"}
+LOW_STREAM = {"W:emb", "emb", "res1", "res2"}  # the lookup's table and result, the two residual sums
+BF16_BUILD = set(WEIGHTS) | LOW_STREAM | {"n1", "q", "k", "v", "rope_tab", "rope_out", "probs_flash", "attn", "o",
+                                          "n2", "mlp", "down", "n3"}
 #: rounding points taken out of the bf16 build one at a time (a name: that point; "W": every weight)
 BF16_POINTS = {"W": set(WEIGHTS), "n1": {"n1"}, "qkv": {"q", "k", "v"}, "rope_tab": {"rope_tab"},
                "rope_out": {"rope_out"}, "probs": {"probs_flash"}, "attn": {"attn"}, "o": {"o"}, "n2": {"n2"},
@@ -141,7 +142,9 @@ BF16_CONFIGS = {
     "bf16 build + silu(g) stored": BF16_BUILD | {"silu"},
     # what torch-style bf16 inference rounds besides: the embedding table, both residual sums, the logits,
     # the rotary products op by op
-    "torch-style bf16": BF16_BUILD | {"W:emb", "emb", "res1", "res2", "logits", "rope_ops", "silu"} - {"rope_out"},
+    "torch-style bf16": BF16_BUILD | {"logits", "rope_ops", "silu"} - {"rope_out"},
+    # the build until models_run24: the lookup's fp32 table kept the residual stream and its sums fp32
+    "bf16 build, fp32 residual stream": BF16_BUILD - LOW_STREAM,
     "fp16 build, same points": BF16_BUILD,  # run in fp16 (the lower rows' yardstick)
     # what could be fp32 for (almost) nothing: the rotary tables (constants, 2 x [T, 128]), then also the o and
     # down projections' outputs, which only the fp32 residual sums read (4 bytes instead of 2 written and read)

@@ -54,8 +54,9 @@ def test_match_finds_the_reference_tensor_in_another_layout(llama):
 
 def test_bf16_emulation_rounds_by_bf16_precision(llama):
     """Emu(model, bfloat16): each rounding point moves its tensor by bf16's precision (8 significant bits, ~8x
-    fp16's error); the bf16 build's configuration keeps what that build keeps fp32 (embedding table, residual
-    sums, logits) and rounds the attention probabilities as the prefill template does (exp(s - max) in bf16)."""
+    fp16's error); the bf16 build's configuration keeps what that build keeps fp32 (the logits), rounds the
+    embedding table and the residual sums as its bf16 residual stream does, and the attention probabilities as the
+    prefill template does (exp(s - max) in bf16)."""
     model, ids, ref = llama
     emu16, emu = E.Emu(model), E.Emu(model, torch.bfloat16)
     assert float((emu.forward(ids, ()) - ref).abs().max()) < 1e-5
@@ -63,7 +64,8 @@ def test_bf16_emulation_rounds_by_bf16_precision(llama):
     exact, rounded = T.taps(emu, ids, ()), T.taps(emu, ids, {"n1"})
     err = T.rel_rms(rounded["n1"], exact["n1"])
     assert 5e-4 < err < 5e-3 and err > 4 * T.rel_rms(e16, exact["n1"]), err
-    assert not {"emb", "W:emb", "res1", "res2", "logits"} & E.BF16_BUILD
+    assert E.LOW_STREAM == {"emb", "W:emb", "res1", "res2"} and E.LOW_STREAM <= E.BF16_BUILD
+    assert "logits" not in E.BF16_BUILD
     assert {"probs_flash", "rope_out", "n3"} <= E.BF16_BUILD and "probs" not in E.BF16_BUILD
     out = emu.forward(ids, E.BF16_BUILD)
     assert 1e-4 < float((out - ref).abs().max()) < 0.1

@@ -325,16 +325,16 @@ def test_hf_exports_keep_their_fp32_fusions_in_fp16_and_bf16(name, exporter, hf_
             and isinstance(getattr(e, "args", [None])[0], tvm.ir.GlobalVar) else None)
         groups[dtype] = Counter(c for c in calls if c)
     assert groups["float32"]["tvmfuse.attention"] >= 1
-    assert groups["bfloat16"] == groups["float32"], groups
-    # fp16: the residual stream is fp16 from the embedding lookup on, and the decision may then put a projection's
-    # bias into its GEMM (matmul_bias) instead of into the skip-LayerNorm after it (skip_layer_norm_bias): as many
-    # kernels, the same fusions otherwise
-    moved = groups["float32"]["tvmfuse.skip_layer_norm_bias"] - groups["float16"]["tvmfuse.skip_layer_norm_bias"]
-    assert moved >= 0 and groups["float16"]["tvmfuse.matmul_bias"] == groups["float32"]["tvmfuse.matmul_bias"] + moved
-    assert groups["float16"]["tvmfuse.skip_layer_norm"] == groups["float32"]["tvmfuse.skip_layer_norm"] + moved
+    # fp16 and bf16: the residual stream is low from the embedding lookup on, and the decision may then put a
+    # projection's bias into its GEMM (matmul_bias) instead of into the skip-LayerNorm after it
+    # (skip_layer_norm_bias): as many kernels, the same fusions otherwise
     same = ("tvmfuse.skip_layer_norm_bias", "tvmfuse.matmul_bias", "tvmfuse.skip_layer_norm")
-    assert {k: v for k, v in groups["float16"].items() if k not in same} == \
-        {k: v for k, v in groups["float32"].items() if k not in same}, groups
+    for low in ("float16", "bfloat16"):
+        moved = groups["float32"]["tvmfuse.skip_layer_norm_bias"] - groups[low]["tvmfuse.skip_layer_norm_bias"]
+        assert moved >= 0 and groups[low]["tvmfuse.matmul_bias"] == groups["float32"]["tvmfuse.matmul_bias"] + moved
+        assert groups[low]["tvmfuse.skip_layer_norm"] == groups["float32"]["tvmfuse.skip_layer_norm"] + moved
+        assert {k: v for k, v in groups[low].items() if k not in same} == \
+            {k: v for k, v in groups["float32"].items() if k not in same}, groups
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -383,18 +383,19 @@ def _embedding(vocab=32, hidden=16, rows=6) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_fp16_embedding_lookups_make_the_residual_stream_fp16_unless_turned_off():
-    from tvmfuse.prepare.precision import has_fp16_lookups
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_embedding_lookups_make_the_residual_stream_low_unless_turned_off(dtype):
+    from tvmfuse.prepare.precision import has_low_lookups, precision_info
     imp = import_model(_embedding())
     bound = bind_params(imp.mod, imp.params)
-    assert has_fp16_lookups(to_compute_dtype(bound, "float16"))
-    assert ("relax.add", "float16") in _ops(to_compute_dtype(bound, "float16"))
-    assert not has_fp16_lookups(to_compute_dtype(bound, "float16", fp16_lookups=False))
-    assert ("relax.add", "float32") in _ops(to_compute_dtype(bound, "float16", fp16_lookups=False))
-    assert not has_fp16_lookups(to_compute_dtype(bound, "bfloat16"))  # bf16 keeps the fp32 stream
+    low = to_compute_dtype(bound, dtype)
+    assert has_low_lookups(low) and ("relax.add", dtype) in _ops(low)
+    assert precision_info(low, dtype)["residual_stream"] == dtype
+    high = to_compute_dtype(bound, dtype, low_lookups=False)
+    assert not has_low_lookups(high) and ("relax.add", "float32") in _ops(high)
 
 
-def test_failed_verification_with_fp16_lookups_builds_again_with_them_in_fp32(tmp_path, monkeypatch, capsys):
+def test_failed_verification_with_low_lookups_builds_again_with_them_in_fp32(tmp_path, monkeypatch, capsys):
     """A build whose fp16 residual stream misses the tolerance is built again with fp32 lookups, and says so."""
     from tvmfuse import pipeline
     from tvmfuse.verify.outputs import Verification
@@ -561,7 +562,7 @@ def test_bf16_export_fuses_attention_as_its_fp32_export(name, hf_exports):
 
 def test_bf16_llama_rounds_where_the_bf16_emulation_says(hf_exports):
     """bench/fp16_error.py's BF16_BUILD (docs/precision.md, "bf16 accuracy") describes the bf16 build of an fp32
-    Llama export: the embedding lookup, both residual sums and the logits (the head's accumulator) fp32, every
+    Llama export: the embedding lookup and both residual sums bf16, the logits (the head's accumulator) fp32, every
     matmul weight bf16, each norm output rounded to bf16 before its GEMM, the rotary tables bf16 constants. If
     this changes, the emulation's table changes with it."""
     from tvmfuse.frontend.importer import load_onnx
@@ -573,10 +574,10 @@ def test_bf16_llama_rounds_where_the_bf16_emulation_says(hf_exports):
                                     and isinstance(e.op, tvm.ir.Op) else None)
     dt = lambda e: str(getattr(e.ty, "dtype", ""))  # noqa: E731
     takes = [c for c in calls if c.op.name == "relax.take" and "float" in dt(c)]  # not the mask's bool one
-    assert takes and all(dt(c) == "float32" for c in takes)  # the embedding table stays fp32
+    assert takes and all(dt(c) == "bfloat16" for c in takes)  # the embedding lookup is bf16
     adds = [c for c in calls if c.op.name == "relax.add" and len(c.ty.shape) == 3
             and all(len(getattr(a.ty, "shape", [])) == 3 for a in c.args)]
-    assert len(adds) >= 2 and len(adds) % 2 == 0 and all(dt(c) == "float32" for c in adds)  # 2 residual sums a layer
+    assert len(adds) >= 2 and len(adds) % 2 == 0 and all(dt(c) == "bfloat16" for c in adds)  # 2 residual sums a layer
     matmuls = [c for c in calls if c.op.name == "relax.matmul"]
     assert matmuls and all(str(c.attrs.out_dtype) == "float32" for c in matmuls)
     assert {dt(c.args[0]) for c in matmuls} == {"bfloat16"}

@@ -18,6 +18,6 @@ class JobError(TvmfuseError):
 class VerificationError(TvmfuseError):
     """The built module's outputs are outside the dtype's tolerance of onnxruntime's."""
 
-    def __init__(self, message: str, fp16_lookups: bool = False):
+    def __init__(self, message: str, low_lookups: bool = False):
         super().__init__(message)
-        self.fp16_lookups = fp16_lookups  # the build had fp16 embedding lookups (rebuilding without may pass)
+        self.low_lookups = low_lookups  # the build had fp16/bf16 embedding lookups (rebuilding without may pass)

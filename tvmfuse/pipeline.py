@@ -35,7 +35,7 @@ from tvmfuse.kernels import apply_hopper_kernels, substitute
 from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.kv_cache import CacheLayout, find_cache_sites, in_place_kv_cache
-from tvmfuse.prepare.precision import has_fp16_lookups
+from tvmfuse.prepare.precision import has_low_lookups
 from tvmfuse.records import SCHEDULES_DIR, TuningDatabase, open_database
 from tvmfuse.spaces import apply_default_schedules, space_for
 from tvmfuse.targets import check_compute_dtype, device_for, has_device, resolve_target, target_name
@@ -249,7 +249,7 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
                              job.tolerance, weights, child)
     dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
     if not check.ok:
-        raise VerificationError(_failed(job, check, dims), job.fp16_lookups and has_fp16_lookups(bound))
+        raise VerificationError(_failed(job, check, dims), job.low_lookups and has_low_lookups(bound))
     feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
     after = latency_us(vm, device, feeds, job.io_dtype, weights)
     shapes = lowered.bucketed.shapes if lowered.bucketed else {}
@@ -291,11 +291,11 @@ def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tun
             with collecting(lambda s: say(f"[{job.name}] {s}")):  # per-kernel failures: warned, in the manifest
                 return _run(job, target, out, logs_root, say, rpc, schedules)
         except VerificationError as err:
-            if not err.fp16_lookups:
+            if not err.low_lookups:
                 raise
             say(f"[{job.name}] {err}; building again with the embedding lookups in fp32 (an fp32 residual stream)")
             with collecting(lambda s: say(f"[{job.name}] {s}")):
-                return _run(dataclasses.replace(job, fp16_lookups=False), target, out, logs_root, say, rpc, schedules)
+                return _run(dataclasses.replace(job, low_lookups=False), target, out, logs_root, say, rpc, schedules)
     except TvmfuseError as err:
         return JobResult(job.name, ok=False, error=str(err), details={"exit_code": err.exit_code})
     except Exception as err:  # pylint: disable=broad-except  (one job's crash must not lose the others)
@@ -324,7 +324,7 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
     if imported.symbolic_dims:
         log(f"symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them get default "
             "schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
-    bound = prepare_module(imported, job.dtype, job.io_dtype, job.fp16_lookups, one_copy=outside)
+    bound = prepare_module(imported, job.dtype, job.io_dtype, job.low_lookups, one_copy=outside)
     past_inputs = [p.name for p, _, _ in find_cache_sites(bound)]
     bound, cache = kv_cache_phase(bound, imported, job, log)
     fused = fuse_phase(bound, target)

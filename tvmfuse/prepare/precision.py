@@ -16,7 +16,8 @@ What it does (observed on TVM 0.27, tests/test_dtype.py):
 - "follow" ops (elementwise, `layer_norm`, `gelu`, reshapes) compute in fp16 when all inputs are fp16 (TVM's
   fp16 `layer_norm` lowering accumulates its mean/variance in fp32);
 - ops without a policy (`mean`, `sum`, `softmax`, ...) compute in fp32: their inputs are cast up first;
-- except `take` in fp16: an embedding lookup from a constant table fp16 holds computes in fp16 (`_lookups_in_fp16`),
+- except `take` in fp16 (and bf16): an embedding lookup from a constant table fp16 holds computes in fp16
+  (`_lookups_in_compute_dtype`),
   so the hidden state after it, the residual stream with its adds and LayerNorms, is fp16 as in a torch fp16
   model, with no casts between the LayerNorms and the matmuls (without it the lookup's fp32 result kept the
   residual stream fp32: a cast to fp16 before each matmul and one back to fp32 after it);
@@ -82,9 +83,9 @@ FP32_PREDICATES_IN_BF16 = ("relax.isnan", "relax.isinf", "relax.isfinite")
 
 
 def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None,
-                     fp16_lookups: bool = True) -> tvm.IRModule:
+                     low_lookups: bool = True) -> tvm.IRModule:
     """The module with its kernels computing in `dtype` (fp32 accumulation) and its float inputs and outputs in
-    `io_dtype` (None: float32, or `dtype` itself); fp32: unchanged. `fp16_lookups`: see `_lookups_in_fp16`."""
+    `io_dtype` (None: float32, or `dtype` itself); fp32: unchanged. `low_lookups`: see `_lookups_in_compute_dtype`."""
     dtype = parse_dtype(dtype, "dtype")
     io_dtype = interface_dtype(dtype, io_dtype)
     if dtype == FLOAT32:
@@ -102,7 +103,7 @@ def to_compute_dtype(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None,
     # them, so only ops applied to them directly still compute in fp32
     inputs = [p.name for p in main.params[:n_in] if str(getattr(p.ty, "dtype", "")) == FLOAT32
               and _static_shape(p)]
-    with _lookups_in_fp16(mod, dtype) if fp16_lookups else contextlib.nullcontext():
+    with _lookups_in_compute_dtype(mod, dtype) if low_lookups else contextlib.nullcontext():
         mod = relax.transform.ToMixedPrecision(out_dtype=FLOAT32, fp16_input_names=inputs)(mod)
     mod = opmath_fp32(mod)
     mod = fp32_interface(mod, inputs)
@@ -165,16 +166,18 @@ def _float32_interface(mod: tvm.IRModule, low: str) -> tvm.IRModule:
 
 
 @contextlib.contextmanager
-def _lookups_in_fp16(mod: tvm.IRModule, dtype: str):
+def _lookups_in_compute_dtype(mod: tvm.IRModule, dtype: str):
     """While ToMixedPrecision runs, `relax.take` has the policy "always" (its float table cast to fp16, an fp16
     result) where every float `take` in `main` reads a constant table fp16 holds (finite, |x| <= 65504): an
     embedding lookup. TVM registers no policy for take, which the pass reads as "never": the lookup returned
     fp32, and every "follow" op after it stayed fp32 with it (the whole residual stream: adds and LayerNorms in
     fp32, a cast to fp16 before each matmul, one to fp32 after it). ("follow" would not do: the int ids are not
-    fp16-castable.) The hidden state is then fp16 from the lookup on, as in a torch fp16 model. fp16 only: in
-    bf16 the fp32 residual stream keeps the row kernel (which reads and writes fp16/fp32 only) on the LayerNorms."""
+    fp16-castable.) The hidden state is then fp16 from the lookup on, as in a torch fp16 model. In bf16 the same
+    (the pass's fp16 is re-typed to bf16 after it): a bf16 residual stream as in a torch bf16 model, where an fp32
+    one had cost GPT-2 and BERT a cast kernel per layer and fp32 LayerNorm reads (models_run24_bf16: 8-19% slower
+    than fp16)."""
     op = tvm.ir.Op.get("relax.take")
-    if dtype != FLOAT16 or op.get_attr("TMixedPrecisionPolicy") is not None or not _fp16_tables(mod["main"]):
+    if dtype not in (FLOAT16, BFLOAT16) or op.get_attr("TMixedPrecisionPolicy") is not None or not _fp16_tables(mod["main"]):
         yield
         return
     op.set_attr("TMixedPrecisionPolicy", 0)  # kAlways
@@ -186,9 +189,9 @@ def _lookups_in_fp16(mod: tvm.IRModule, dtype: str):
         op.reset_attr("FInferMixedPrecision")
 
 
-def has_fp16_lookups(mod: tvm.IRModule) -> bool:
-    """Whether `main` (after to_compute_dtype) looks up a float table in fp16: the residual stream is fp16."""
-    return any(str(getattr(t.ty, "dtype", "")) == FLOAT16 for t in _takes(mod["main"]))
+def has_low_lookups(mod: tvm.IRModule) -> bool:
+    """Whether `main` (after to_compute_dtype) looks up a float table in fp16 or bf16: the residual stream is."""
+    return any(str(getattr(t.ty, "dtype", "")) in (FLOAT16, BFLOAT16) for t in _takes(mod["main"]))
 
 
 def _fp16_tables(func: relax.Function) -> bool:
@@ -260,8 +263,8 @@ def precision_info(mod: tvm.IRModule, dtype: str, io_dtype: str | None = None) -
         stored = str(mod.attrs[STORED_ATTR]) if mod.attrs and STORED_ATTR in mod.attrs else FLOAT32
         if stored != FLOAT32:
             residual = f"{stored} (as stored)"
-        elif has_fp16_lookups(mod):
-            residual = FLOAT16
+        elif has_low_lookups(mod):
+            residual = dtype
         else:
             residual = "as the ops above (lookups in fp32)"
         info.update({"stored_dtype": stored, "pass": STORED_PASS if stored != FLOAT32 else PASS,
