@@ -61,3 +61,33 @@ def test_random_inputs_respect_shapes_and_dtypes():
     imp = import_model(onnx_models.layer_norm_gelu(hidden=64, dyn=True))
     feeds = random_inputs(imp.inputs, dims={"batch": 3})
     assert feeds["x"].shape == (3, 64) and feeds["x"].dtype == "float32"
+
+
+def _two_tables(rows_a: int, rows_b: int):
+    """ids -> Cast -> Gather(table_a) + Gather(table_b, ids); types -> Gather(table_t); flags: no table."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    init = [numpy_helper.from_array(np.ones((r, 4), np.float32), n) for n, r in
+            (("table_a", rows_a), ("table_b", rows_b), ("table_t", 3))]
+    nodes = [helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
+             helper.make_node("Gather", ["table_a", "ids32"], ["a"]),
+             helper.make_node("Gather", ["table_b", "ids"], ["b"]),
+             helper.make_node("Gather", ["table_t", "types"], ["t"]),
+             helper.make_node("Add", ["a", "b"], ["ab"]), helper.make_node("Add", ["ab", "t"], ["abt"]),
+             helper.make_node("Cast", ["flags"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["f", "axes"], ["f2"]), helper.make_node("Mul", ["abt", "f2"], ["y"])]
+    init.append(numpy_helper.from_array(np.array([-1], np.int64), "axes"))
+    graph = helper.make_graph(nodes, "tables", [helper.make_tensor_value_info(n, TensorProto.INT64, [64])
+                                                for n in ("ids", "types", "flags")],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 4])], init)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_token_ids_are_drawn_over_the_rows_of_the_table_they_index():
+    """Verification's ids span the embedding table (through a Cast; the smaller table's rows where two are
+    indexed), not just 0 and 1; an integer input that indexes no table keeps 0 and 1."""
+    imp = import_model(_two_tables(1000, 300))
+    assert {t.name: t.index_bound for t in imp.inputs} == {"ids": 300, "types": 3, "flags": None}
+    feeds = random_inputs(imp.inputs)
+    assert 100 < feeds["ids"].max() < 300 and len(set(feeds["ids"].tolist())) > 40
+    assert set(feeds["types"].tolist()) == {0, 1, 2} and set(feeds["flags"].tolist()) <= {0, 1}

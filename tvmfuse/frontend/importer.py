@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ class TensorInfo:
     name: str
     shape: list[int | str]
     dtype: str
+    index_bound: int | None = None  # an integer input that indexes a weight table (token ids): its rows
 
     def as_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
@@ -87,7 +89,8 @@ def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source
     mod, params = (lambda pair: (carry_sources(mod, pair[0]), pair[1]))(relax.frontend.detach_params(mod))
     main = mod["main"]
     n_in = int(main.attrs["num_input"])
-    infos = [_info(p.name, p.ty) for p in main.params[:n_in]]
+    bounds = index_bounds(model)
+    infos = [dataclasses.replace(_info(p.name, p.ty), index_bound=bounds.get(p.name)) for p in main.params[:n_in]]
     outputs = _output_infos(model, main.ret_ty)
     return Imported(mod, list(params.get("main", [])), infos, outputs, model, source)
 
@@ -98,6 +101,33 @@ def _check_supported(model: onnx.ModelProto, source: str) -> None:
         op, node = missing[0]
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelError(f"{source}: operator {op} (node {node or '?'}) is not supported by the importer{more}")
+
+
+#: ops an index tensor passes through unchanged in value on its way from a graph input to a Gather
+_INDEX_CARRIERS = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}
+
+
+def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
+    """{graph input: rows} for integer inputs that a Gather uses as indices into a weight (an embedding table, through
+    casts and reshapes): the rows of the smallest such table, so verification can draw indices over all of them."""
+    weights = {t.name: list(t.dims) for t in model.graph.initializer}
+    inputs = {v.name for v in model.graph.input} - set(weights)
+    source = {}  # tensor -> the graph input it carries unchanged
+    for node in model.graph.node:  # nodes are topologically sorted in a valid model
+        if node.op_type in _INDEX_CARRIERS and node.input and node.output:
+            origin = node.input[0] if node.input[0] in inputs else source.get(node.input[0])
+            if origin:
+                source[node.output[0]] = origin
+    bounds: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2 or node.input[0] not in weights:
+            continue
+        origin = node.input[1] if node.input[1] in inputs else source.get(node.input[1])
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        dims = weights[node.input[0]]
+        if origin and -len(dims) <= axis < len(dims) and dims[axis] > 0:
+            bounds[origin] = min(bounds.get(origin, dims[axis]), dims[axis])
+    return bounds
 
 
 def _graph_inputs(model: onnx.ModelProto) -> list[TensorInfo]:

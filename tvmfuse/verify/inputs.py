@@ -9,7 +9,8 @@ from tvmfuse.verify.outputs import cast_array
 
 def random_inputs(inputs: list, seed: int = 0, dims: dict[str, int] | None = None,
                   io_dtype: str | None = None) -> dict[str, np.ndarray]:
-    """Random inputs for verification; symbolic dims take `dims` or 4. Masks are ones, indices small. With
+    """Random inputs for verification; symbolic dims take `dims` or 4. Masks are ones; an input indexing a weight
+    table (`index_bound`: token ids) takes indices over all its rows, other integers 0 and 1. With
     `io_dtype` (a module taking fp16/bf16), float32 values are ones that dtype holds exactly, so onnxruntime
     (fed float32) and the module (fed `verify.module_inputs`) see the same numbers."""
     rng = np.random.default_rng(seed)
@@ -21,7 +22,8 @@ def random_inputs(inputs: list, seed: int = 0, dims: dict[str, int] | None = Non
             data[t.name] = cast_array(cast_array(rng.standard_normal(shape).astype("float32"), "bfloat16"), "float32")
             continue
         if np.issubdtype(np.dtype(t.dtype), np.integer):
-            arr = np.ones(shape, t.dtype) if "mask" in t.name else rng.integers(0, 2, shape).astype(t.dtype)
+            high = getattr(t, "index_bound", None) or 2
+            arr = np.ones(shape, t.dtype) if "mask" in t.name else rng.integers(0, high, shape).astype(t.dtype)
         elif t.dtype == "bool":
             arr = np.ones(shape, bool)
         else:
