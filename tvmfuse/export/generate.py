@@ -38,6 +38,12 @@ class Generation:
     tokens: np.ndarray
     prefill_ms: float
     step_ms: list[float] = field(default_factory=list)  # each decode step after the prefill
+    decode: dict = field(default_factory=dict)  # the function decode steps run in, and its CUDA graphs (decode_path)
+
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether the decode steps replay CUDA graphs (as the build recorded the function they run in)."""
+        return bool(self.decode.get("graphs"))
 
     @property
     def ms_per_token(self) -> float:
@@ -61,6 +67,48 @@ def _step_inputs(manifest: dict) -> tuple[str, str | None]:
         raise TvmfuseError(f"generate drives input_ids, attention_mask and the KV cache; this step takes "
                            f"{', '.join(t['name'] for t in rest)}")
     return ids[0], mask
+
+
+def _ids_dims(manifest: dict) -> list:
+    """The ids input's [batch, seq] dims: a name where symbolic, else its size."""
+    ids_name, _ = _step_inputs(manifest)
+    return next(t["shape"] for t in manifest["inputs"] if t["name"] == ids_name)
+
+
+def decode_function(manifest: dict, batch: int) -> str:
+    """The function the exported `main` runs a decode step (seq 1, `batch` rows) in: the bucket of that shape
+    (fuse.buckets dispatches on the dims' values), else the generic one (`main` itself without buckets)."""
+    buckets = manifest.get("buckets")
+    if not buckets:
+        return "main"
+    values = {d: v for d, v in zip(_ids_dims(manifest), (batch, 1)) if isinstance(d, str)}
+    return next((f["function"] for f in buckets["functions"]
+                 if all(values.get(d) == v for d, v in f["shape"].items())), buckets["generic"]["function"])
+
+
+def decode_path(manifest: dict, batch: int) -> dict:
+    """The decode steps' function and, in a --cuda-graph build, its CUDA graphs as the build counted them
+    (build.cuda_graph_captures: graphs, kernels_in_graphs, kernels_outside, keyed)."""
+    function = decode_function(manifest, batch)
+    return {"function": function, **(manifest.get("cuda_graphs") or {}).get(function, {})}
+
+
+def cuda_graph_summary(manifest: dict) -> str:
+    """One line for the build log: each function's CUDA graphs and, for a decoder step, whether its decode steps
+    run in a function of static shapes (only those are captured)."""
+    parts = [f"{fn} {g['graphs']} graphs ({g['kernels_in_graphs']} of {g['kernels_in_graphs'] + g['kernels_outside']}"
+             f" launches)" for fn, g in manifest["cuda_graphs"].items() if g["kernels_in_graphs"] + g["kernels_outside"]]
+    line = "CUDA graphs: " + ", ".join(parts)
+    if "kv_cache" not in manifest:
+        return line
+    symbolic = [d for d in _ids_dims(manifest) if isinstance(d, str)]
+    seq = _ids_dims(manifest)[1]
+    static = [f for f in (manifest.get("buckets") or {}).get("functions", [])
+              if set(symbolic) <= set(f["shape"]) and (not isinstance(seq, str) or f["shape"][seq] == 1)]
+    if static:
+        return line + "; decode steps run in " + ", ".join(f["function"] for f in static) + " (static shapes)"
+    return (line + f"; decode steps run in {decode_function(manifest, 1)}, whose symbolic {', '.join(symbolic)} "
+            "keep their launches out of the graphs: bucket them (e.g. --buckets seq=1 --buckets batch=1)")
 
 
 def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, float], None] | None = None,
@@ -115,7 +163,8 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
 
     start = time.perf_counter()
     token = step(ids, 0)
-    result = Generation(np.zeros((batch, new_tokens), np.int64), (time.perf_counter() - start) * 1e3)
+    result = Generation(np.zeros((batch, new_tokens), np.int64), (time.perf_counter() - start) * 1e3,
+                        decode=decode_path(manifest, batch))
     result.tokens[:, 0] = token
     for i in range(1, new_tokens):
         start = time.perf_counter()
