@@ -56,6 +56,17 @@ class Generation:
         return self.tokens.shape[0] * len(self.step_ms) / (total / 1e3) if total else 0.0
 
 
+def last_position(logits: tvm.runtime.Tensor) -> np.ndarray:
+    """The logits [batch, seq, vocab] of each row's last position as numpy [batch, vocab], copied from the device
+    alone (a prefill's whole logits can be gigabytes)."""
+    batch, seq, vocab = (int(d) for d in logits.shape)
+    if seq == 1:
+        return logits.numpy()[:, 0]
+    row = vocab * tvm.runtime.DataType(str(logits.dtype)).bits // 8
+    return np.stack([logits._create_view((vocab,), str(logits.dtype), relative_byte_offset=(b * seq + seq - 1) * row)
+                     .numpy() for b in range(batch)])  # pylint: disable=protected-access  (TVM's view, no copy)
+
+
 def _step_inputs(manifest: dict) -> tuple[str, str | None]:
     """(ids input, mask input or None) of the exported step; any other model input is an error."""
     cache = manifest["kv_cache"]
@@ -159,7 +170,7 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
             pasts = [presents[s["present"]] for s in layout["caches"]]
         else:
             cache.length = position + tokens.shape[1]
-        return outs[0].numpy()[:, -1].argmax(-1).astype(np.int64)
+        return last_position(outs[0]).argmax(-1).astype(np.int64)
 
     start = time.perf_counter()
     token = step(ids, 0)
