@@ -445,6 +445,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def run_config(args, argv: list[str]) -> dict:
+    """The JSON's `config`: the run's shapes and sizes, its command line and the versions it ran with."""
+    from importlib.metadata import version
+
+    import tvmfuse
+    return {"layers": args.layers, "shape": _shape(args), "batches": args.batches, "prompts": args.prompts,
+            "new_tokens": args.new_tokens, "max_seq": args.max_seq, "smoke": args.smoke,
+            "command": "python3 bench/generate.py " + " ".join(argv),
+            "versions": {**{name: version(name) for name in ("torch", "transformers", "apache-tvm")},
+                         "tvmfuse": tvmfuse.__version__},
+            "notes": NOTES}
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
@@ -452,22 +465,16 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     argv = sys.argv[1:] if argv is None else list(argv)
+    if args.phase == "all" and os.path.exists(os.path.join(args.out, "generate.json")):
+        os.remove(os.path.join(args.out, "generate.json"))  # a new run: no rows of an older one
+    if "config" not in _load(args.out):
+        _merge(args.out, ("config",), run_config(args, argv))
     if args.phase != "all":
         args.deadline = args.deadline or time.time() + args.budget_s
         info = {"export": phase_export, "build": phase_build, "run": phase_run, "torch": phase_torch}[args.phase](args)
         _merge(args.out, (args.phase,), info)
         return 1 if info.get("rc", 0) else 0
-    from importlib.metadata import version
-
-    import tvmfuse
-    start = time.time()
-    deadline = start + args.budget_s
-    _merge(args.out, ("config",), {"layers": args.layers, "shape": _shape(args), "batches": args.batches,
-                                   "prompts": args.prompts, "new_tokens": args.new_tokens, "max_seq": args.max_seq,
-                                   "smoke": args.smoke, "command": "python3 bench/generate.py " + " ".join(argv),
-                                   "versions": {**{name: version(name) for name in ("torch", "transformers", "apache-tvm")},
-                                                "tvmfuse": tvmfuse.__version__},
-                                   "notes": NOTES})
+    deadline = time.time() + args.budget_s
     for phase in PHASES:
         left = deadline - time.time()
         if left < 10:
