@@ -33,17 +33,12 @@ class KVCache:
 
 @dataclass
 class Generation:
-    """What `generate` returns: the new tokens [batch, new_tokens] and the times."""
+    """What `generate` returns: the new tokens [batch, new_tokens], the times, and where the decode steps ran."""
 
     tokens: np.ndarray
     prefill_ms: float
     step_ms: list[float] = field(default_factory=list)  # each decode step after the prefill
     decode: dict = field(default_factory=dict)  # the function decode steps run in, and its CUDA graphs (decode_path)
-
-    @property
-    def cuda_graph(self) -> bool:
-        """Whether the decode steps replay CUDA graphs (as the build recorded the function they run in)."""
-        return bool(self.decode.get("graphs"))
 
     @property
     def ms_per_token(self) -> float:
