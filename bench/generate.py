@@ -43,11 +43,11 @@ FULL_RUN = {"layers": 8, "batches": "1,16", "prompts": "512,2048", "new_tokens":
 SMOKE_RUN = {"layers": 2, "batches": "1,2", "prompts": "8,16", "new_tokens": 8, "max_seq": 32}
 NOTES = ("ms_per_token: mean wall time of one decode step for the whole batch (tvmfuse: the export's generate, which "
          "copies each step's last logits to the host and takes the argmax there; torch: the compiled steps back to "
-         "back, argmax on the GPU, one sync at the end); tokens_per_s = batch / step; roofline_ms: the bytes one decode "
-         "step must read at least, the fp16 weights except the input embedding (one row of it per token) plus the fp16 "
-         "K and V of every layer at the mean cache length (prompt + new_tokens / 2), over the copy bandwidth the run "
-         "phase measured; fraction_of_roofline = roofline_ms / ms_per_token; identical_leading_tokens: per row, how many "
-         "greedy tokens agree before the first difference")
+         "back, argmax on the GPU, one sync at the end); tokens_per_s = batch / step; roofline_ms: the bytes one "
+         "decode step must read at least, the fp16 weights except the input embedding (one row of it per token) plus "
+         "the fp16 K and V of every layer at the mean cache length (prompt + new_tokens / 2), over the copy bandwidth "
+         "the run phase measured; fraction_of_roofline = roofline_ms / ms_per_token; identical_leading_tokens: per "
+         "row, how many greedy tokens agree before the first difference")
 
 
 def _shape(args) -> dict:
@@ -228,7 +228,8 @@ def phase_build(args) -> dict:
                                                                           "--cuda-graph"]
     # the decode steps' static functions (seq 1, each batch), which only CUDA captures; on llvm one static batch
     # took 2 minutes more to compile (2 cores), so the smoke run buckets seq alone
-    buckets = ["--buckets", "seq=1"] + ([] if args.smoke else ["--buckets", "batch=" + ",".join(map(str, args.batches))])
+    batches = ",".join(map(str, args.batches))
+    buckets = ["--buckets", "seq=1"] + ([] if args.smoke else ["--buckets", f"batch={batches}"])
     flags = [*target, "--trials", "0", "--max-seq", str(args.max_seq), *buckets, "--tolerance", args.tolerance]
     cmd = [sys.executable, "-m", "tvmfuse", "tune", p["onnx"], *flags, "--out", p["out"], "--logs", p["logs"]]
     t = time.time()
@@ -301,27 +302,27 @@ def phase_run(args) -> dict:
             row = {"error": traceback.format_exc()[-3000:]}
         _merge(args.out, ("rows", key, "tvmfuse"), row)
         print(f"run {key}: " + (f"prefill {row['prefill_ms']:.1f} ms, {row['ms_per_token']:.3f} ms/token, "
-                                f"{row['tokens_per_s']:.0f} tokens/s, {row['fraction_of_roofline']:.0%} of the roofline, "
-                                f"decode in {row['decode']['function']} ({row['decode'].get('graphs', 0)} graphs)"
+                                f"{row['tokens_per_s']:.0f} tokens/s, {row['fraction_of_roofline']:.0%} of the "
+                                f"roofline, decode in {row['decode']['function']} "
+                                f"({row['decode'].get('graphs', 0)} graphs)"
                                 if "error" not in row else "FAILED " + row["error"].strip().splitlines()[-1]),
               flush=True)
     return info
 
 
-def _static_cache(config, max_len: int):
-    from transformers import StaticCache
-    return StaticCache(config=config, max_cache_len=max_len)
-
-
 def phase_torch(args) -> dict:
     """The same weights in torch fp16 (smoke: fp32, CPU, eager): StaticCache, prefill eager, decode steps compiled
     with mode="reduce-overhead" (CUDA graphs); greedy tokens against tvmfuse's."""
+    import math
+
     import torch
+    from transformers import StaticCache
 
     data = _load(args.out)
     cuda = not args.smoke
     model = _llama(args, "cuda" if cuda else "cpu")
-    info = {"same_weights_as_onnx": abs(_checksum(model) - data.get("export", {}).get("checksum", float("nan"))) < 1e-6,
+    info = {"same_weights_as_onnx": math.isclose(_checksum(model), data.get("export", {}).get("checksum", math.nan),
+                                                 rel_tol=1e-9),
             "dtype": "float16" if cuda else "float32",
             "decode": 'torch.compile(mode="reduce-overhead", fullgraph=True)' if cuda else "eager"}
     if cuda:
@@ -362,9 +363,9 @@ def phase_torch(args) -> dict:
                 _merge(args.out, ("rows", _key(batch, prompt), "torch"), {"skipped": "out of time"})
             continue
         try:
-            torch._dynamo.reset()  # pylint: disable=protected-access  (static shapes: one compile per batch)
+            torch.compiler.reset()  # static shapes: one compile per batch
             step = torch.compile(decode, mode="reduce-overhead", fullgraph=True) if cuda else decode
-            cache = _static_cache(model.config, args.max_seq)
+            cache = StaticCache(config=model.config, max_cache_len=args.max_seq)
             ids = torch.from_numpy(prompt_ids(batch, args.prompts[0], model.config.vocab_size)).to(model.device)
             t = time.time()
             greedy(ids, cache, 4, step)  # compiles (twice: warm-up, then the CUDA-graph recording) and records

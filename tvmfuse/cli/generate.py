@@ -37,7 +37,8 @@ def decode_graphs_text(manifest: dict, decode: dict) -> str:
         return f"{decode['function']}, no CUDA graphs (built without --cuda-graph)"
     if not decode.get("graphs"):
         buckets = {f["function"] for f in (manifest.get("buckets") or {}).get("functions", [])}
-        why = "" if decode["function"] in buckets else " (symbolic shapes: build with --buckets seq=1 --buckets batch=N)"
+        why = ("" if decode["function"] in buckets
+               else " (symbolic shapes: build with --buckets seq=1 --buckets batch=N)")
         return f"{decode['function']}, no CUDA graphs{why}"
     return (f"{decode['function']} through {decode['graphs']} CUDA graphs ({decode['kernels_in_graphs']} kernels in "
             f"them, {decode['kernels_outside']} launched one by one)")

@@ -102,8 +102,9 @@ def decode_path(manifest: dict, batch: int) -> dict:
 def cuda_graph_summary(manifest: dict) -> str:
     """One line for the build log: each function's CUDA graphs and, for a decoder step, whether its decode steps
     run in a function of static shapes (only those are captured)."""
-    parts = [f"{fn} {g['graphs']} graphs ({g['kernels_in_graphs']} of {g['kernels_in_graphs'] + g['kernels_outside']}"
-             f" launches)" for fn, g in manifest["cuda_graphs"].items() if g["kernels_in_graphs"] + g["kernels_outside"]]
+    launches = {fn: g["kernels_in_graphs"] + g["kernels_outside"] for fn, g in manifest["cuda_graphs"].items()}
+    parts = [f"{fn} {g['graphs']} graphs ({g['kernels_in_graphs']} of {launches[fn]} launches)"
+             for fn, g in manifest["cuda_graphs"].items() if launches[fn]]
     line = "CUDA graphs: " + ", ".join(parts)
     if "kv_cache" not in manifest:
         return line
