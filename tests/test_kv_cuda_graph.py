@@ -17,7 +17,7 @@ from tvmfuse import pipeline  # noqa: E402
 from tvmfuse.build.compile import RUN_OR_CAPTURE  # noqa: E402
 from tvmfuse.cli.generate import decode_graphs_text  # noqa: E402
 from tvmfuse.cli.tune import main as tune_main  # noqa: E402
-from tvmfuse.export.generate import decode_function, decode_path  # noqa: E402
+from tvmfuse.export.generate import cuda_graph_summary, decode_function, decode_path  # noqa: E402
 
 CAPACITY = 48
 BUCKETS = ["--buckets", "batch=1", "--buckets", "seq=1"]
@@ -78,6 +78,11 @@ def test_decode_bucket_replays_graphs_and_the_generic_step_does_not(graph_build)
     assert decode_path(manifest, 1) == {"function": "main_batch1_seq1", **decode}
     assert decode_graphs_text(manifest, decode_path(manifest, 1)).startswith(
         f"main_batch1_seq1 through {decode['graphs']} CUDA graphs")
+    assert cuda_graph_summary(manifest).endswith("; decode steps run in main_batch1_seq1 (static shapes)")
+    unbucketed = {**manifest, "buckets": None, "cuda_graphs": {"main": generic}}  # as a build without --buckets
+    assert cuda_graph_summary(unbucketed).endswith("decode steps run in main, whose symbolic batch, seq keep their "
+                                                   "launches out of the graphs: bucket them (e.g. --buckets seq=1 "
+                                                   "--buckets batch=1)")
 
 
 def test_nothing_captured_depends_on_past_len(graph_build):

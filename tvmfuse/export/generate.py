@@ -109,6 +109,8 @@ def cuda_graph_summary(manifest: dict) -> str:
     if "kv_cache" not in manifest:
         return line
     symbolic = [d for d in _ids_dims(manifest) if isinstance(d, str)]
+    if not symbolic:
+        return line + "; decode steps run in main (static shapes)"
     seq = _ids_dims(manifest)[1]
     static = [f for f in (manifest.get("buckets") or {}).get("functions", [])
               if set(symbolic) <= set(f["shape"]) and (not isinstance(seq, str) or f["shape"][seq] == 1)]
