@@ -111,6 +111,21 @@ def test_reshape_to_runtime_tensor_shape():
     run_vs_ort(model, mod, [{"x": rand(2, 3)}, {"x": rand(5, 2)}])
 
 
+def test_reshape_minus_one_cancels_the_dims_the_target_keeps():
+    """The KV cache's [n, 4, p + s, 8] -> [-1, p + s, 8], the target built from its Shape (the dynamo exporter's
+    SDPA): -1 is n * 4, not TVM's undivided `n * (p + s) * 32 // (p * 8 + s * 8)` (whose CUDA host code then
+    failed to compile: "Binding of variable rmod ... conflicts with previous binding")."""
+    nodes = [oh.make_node("Concat", ["past", "new"], ["kv"], axis=2), oh.make_node("Shape", ["kv"], ["s"]),
+             oh.make_node("Slice", ["s", "st", "en"], ["tail"]), oh.make_node("Concat", ["m1", "tail"], ["ns"], axis=0),
+             oh.make_node("Reshape", ["kv", "ns"], ["y"])]
+    model = make(nodes, [vi("past", F, ["n", 4, "p", 8]), vi("new", F, ["n", 4, "s", 8])], [vi("y", F, ["nh", "t", 8])],
+                 [const("st", [-2]), const("en", [4]), const("m1", [-1])])
+    mod = convert(model)
+    assert ret_shape(mod) == 'R.Tensor((n * 4, p + s, 8), dtype="float32")'
+    run_vs_ort(model, mod, [{"past": rand(2, 4, 3, 8), "new": rand(2, 4, 1, 8)},
+                            {"past": rand(1, 4, 5, 8), "new": rand(1, 4, 2, 8)}])
+
+
 def test_range_to_symbolic_dim_has_that_length():
     """Range(0, seq, 1) has length `seq`, so adding it to a (n, seq) tensor keeps the dims (TVM: fresh dim)."""
     nodes = [oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Gather", ["s", "i1"], ["d"], axis=0),

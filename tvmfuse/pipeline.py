@@ -19,11 +19,12 @@ from typing import Callable
 import tvm
 from tvm import relax
 
-from tvmfuse.build.compile import TUNED, apply_database, compile_module, schedule_kinds
+from tvmfuse.build.compile import TUNED, apply_database, compile_module, cuda_graph_captures, schedule_kinds
 from tvmfuse.decide import Settings, decide, fusion_report, report_files
 from tvmfuse.errors import TvmfuseError, VerificationError
 from tvmfuse.export import MANIFEST, export, export_dir, make_manifest
 from tvmfuse.export import weights as weight_files
+from tvmfuse.export.generate import cuda_graph_summary
 from tvmfuse.frontend.onnx_io import has_external_data, weights_nbytes
 from tvmfuse.frontend import DEFAULT_MODEL, Imported, import_model, load_onnx, make_tiny_block
 from tvmfuse.fuse import Bucketed, Fused, add_dispatch, check_buckets, kernel_calls, lower, lower_buckets
@@ -93,6 +94,7 @@ class Built:
     kinds: dict[str, str]  # kernel -> "tuned", "default", a TIRx kernel, ...
     records: dict[str, tuple[int, float | None]]  # kernel -> (trials recorded, best µs)
     defaults_us: dict[str, float]  # kernel -> its default schedule's measured µs (tuned kernels only)
+    cuda_graphs: dict[str, dict[str, int]] | None = None  # --cuda-graph on CUDA: build.cuda_graph_captures
 
     @property
     def tuned(self) -> list[str]:
@@ -206,11 +208,15 @@ def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProg
     kinds = {**schedule_kinds(tuned_mod, target), **{k: "default (measured faster than every tuned schedule)"
                                                       for k in keep}}
     records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
-    executable = compile_module(lowered.with_dispatch(apply_default_schedules(tuned_mod, target)), target,
-                                cuda_graph=cuda_graph)
+    final = lowered.with_dispatch(apply_default_schedules(tuned_mod, target))
+    executable = compile_module(final, target, cuda_graph=cuda_graph)
     defaults_us = {name: p.default_us for name, p in progress.items()
                    if p.default_us is not None and kinds.get(name) == TUNED}
-    return Built(executable, kinds, records, defaults_us)
+    graphs = None
+    if cuda_graph and target.kind.name == "cuda":
+        graphs = cuda_graph_captures(executable.as_text(), {gv.name_hint for gv, f in final.functions.items()
+                                                            if isinstance(f, tvm.tirx.PrimFunc)})
+    return Built(executable, kinds, records, defaults_us, graphs)
 
 
 def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, target, bound,
@@ -273,6 +279,8 @@ def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: I
     manifest["fusion"] = report["totals"]
     manifest["failures"] = failures_so_far()  # kernels that fell back to their default schedule, and why
     manifest.update(_cache_interface(manifest, lowered))
+    if built.cuda_graphs is not None:
+        manifest["cuda_graphs"] = built.cuda_graphs
     output = export(built.executable, manifest, dest, extra_files=report_files(report),
                     weights=lowered.weights if lowered.weights else None,
                     late=lambda: {"build": weight_files.build_stats(started, weight_bytes)})
@@ -352,6 +360,8 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
     verified = verify_phase(built, lowered, imported, job, target, bound, weight_bytes, say)
     output, manifest = export_phase(built, lowered, verified, imported, bound, job, target, work_dir, dest, started,
                                     weight_bytes)
+    if built.cuda_graphs is not None:
+        log(cuda_graph_summary(manifest))
     log(f"exported {output}")
     return JobResult(job.name, ok=True, kernels=len(lowered.kernels), fused=len(lowered.fused.kernel_patterns),
                      tuned=sum(built.kinds.get(k) == TUNED for k in lowered.kernels),

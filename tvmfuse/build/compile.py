@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import tvm
 from tvm import relax, tirx
 from tvm.s_tir import meta_schedule as ms
@@ -111,6 +113,37 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
                                            disabled_pass=list(outer.disabled_pass),
                                            config={**dict(outer.config), **config}):
         return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
+
+
+RUN_OR_CAPTURE = "vm.builtin.cuda_graph.run_or_capture"
+_CALL = re.compile(r"^\s*call\s+(\S+)\s+in:\s*(.*?)\s+dst:")
+
+
+def cuda_graph_captures(vm_text: str, kernels: set[str]) -> dict[str, dict[str, int]]:
+    """What TVM's RewriteCUDAGraph lifted into CUDA graphs, per VM function of an executable's text (`as_text()`)
+    that is not itself a lifted one: `graphs` (its run_or_capture calls), `kernels_in_graphs` (the launches they
+    replay), `kernels_outside` (the launches the VM makes one by one) and `keyed` (graphs recaptured for each value
+    of the symbolic vars passed as their key); `kernels` are the module's PrimFunc names."""
+    bodies: dict[str, list[tuple[str, list[str]]]] = {}
+    name = None
+    for line in vm_text.splitlines():
+        if line.startswith("@"):
+            name = line[1:-1] if line.endswith(":") else None
+            if name is not None:
+                bodies[name] = []
+        elif name is not None and (call := _CALL.match(line)):
+            bodies[name].append((call.group(1), [a.strip() for a in call.group(2).split(",")]))
+    lifted: dict[str, list[tuple[str, bool]]] = {  # function -> its (graph function, keyed by a shape) calls
+        fn: [(args[1][2:-1], len(args) > 4) for callee, args in calls if callee == RUN_OR_CAPTURE]
+        for fn, calls in bodies.items()}
+    graph_functions = {g for calls in lifted.values() for g, _ in calls}
+
+    def launches(fn: str) -> int:
+        return sum(callee in kernels for callee, _ in bodies.get(fn, []))
+
+    return {fn: {"graphs": len(lifted[fn]), "kernels_in_graphs": sum(launches(g) for g, _ in lifted[fn]),
+                 "kernels_outside": launches(fn), "keyed": sum(keyed for _, keyed in lifted[fn])}
+            for fn in bodies if fn not in graph_functions and fn != "cuda_graph_alloc"}
 
 
 def build(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None = None):

@@ -31,6 +31,19 @@ def read_ids(path: str) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+def decode_graphs_text(manifest: dict, decode: dict) -> str:
+    """Where the decode steps ran and what of them replayed CUDA graphs (`Generation.decode`)."""
+    if not manifest.get("cuda_graph"):
+        return f"{decode['function']}, no CUDA graphs (built without --cuda-graph)"
+    if not decode.get("graphs"):
+        buckets = {f["function"] for f in (manifest.get("buckets") or {}).get("functions", [])}
+        why = ("" if decode["function"] in buckets
+               else " (symbolic shapes: build with --buckets seq=1 --buckets batch=N)")
+        return f"{decode['function']}, no CUDA graphs{why}"
+    return (f"{decode['function']} through {decode['graphs']} CUDA graphs ({decode['kernels_in_graphs']} kernels in "
+            f"them, {decode['kernels_outside']} launched one by one)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tvmfuse generate",
                                 description="Greedy generation on an export of a decoder step with a KV cache.")
@@ -72,6 +85,8 @@ def _run(args: argparse.Namespace) -> int:
     mode = model.manifest["kv_cache"]["mode"]
     print(f"prefill {out.prefill_ms:.2f} ms ({ids.shape[0]} x {ids.shape[1]} tokens); decode "
           f"{out.ms_per_token:.2f} ms/token, {out.tokens_per_s:.1f} tokens/s (batch {ids.shape[0]}, KV cache {mode})")
+    if model.manifest["target"]["kind"] == "cuda":
+        print(f"decode steps: {decode_graphs_text(model.manifest, out.decode)}")
     for row, tokens in enumerate(out.tokens[:4]):
         print(f"tokens[{row}]: {' '.join(map(str, tokens))}")
     return 0

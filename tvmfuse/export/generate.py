@@ -33,11 +33,12 @@ class KVCache:
 
 @dataclass
 class Generation:
-    """What `generate` returns: the new tokens [batch, new_tokens] and the times."""
+    """What `generate` returns: the new tokens [batch, new_tokens], the times, and where the decode steps ran."""
 
     tokens: np.ndarray
     prefill_ms: float
     step_ms: list[float] = field(default_factory=list)  # each decode step after the prefill
+    decode: dict = field(default_factory=dict)  # the function decode steps run in, and its CUDA graphs (decode_path)
 
     @property
     def ms_per_token(self) -> float:
@@ -48,6 +49,17 @@ class Generation:
         """Decode throughput: new tokens (all rows of the batch) per second of decode steps."""
         total = sum(self.step_ms)
         return self.tokens.shape[0] * len(self.step_ms) / (total / 1e3) if total else 0.0
+
+
+def last_position(logits: tvm.runtime.Tensor) -> np.ndarray:
+    """The logits [batch, seq, vocab] of each row's last position as numpy [batch, vocab], copied from the device
+    alone (a prefill's whole logits can be gigabytes)."""
+    batch, seq, vocab = (int(d) for d in logits.shape)
+    if seq == 1:
+        return logits.numpy()[:, 0]
+    row = vocab * tvm.runtime.DataType(str(logits.dtype)).bits // 8
+    return np.stack([logits._create_view((vocab,), str(logits.dtype), relative_byte_offset=(b * seq + seq - 1) * row)
+                     .numpy() for b in range(batch)])  # pylint: disable=protected-access  (TVM's view, no copy)
 
 
 def _step_inputs(manifest: dict) -> tuple[str, str | None]:
@@ -61,6 +73,51 @@ def _step_inputs(manifest: dict) -> tuple[str, str | None]:
         raise TvmfuseError(f"generate drives input_ids, attention_mask and the KV cache; this step takes "
                            f"{', '.join(t['name'] for t in rest)}")
     return ids[0], mask
+
+
+def _ids_dims(manifest: dict) -> list:
+    """The ids input's [batch, seq] dims: a name where symbolic, else its size."""
+    ids_name, _ = _step_inputs(manifest)
+    return next(t["shape"] for t in manifest["inputs"] if t["name"] == ids_name)
+
+
+def decode_function(manifest: dict, batch: int) -> str:
+    """The function the exported `main` runs a decode step (seq 1, `batch` rows) in: the bucket of that shape
+    (fuse.buckets dispatches on the dims' values), else the generic one (`main` itself without buckets)."""
+    buckets = manifest.get("buckets")
+    if not buckets:
+        return "main"
+    values = {d: v for d, v in zip(_ids_dims(manifest), (batch, 1)) if isinstance(d, str)}
+    return next((f["function"] for f in buckets["functions"]
+                 if all(values.get(d) == v for d, v in f["shape"].items())), buckets["generic"]["function"])
+
+
+def decode_path(manifest: dict, batch: int) -> dict:
+    """The decode steps' function and, in a --cuda-graph build, its CUDA graphs as the build counted them
+    (build.cuda_graph_captures: graphs, kernels_in_graphs, kernels_outside, keyed)."""
+    function = decode_function(manifest, batch)
+    return {"function": function, **(manifest.get("cuda_graphs") or {}).get(function, {})}
+
+
+def cuda_graph_summary(manifest: dict) -> str:
+    """One line for the build log: each function's CUDA graphs and, for a decoder step, whether its decode steps
+    run in a function of static shapes (only those are captured)."""
+    launches = {fn: g["kernels_in_graphs"] + g["kernels_outside"] for fn, g in manifest["cuda_graphs"].items()}
+    parts = [f"{fn} {g['graphs']} graphs ({g['kernels_in_graphs']} of {launches[fn]} launches)"
+             for fn, g in manifest["cuda_graphs"].items() if launches[fn]]
+    line = "CUDA graphs: " + ", ".join(parts)
+    if "kv_cache" not in manifest:
+        return line
+    symbolic = [d for d in _ids_dims(manifest) if isinstance(d, str)]
+    if not symbolic:
+        return line + "; decode steps run in main (static shapes)"
+    seq = _ids_dims(manifest)[1]
+    static = [f for f in (manifest.get("buckets") or {}).get("functions", [])
+              if set(symbolic) <= set(f["shape"]) and (not isinstance(seq, str) or f["shape"][seq] == 1)]
+    if static:
+        return line + "; decode steps run in " + ", ".join(f["function"] for f in static) + " (static shapes)"
+    return (line + f"; decode steps run in {decode_function(manifest, 1)}, whose symbolic {', '.join(symbolic)} "
+            "keep their launches out of the graphs: bucket them (e.g. --buckets seq=1 --buckets batch=1)")
 
 
 def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, float], None] | None = None,
@@ -111,11 +168,12 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
             pasts = [presents[s["present"]] for s in layout["caches"]]
         else:
             cache.length = position + tokens.shape[1]
-        return outs[0].numpy()[:, -1].argmax(-1).astype(np.int64)
+        return last_position(outs[0]).argmax(-1).astype(np.int64)
 
     start = time.perf_counter()
     token = step(ids, 0)
-    result = Generation(np.zeros((batch, new_tokens), np.int64), (time.perf_counter() - start) * 1e3)
+    result = Generation(np.zeros((batch, new_tokens), np.int64), (time.perf_counter() - start) * 1e3,
+                        decode=decode_path(manifest, batch))
     result.tokens[:, 0] = token
     for i in range(1, new_tokens):
         start = time.perf_counter()

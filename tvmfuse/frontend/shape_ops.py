@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as _tvm
+from tvm.sym import Analyzer
 
 from tvmfuse.frontend.values import const_array, int_list, resolve, scalar
 
@@ -56,7 +60,30 @@ class Reshape(_tvm.Reshape):
             if isinstance(data, relax.ShapeExpr):
                 data = bb.normalize(relax.op.shape_to_tensor(data))
             return relax.op.reshape(data, shape)
+        dims = int_list(bb, new_shape) if target is None and not attr.get("allowzero", 0) else None
+        data_dims = getattr(getattr(data, "ty", None), "shape", None)
+        if dims is not None and isinstance(data_dims, relax.ShapeExpr) and dims.count(-1) == 1 and 0 not in dims:
+            inferred = _minus_one(list(data_dims.values), dims)
+            if inferred is not None:
+                return relax.op.reshape(data, relax.ShapeExpr([inferred if d == -1 else d for d in dims]))
         return super()._impl_v13(bb, inputs, attr, params)
+
+
+def _minus_one(data_dims: list, dims: list):
+    """A reshape target's -1 as the product of the data dims that the target's other dims do not take, each
+    provably equal to one of them: [batch, 32, past + seq, 128] -> [-1, past + seq, 128] gives batch * 32 (TVM
+    infers the quotient `batch * (past + seq) * 4096 // (past * 128 + seq * 128)`, which host codegen failed to
+    simplify: "Binding of variable rmod ... conflicts with previous binding"); None when they do not cancel."""
+    analyzer = Analyzer()
+    rest = list(data_dims)
+    for dim in dims:
+        if isinstance(dim, int) and dim == -1:
+            continue
+        same = next((i for i, d in enumerate(rest) if analyzer.can_prove_equal(d, dim)), None)
+        if same is None:
+            return None
+        rest.pop(same)
+    return analyzer.simplify(functools.reduce(operator.mul, rest, tvm.tirx.IntImm("int64", 1)))
 
 
 class ConstantOfShape(_tvm.ConstantOfShape):
