@@ -158,7 +158,7 @@ def export_with_cache(name: str, folder: str, hf_names: bool = False) -> str:
     the step's K/V on the sequence axis), total = past + seq. Legacy exporter, opset 17; returns the .onnx path.
     `hf_names`: the cache named as optimum exports it, past_key_values.<i>.key / present.<i>.key (dots, which TVM's
     importer renames)."""
-    import transformers as tf
+    from bench.generate import decoder_step
 
     path = os.path.join(folder, f"{name}_kv{'_hf' if hf_names else ''}.onnx")
     if os.path.exists(path):
@@ -166,19 +166,6 @@ def export_with_cache(name: str, folder: str, hf_names: bool = False) -> str:
     model = tiny_model(name).model
     layers, kv_heads = model.config.num_hidden_layers, getattr(model.config, "num_key_value_heads", HEADS)
     head_dim = HIDDEN // HEADS
-
-    class Step(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask, *past):
-            cache = tf.DynamicCache()
-            for i in range(0, len(past), 2):
-                cache.update(past[i], past[i + 1], i // 2)
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                             use_cache=True, return_dict=True)
-            return (out.logits, *[t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)])
 
     batch, seq, past = 2, 3, 4
     args = (torch.zeros(batch, seq, dtype=torch.int64), torch.ones(batch, past + seq, dtype=torch.int64),
@@ -193,6 +180,6 @@ def export_with_cache(name: str, folder: str, hf_names: bool = False) -> str:
             **{n: {0: "batch", 2: "total"} for n in outs[1:]}}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(Step().eval(), args, path, input_names=names, output_names=outs, opset_version=17,
+        torch.onnx.export(decoder_step(model), args, path, input_names=names, output_names=outs, opset_version=17,
                           dynamic_axes=dims, dynamo=False)
     return path
