@@ -73,7 +73,7 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
         def context(space_gen, task=task, logger=logger, rand=rand):
             with _no_tensor_intrin(target):
                 return ms.TuneContext(mod=task.dispatched[0], target=target, space_generator=space_gen,
-                                      search_strategy="evolutionary", task_name=task.task_name,
+                                      search_strategy=search_strategy(trials_per_task), task_name=task.task_name,
                                       logger=logger, rand_state=rand, num_threads="physical").clone()
 
         ctx = probed_context(task.task_name, context, space, target)  # None: its space raises, tuned no further
@@ -110,6 +110,19 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
                 raise TuningInterrupted() from None
             raise
     return progress
+
+
+#: candidates the evolutionary search keeps per trial of the budget, up to MetaSchedule's default population (512)
+POPULATION_PER_TRIAL = 32
+
+
+def search_strategy(trials_per_task: int):
+    """MetaSchedule's evolutionary search, its population (sampled from the space, then mutated and ranked by the cost
+    model 4 times per round) at most POPULATION_PER_TRIAL per trial: budgets of 16 and more keep MetaSchedule's 512;
+    a budget of 4, which measures 3 candidates, samples 128 (512 cost ~200 s of one core per round for an attention
+    kernel)."""
+    return ms.search_strategy.EvolutionarySearch(
+        population_size=max(64, min(512, POPULATION_PER_TRIAL * trials_per_task)))
 
 
 def task_loggers(work_dir: str, names: list[str]) -> list:
