@@ -1,5 +1,7 @@
 """Baseline records: the default schedule is measured once, stored, and kept when tuning cannot beat it."""
 
+import os
+
 import pytest
 import tvm
 from tvm.s_tir import meta_schedule as ms
@@ -7,12 +9,11 @@ from tvm.s_tir import meta_schedule as ms
 import onnx_models
 from tvmfuse.spaces.defaults import default_schedule
 from tvmfuse.tune.baseline import measure_baselines
-from tvmfuse.tune.builder import fast_build
 from tvmfuse.fuse.fusion import lower
 from tvmfuse.frontend.importer import import_model
 from tvmfuse.targets import resolve_target
 from tvmfuse.tune.progress import kernel_records
-from tvmfuse.tune.search import tunable_tasks
+from tvmfuse.tune.search import evaluator_config, make_builder, make_runner, tunable_tasks
 
 
 def _tasks(target, model=None):
@@ -24,8 +25,7 @@ def _tasks(target, model=None):
 def test_default_is_measured_once_and_stored(tmp_path, llvm):
     _, mods = _tasks(llvm)
     db = ms.database.JSONDatabase(work_dir=str(tmp_path))
-    builder = ms.builder.LocalBuilder(max_workers=1, f_build=fast_build)
-    runner = ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=2, repeat=1))
+    builder, runner = make_builder(os.cpu_count() or 1), make_runner(None, evaluator_config(False))  # tune's own
     first = measure_baselines(mods, llvm, db, builder, runner)
     assert list(first) == [0] and first[0][1] is True and first[0][0] > 0
     again = measure_baselines(mods, llvm, ms.database.JSONDatabase(work_dir=str(tmp_path)), builder, runner)

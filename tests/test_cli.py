@@ -1,5 +1,7 @@
 """scripts/tune.py end to end: tuned, verified exports; one clear error and exit code 2 for bad input."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -23,12 +25,17 @@ def _tune(*args, cwd=None):
 
 @pytest.fixture(scope="module")
 def rms_export(tmp_path_factory):
-    """One tuned export of the RMSNorm+residual model (4 trials), shared by the tests below."""
+    """One tuned export of the RMSNorm+residual model (4 trials), shared by the tests below: the script's main in
+    this process, its output captured as a process's would be (test_bad_input_process_exit_code_is_2 runs
+    scripts/tune.py as a process; a second interpreter importing the whole stack added ~20 s of CPU here)."""
     tmp = tmp_path_factory.mktemp("rms")
     model = tmp / "rms.onnx"
     onnx.save(onnx_models.rms_norm_residual(rows=8, hidden=64), model)
-    proc = _tune("--target", "llvm", str(model), "--trials", "4", "--out", str(tmp / "out"),
-                 "--logs", str(tmp / "logs"))
+    args = ["--target", "llvm", str(model), "--trials", "4", "--out", str(tmp / "out"), "--logs", str(tmp / "logs")]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    proc = subprocess.CompletedProcess([TUNE, *args], code, out.getvalue(), err.getvalue())
     return proc, tmp / "out" / "rms-llvm", model
 
 

@@ -10,8 +10,8 @@ import pytest
 import tvm
 import tvm_ffi
 from onnx import TensorProto, helper
-from tvm.s_tir import meta_schedule as ms
 
+from db_writer import record_for, write_records
 from tvmfuse.records.database import FILE, TuningDatabase
 from tvmfuse.fuse.fusion import lower
 from tvmfuse.frontend.importer import import_model
@@ -45,14 +45,6 @@ def kernel_mods(target, one=False):
     bound = prepare_module(import_model(two_kernels(one=one)))  # bind, precision, weight layout
     fused = lower(bound, plan=decide(bound, target))
     return fused, [t.dispatched[0] for t in tunable_tasks(fused.mod, target)]
-
-
-def record_for(mod, target, secs):
-    """A real, applicable record (split the matmul's first loop in 2) with a made-up run time."""
-    sch = tvm.s_tir.Schedule(mod)
-    sch.split(sch.get_loops(sch.get_sblock("matmul"))[0], [2, None])  # MetaSchedule ignores empty traces
-    return ms.database.TuningRecord(sch.trace, ms.database.Workload(mod), [secs], target,
-                                    ms.arg_info.ArgInfo.from_prim_func(mod["main"]))
 
 
 def fill(work_dir, target, mod, secs_list):
@@ -100,19 +92,10 @@ def test_corrupt_foreign_and_truncated_lines_are_skipped_and_named(tmp_path, llv
     assert [float(s) for s in again.query_tuning_record(mod, llvm, "main").run_secs] == [5e-6]
 
 
-def _writer(work_dir, n, tag):
-    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
-
-    target = resolve_target("llvm")
-    _, (mod, _) = kernel_mods(target)
-    db = TuningDatabase(work_dir, target)
-    for i in range(n):
-        db.commit_tuning_record(record_for(mod, target, tag + i * 1e-9))
-
-
 def test_two_writers_at_once_lose_nothing(tmp_path, llvm):
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), 60, tag)) for tag in (1e-3, 2e-3)]
+    _, (mod, _) = kernel_mods(llvm)
+    ctx = multiprocessing.get_context("spawn")  # each child imports only db_writer (TVM, tvmfuse.records)
+    procs = [ctx.Process(target=write_records, args=(str(tmp_path), mod, 60, tag)) for tag in (1e-3, 2e-3)]
     for p in procs:
         p.start()
     for p in procs:

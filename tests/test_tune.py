@@ -43,3 +43,26 @@ def test_loggers_survive_an_unnamed_handler(tmp_path):
         assert foreign in logger.handlers
     finally:
         logger.removeHandler(foreign)
+
+
+def test_one_builder_and_runner_per_process_whose_workers_import_no_tensor_intrinsics(llvm):
+    """tune.pool: make_builder / make_runner hand out one of each per configuration (their workers start once);
+    a builder worker that unpickles fast_build, as LocalBuilder sends it, imports neither tvmfuse.spaces nor TVM's
+    tensor intrinsics (10-15 s of CPU per worker when tvmfuse.tune imported its stage eagerly)."""
+    # pylint: disable=import-outside-toplevel
+    import os
+
+    from tvmfuse.tune.builder import fast_build
+    from tvmfuse.tune.search import evaluator_config, make_builder, make_runner
+
+    builder = make_builder(os.cpu_count() or 1)
+    assert builder is make_builder(os.cpu_count() or 1)
+    assert make_runner(None, evaluator_config(False)) is make_runner(None, evaluator_config(False))
+
+    def heavy_modules(f_build):  # runs in the worker (pickled by value); f_build is unpickled there by reference
+        import sys  # pylint: disable=import-outside-toplevel,redefined-outer-name,reimported
+
+        assert f_build.__name__ == "fast_build"
+        return sorted(m for m in sys.modules if m.startswith(("tvmfuse.spaces", "tvm.s_tir.tensor_intrin")))
+
+    assert builder._workers().submit(heavy_modules, fast_build).result() == []  # pylint: disable=protected-access

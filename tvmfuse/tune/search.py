@@ -21,6 +21,7 @@ from tvm.s_tir.meta_schedule.utils import fork_seed
 from tvmfuse.tune.baseline import measure_baselines
 from tvmfuse.tune.builder import fast_build
 from tvmfuse.fuse.fusion import symbolic_kernels
+from tvmfuse.tune.pool import local_builder, local_runner
 from tvmfuse.tune.progress import ProgressCallback, TaskProgress
 from tvmfuse.tune.remote import rpc_runner
 from tvmfuse.tune.isolation import probed_context, tune_isolated
@@ -72,7 +73,7 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
         def context(space_gen, task=task, logger=logger, rand=rand):
             with _no_tensor_intrin(target):
                 return ms.TuneContext(mod=task.dispatched[0], target=target, space_generator=space_gen,
-                                      search_strategy="evolutionary", task_name=task.task_name,
+                                      search_strategy=search_strategy(trials_per_task), task_name=task.task_name,
                                       logger=logger, rand_state=rand, num_threads="physical").clone()
 
         ctx = probed_context(task.task_name, context, space, target)  # None: its space raises, tuned no further
@@ -86,9 +87,8 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
         extractor=ms.feature_extractor.PerStoreFeature(), config=XGBConfig(max_depth=10, eta=0.2, nthread=cores),
         num_warmup_samples=min(16, trials_per_task), adaptive_training=True)
     database = database if database is not None else ms.database.JSONDatabase(work_dir=work_dir)
-    # one builder and one local runner for the whole tune: each one made runs a sanity check in fresh worker
-    # processes (~3 s each on 2 cores, every worker imports tvm); an RPC runner is made per phase, so it counts
-    # the servers free at that time
+    # the process's builder and local runner (tune.pool: their workers start once, not per tune or round); an RPC
+    # runner is made per phase, so it counts the servers free at that time
     builder, local = make_builder(cores), make_runner(None, evaluator_config(is_gpu)) if rpc is None else None
 
     def runner():
@@ -110,6 +110,19 @@ def tune(mod: tvm.IRModule, target: tvm.target.Target, work_dir: str, trials_per
                 raise TuningInterrupted() from None
             raise
     return progress
+
+
+#: candidates the evolutionary search keeps per trial of the budget, up to MetaSchedule's default population (512)
+POPULATION_PER_TRIAL = 32
+
+
+def search_strategy(trials_per_task: int):
+    """MetaSchedule's evolutionary search, its population (sampled from the space, then mutated and ranked by the cost
+    model 4 times per round) at most POPULATION_PER_TRIAL per trial: budgets of 16 and more keep MetaSchedule's 512;
+    a budget of 4, which measures 3 candidates, samples 128 (512 cost ~200 s of one core per round for an attention
+    kernel)."""
+    return ms.search_strategy.EvolutionarySearch(
+        population_size=max(64, min(512, POPULATION_PER_TRIAL * trials_per_task)))
 
 
 def task_loggers(work_dir: str, names: list[str]) -> list:
@@ -169,8 +182,9 @@ def _measure_defaults(contexts, target, database, builder, runner, progress, spe
 
 
 def make_builder(cores: int):
-    """MetaSchedule's local builder with tvmfuse's build function (no tensor-intrinsic import per worker)."""
-    return ms.builder.LocalBuilder(max_workers=cores, timeout_sec=60, f_build=fast_build)
+    """MetaSchedule's local builder with tvmfuse's build function (no tensor-intrinsic import per worker), one per
+    process (tune.pool)."""
+    return local_builder(cores, 60, fast_build)
 
 
 def evaluator_config(is_gpu: bool):
@@ -237,5 +251,5 @@ def _no_tensor_intrin(target: tvm.target.Target):
 def make_runner(rpc: tuple[str, str] | None, evaluator: ms.runner.EvaluatorConfig):
     """Measure locally, or on every free RPC server under the key (a dead server fails only its candidates)."""
     if rpc is None:
-        return ms.runner.LocalRunner(timeout_sec=30, evaluator_config=evaluator)
+        return local_runner(30, evaluator)  # one per process (tune.pool)
     return rpc_runner(rpc[0], rpc[1], evaluator)
