@@ -1,7 +1,7 @@
 """A real-size LLM end to end: Llama-2-7B's shapes (hidden 4096, intermediate 11008, 32 heads, vocab 32000) with
-random weights, exported by torch.onnx (fp32, weights as external data; the dynamo exporter by default), built by the product with `--dtype fp16
---trials 0` (weights outside model.so), and its prefill timed against torch.compile (reduce-overhead) on the same
-weights in fp16, in one run.
+random weights, exported by torch.onnx (fp32, weights as external data; the dynamo exporter by default), built by
+the product with `--dtype fp16 --trials 0` (weights outside model.so), and its prefill timed against torch.compile
+(reduce-overhead) on the same weights in fp16, in one run.
 
     python3 bench/big_model.py --layers 32 --seq 512 --work /tmp/big --out $OUT/big
 

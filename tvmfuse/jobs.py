@@ -35,7 +35,7 @@ class Job:
     batch: int | None = None  # candidates built and measured per tuning round (None: 16 on CPUs, 64 on GPUs)
     buckets: dict[str, list[int]] = field(default_factory=dict)  # symbolic dim -> bucket values (tvmfuse.buckets)
     cuda_graph: bool = False  # cuda: replay static launch sequences as CUDA graphs (tvmfuse.build.compile_module)
-    low_lookups: bool = True  # embedding lookups in the compute dtype (fp16/bf16), the residual stream too (tvmfuse.precision)
+    low_lookups: bool = True  # embedding lookups in the compute dtype, so the residual stream too (prepare.precision)
     tolerance: tuple[float, float] | None = None  # (atol, rtol) for every float output (None: verify.TOLERANCES)
     kv_cache: str | None = None  # "inplace" / "onnx" (None: in place where the model has the cache idiom)
     max_seq: int | None = None  # the in-place cache's capacity (None: the largest bucket, else DEFAULT_MAX_SEQ)

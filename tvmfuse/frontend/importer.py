@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -90,7 +89,7 @@ def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source
     main = mod["main"]
     n_in = int(main.attrs["num_input"])
     bounds = index_bounds(model)
-    infos = [dataclasses.replace(_info(p.name, p.ty), index_bound=bounds.get(p.name)) for p in main.params[:n_in]]
+    infos = [_info(p.name, p.ty, bounds.get(p.name)) for p in main.params[:n_in]]
     outputs = _output_infos(model, main.ret_ty)
     return Imported(mod, list(params.get("main", [])), infos, outputs, model, source)
 
@@ -173,9 +172,9 @@ def _resolve_shapes(inputs: list[TensorInfo], shapes: ShapeSpec, source: str) ->
     return out
 
 
-def _info(name: str, ty) -> TensorInfo:
+def _info(name: str, ty, index_bound: int | None = None) -> TensorInfo:
     dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in ty.shape]
-    return TensorInfo(name, dims, str(ty.dtype))
+    return TensorInfo(name, dims, str(ty.dtype), index_bound)
 
 
 def _output_infos(model: onnx.ModelProto, ret_ty) -> list[TensorInfo]:

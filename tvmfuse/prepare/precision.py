@@ -177,7 +177,8 @@ def _lookups_in_compute_dtype(mod: tvm.IRModule, dtype: str):
     one had cost GPT-2 and BERT a cast kernel per layer and fp32 LayerNorm reads (models_run24_bf16: 8-19% slower
     than fp16)."""
     op = tvm.ir.Op.get("relax.take")
-    if dtype not in (FLOAT16, BFLOAT16) or op.get_attr("TMixedPrecisionPolicy") is not None or not _fp16_tables(mod["main"]):
+    if dtype not in (FLOAT16, BFLOAT16) or op.get_attr("TMixedPrecisionPolicy") is not None \
+            or not _fp16_tables(mod["main"]):
         yield
         return
     op.set_attr("TMixedPrecisionPolicy", 0)  # kAlways

@@ -22,7 +22,7 @@ def random_inputs(inputs: list, seed: int = 0, dims: dict[str, int] | None = Non
             data[t.name] = cast_array(cast_array(rng.standard_normal(shape).astype("float32"), "bfloat16"), "float32")
             continue
         if np.issubdtype(np.dtype(t.dtype), np.integer):
-            high = getattr(t, "index_bound", None) or 2
+            high = t.index_bound or 2
             arr = np.ones(shape, t.dtype) if "mask" in t.name else rng.integers(0, high, shape).astype(t.dtype)
         elif t.dtype == "bool":
             arr = np.ones(shape, bool)
