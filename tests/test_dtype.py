@@ -257,6 +257,71 @@ def test_tiny_block_mixed_precision_end_to_end(tmp_path, dtype, tol):
     assert manifest["precision"]["accumulation"] == "float32"
 
 
+def _skip_layer_norm_matmul(bias: bool, ln_also_output: bool = False, rows=4, hidden=32, n=48) -> onnx.ModelProto:
+    """out = LayerNorm((x [+ b]) + r) @ W, the sum s a second output (GPT-2's and BERT's block); the LayerNorm
+    output y also an output when `ln_also_output` (a use of the fp32 value besides the cast to the matmul)."""
+    tp, rng = test_patterns, np.random.default_rng(3)
+    nodes = ([tp._n("Add", ["x", "b"], "xb"), tp._n("Add", ["xb", "r"], "s")] if bias
+             else [tp._n("Add", ["x", "r"], "s")])
+    nodes += [tp._n("LayerNormalization", ["s", "g", "beta"], "y", axis=-1, epsilon=1e-5),
+              tp._n("MatMul", ["y", "W"], "out")]
+    outs = [tp._t("out", [rows, n]), tp._t("s", [rows, hidden])] + ([tp._t("y", [rows, hidden])] if ln_also_output
+                                                                     else [])
+    return tp._model(nodes, [tp._t("x", [rows, hidden]), tp._t("r", [rows, hidden])], outs,
+                     [tp._c("g", rng.standard_normal(hidden)), tp._c("beta", rng.standard_normal(hidden)),
+                      tp._c("W", rng.standard_normal((hidden, n)) * 0.2)]
+                     + ([tp._c("b", rng.standard_normal(hidden))] if bias else []))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_skip_layer_norm_kernel_ends_at_the_cast_to_the_next_matmul(bias, llvm):
+    """bf16: layer_norm computes in fp32 between casts; the skip-LayerNorm kernel takes the cast down to bf16
+    for the next matmul (no cast kernel between them: its fp32 output never goes to memory) and matches
+    onnxruntime."""
+    name = "tvmfuse.skip_layer_norm_bias" if bias else "tvmfuse.skip_layer_norm"
+    model = _skip_layer_norm_matmul(bias)
+    imported, mod = _mixed(model, "bfloat16")
+    fused = lower(mod)
+    (kernel,) = [k for k, p in fused.kernel_patterns.items() if p == name]
+    assert _call_dtypes(fused.mod["main"], kernel) == ["bfloat16", "bfloat16"]  # y and the sum, both bf16
+    ex, _ = build(fused.mod, llvm)
+    feeds = random_inputs(imported.inputs)
+    got = run_vm(relax.VirtualMachine(ex, device_for(llvm)), device_for(llvm), list(feeds.values()))
+    check = compare(got, onnxruntime_outputs(model, feeds), compute_dtype="bfloat16")
+    assert check.ok, check.as_dict()
+
+
+def _call_dtypes(main_fn, kernel: str) -> list[str]:
+    """The dtypes of what the (first) call of `kernel` in main returns."""
+    found = []
+    relax.analysis.post_order_visit(main_fn, lambda e: found.append(e.ty) if isinstance(e, relax.Call)
+                                    and isinstance(getattr(e, "args", [None])[0], tvm.ir.GlobalVar)
+                                    and e.args[0].name_hint == kernel else None)
+    ty = found[0]
+    return [str(f.dtype) for f in ty.fields] if hasattr(ty, "fields") else [str(ty.dtype)]
+
+
+def test_bf16_skip_layer_norm_without_its_cast_when_the_fp32_value_is_used_elsewhere():
+    """Negative: the LayerNorm's fp32 output is also returned as it is, so the cast-taking match would leak an
+    intermediate; the kernel ends at the layer_norm (its fp32 value) and the cast stays outside."""
+    bb, bf16 = relax.BlockBuilder(), "bfloat16"
+    x, r = (relax.Var(n, relax.TensorType((4, 32), bf16)) for n in ("x", "r"))
+    g, beta = (relax.const(np.ones(32, np.float32)) for _ in range(2))
+    with bb.function("main", [x, r]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.add(x, r))
+            ln = bb.emit(relax.op.nn.layer_norm(relax.op.astype(s, "float32"), g, beta, axes=[-1]))
+            y = bb.emit(relax.op.astype(ln, bf16))
+            out = bb.emit_output(relax.Tuple([y, s, ln]))
+        bb.emit_func_output(out)
+    fused = lower(bb.get())
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.skip_layer_norm"], fused.rejections
+    (kernel,) = fused.kernel_patterns
+    assert sorted(_call_dtypes(fused.mod["main"], kernel)) == ["bfloat16", "float32"]  # the sum; y still fp32
+    assert any("used outside the match" in why for p, _, why in fused.rejections
+               if p == "tvmfuse.skip_layer_norm"), fused.rejections
+
+
 # ---- io_dtype: the module's float inputs and outputs in the compute dtype ------------------------------
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -27,20 +27,21 @@ def make_layer_norm_gelu_pattern() -> Annotated:
 
 def make_skip_layer_norm_pattern() -> Annotated:
     """y = layer_norm(a + b); the sum stays available to later ops (the residual stream). In bf16 the layer_norm
-    computes in fp32: `layer_norm(astype(a + b))`."""
+    computes in fp32 between casts: `astype(layer_norm(astype(a + b)))`, both casts optional."""
     s = is_op("relax.add")(wildcard(), wildcard())
-    y = _layer_norm(upcast(s))
-    return y, {"sum": s, "ln": y}
+    ln = _layer_norm(upcast(s))
+    return cast(ln), {"sum": s, "ln": ln}
 
 
 def make_skip_layer_norm_bias_pattern() -> Annotated:
-    """y = layer_norm((x + bias) [reshaped] [-> fp32] + residual); the sum stays available. The upcast: mixed
-    precision adds the bias in the compute dtype and the residual in fp32."""
+    """y = layer_norm((x + bias) [reshaped] [-> fp32] + residual) [-> cast]; the sum stays available. The upcast:
+    mixed precision adds the bias in the compute dtype and the residual in fp32; the cast: its fp32 result cast
+    to the compute dtype for the next matmul."""
     biased = is_op("relax.add")(wildcard(), wildcard())
     pre = is_op("relax.reshape")(biased, wildcard()) | biased
     s = is_op("relax.add")(upcast(pre), wildcard())
-    y = _layer_norm(upcast(s))
-    return y, {"biased": biased, "sum": s, "ln": y}
+    ln = _layer_norm(upcast(s))
+    return cast(ln), {"biased": biased, "sum": s, "ln": ln}
 
 
 def _rms(h: DFPattern) -> tuple[DFPattern, dict]:
@@ -104,6 +105,8 @@ def _check_skip(ctx: PatternCheckContext, name: str) -> bool:
         return reject(ctx, name, "layer_norm is not over the last axis only")
     if any(ndim(a) != ndim(s) for a in s.args):
         return reject(ctx, name, "the add broadcasts: not a residual add of two same-rank tensors")
+    if only_cast_follows(ctx):
+        return reject(ctx, name, "its result is only cast to another dtype: the kernel ends at the cast")
     return finish(ctx, name, {"hidden": dim_str(shape_of(s)[-1])}, exposed=("sum",))
 
 
