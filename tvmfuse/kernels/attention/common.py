@@ -79,7 +79,8 @@ def normalize(shapes: dict) -> dict:
         if s[key] not in LAYOUTS:
             raise ValueError(f"{key} {s[key]} ({', '.join(LAYOUTS)})")
     s.setdefault("dtype", "float16")
-    s["q_dtype"] = s.get("q_dtype") or s["dtype"]
+    if s.get("q_dtype") in (None, s["dtype"]):
+        s.pop("q_dtype", None)  # only a Q of another dtype is named (the tuning records' keys stay as they were)
     s["mask"] = s.get("mask") or "none"
     s["causal"] = bool(s.get("causal", False)) and s["mask"] != "additive"
     if s.get("scale") is None:
@@ -93,6 +94,11 @@ def normalize(shapes: dict) -> dict:
 def _size(x) -> int | str:
     """An int, or the text of a symbolic size."""
     return int(x) if isinstance(x, int) or str(x).isdigit() else str(x)
+
+
+def q_dtype(s: dict) -> str:
+    """Q's dtype: the compute dtype, or fp32 (a rotary embedding computed in fp32)."""
+    return s.get("q_dtype", s["dtype"])
 
 
 def symbolic(s: dict) -> bool:

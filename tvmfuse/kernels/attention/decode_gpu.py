@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, drop_mask, extents, f32, mask_extents, tshape
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, drop_mask, extents, f32, mask_extents, \
+    q_dtype, tshape
 from tvmfuse.kernels.attention.decode_guards import guards
 from tvmfuse.kernels.attention.decode_knobs import VEC, chunk_of, group
 
@@ -17,7 +18,7 @@ def gpu_kernel(s: dict, knobs: dict):
     body = gpu_body(s, knobs, ext, s["seq_q"])
     qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
                               (("q", H, SQ), ("k", HKV, L), ("v", HKV, L)))
-    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), s["q_dtype"], \
+    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
         s.get("mask_dtype", dt)
 
     @T.prim_func(s_tir=True)

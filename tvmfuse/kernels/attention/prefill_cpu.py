@@ -6,7 +6,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, dims, drop_mask, extents, f32, \
-    mask_extents, tshape
+    mask_extents, q_dtype, tshape
 from tvmfuse.kernels.attention.prefill_logits import logit_rules
 
 
@@ -18,7 +18,7 @@ def cpu_kernel(s: dict, knobs: dict):
     body = cpu_body(s, knobs, ext)
     qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
                               (("q", HQ, SQ), ("k", HKV, L), ("v", s["v_heads"], L)))
-    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, HQ, SQ, D), mask_extents(s, ext), s["q_dtype"], \
+    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, HQ, SQ, D), mask_extents(s, ext), q_dtype(s), \
         s.get("mask_dtype", dt)
 
     @T.prim_func(s_tir=True)
@@ -45,7 +45,7 @@ def cpu_body(s: dict, knobs: dict, ext: dict):
         """Key row j as read: past L the last key (weighed 0)."""
         return T.min(j, L - 1) if ragged else j
 
-    def TILES(row):  # noqa: N802  (read as a size in the kernel)
+    def kv_tiles(row):
         """K/V tiles row `row` reads: up to its diagonal when causal, else all (the last one ragged)."""
         return row // BN + 1 if causal else ceil_div(L, BN)
 
@@ -69,7 +69,7 @@ def cpu_body(s: dict, knobs: dict, ext: dict):
                 st[4] = T.float32(0)
                 for d in range(D):
                     acc[d] = T.float32(0)
-                for jt in range(TILES(vi)):
+                for jt in range(kv_tiles(vi)):
                     st[2] = st[0]
                     for j in range(BN):
                         sc[j] = T.float32(NEG)

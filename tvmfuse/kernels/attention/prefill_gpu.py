@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import NEG, at, ceil_div, dims, drop_mask, extents, mask_extents, tshape
+from tvmfuse.kernels.attention.common import NEG, at, ceil_div, dims, drop_mask, extents, mask_extents, q_dtype, \
+    tshape
 from tvmfuse.kernels.attention.prefill_knobs import STATIC_SMEM, smem_bytes
 from tvmfuse.kernels.attention.prefill_logits import logit_rules, mask_index
 
@@ -21,7 +22,7 @@ def gpu_kernel(s: dict, knobs: dict):
     body = gpu_body(s, knobs, ext)
     qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
                               (("q", HQ, SQ), ("k", HKV, L), ("v", s["v_heads"], L)))
-    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, HQ, SQ, D), mask_extents(s, ext), s["q_dtype"], \
+    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, HQ, SQ, D), mask_extents(s, ext), q_dtype(s), \
         s.get("mask_dtype", dt)
 
     @T.prim_func(s_tir=True)
@@ -52,7 +53,7 @@ def gpu_body(s: dict, knobs: dict, ext: dict):
     MV = 4 if mdt == "float32" else 8  # mask values per 16-byte load (one by one at a symbolic KV length)
     QT, KT = ceil_div(SQ, BM), ceil_div(L, BN)  # query tiles, K/V tiles
 
-    def NTILES(qt):  # noqa: N802  (read as a size in the kernel)
+    def kv_tiles(qt):
         """K/V tiles query tile qt reads: up to its last row's diagonal when causal, else all."""
         if not causal:
             return KT
@@ -67,9 +68,11 @@ def gpu_body(s: dict, knobs: dict, ext: dict):
         return T.min(j, L - 1) if ragged_k else j
 
     def qval(x):
-        return x if s["q_dtype"] == dt else T.Cast(dt, x)
+        """A Q value in the compute dtype (an fp32 Q rounded, as the graph's cast before Q K^T does)."""
+        return x if q_dtype(s) == dt else T.Cast(dt, x)
 
     def stored(r):
+        """Whether query row r is stored (below seq_q)."""
         return r < SQ if ragged_q else True
 
     def qoff(t, kk):
@@ -164,9 +167,9 @@ def gpu_body(s: dict, knobs: dict, ext: dict):
                                         T.address_of(kv_sm[0, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
                                         T.address_of(v[at(lv, b, h // GV, krow((it * NT + ty * 32 + tx) // (D // 8)), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
                                 T.ptx["cp.async.commit_group"]()
-                            for jt in T.serial(NTILES(qt)):
+                            for jt in T.serial(kv_tiles(qt)):
                                 if S == 2:  # tile jt + 1 loads (cp.async) while tile jt computes
-                                    if jt + 1 < NTILES(qt):
+                                    if jt + 1 < kv_tiles(qt):
                                         for it in T.unroll(BN * D // 8 // NT):
                                             T.ptx["cp.async.cg.shared.global"](
                                                 T.address_of(kv_sm[(jt + 1) % 2, 0, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),

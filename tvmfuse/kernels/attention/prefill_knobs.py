@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tvmfuse.kernels.attention.common import q_dtype
+
 
 def check(s: dict) -> str | None:
     if s["head_dim"] not in (16, 32, 64, 128) or s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:
@@ -36,7 +38,7 @@ def knob_space(s: dict) -> list[dict]:
              for n in (32, 64, 128)]
     return [k for k in space if _tiles(s["seq_q"], 16 * k["warps"] * k["m_tiles"]) and _tiles(s["seq_k"], k["block_n"])
             and k["block_n"] * s["head_dim"] <= 8192
-            and not (k.get("q_smem") and s["q_dtype"] != s["dtype"])  # Q staged in shared memory in the compute dtype
+            and not (k.get("q_smem") and q_dtype(s) != s["dtype"])  # Q staged in shared memory in the compute dtype
             and k["block_n"] * s["head_dim"] // 8 % (32 * k["warps"]) == 0  # every thread loads as many K/V vectors
             and smem_bytes(s, k) <= MAX_SMEM]
 
