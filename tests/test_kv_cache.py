@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import onnxruntime as ort
@@ -128,16 +129,17 @@ def test_inplace_manifest_describes_the_step_and_its_cache(kv_exports):
     assert [t["name"] for t in manifest["outputs"]] == ["logits"]
 
 
-def _lowered(path: str, mode: str):
+def _lowered(path: str, mode: str, target: str = "llvm", dtype: str = "fp32"):
+    """The step as the pipeline fuses it for `target`, computing in `dtype`."""
     from tvmfuse.jobs import Job  # pylint: disable=import-outside-toplevel
     from tvmfuse.pipeline import frontend_phase, fuse_phase, kv_cache_phase  # pylint: disable=import-outside-toplevel
     from tvmfuse.prepare import prepare_module  # pylint: disable=import-outside-toplevel
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 
-    job = Job(name="kv", path=path, kv_cache=mode, max_seq=CAPACITY)
+    job = Job(name="kv", path=path, kv_cache=mode, max_seq=CAPACITY, dtype=dtype)
     imported = frontend_phase(job)
-    bound, _ = kv_cache_phase(prepare_module(imported), imported, job, lambda s: None)
-    return fuse_phase(bound, resolve_target("llvm"))
+    bound, _ = kv_cache_phase(prepare_module(imported, job.dtype), imported, job, lambda s: None)
+    return fuse_phase(bound, resolve_target(target))
 
 
 def _cache_copies(fused) -> list[str]:
@@ -260,3 +262,145 @@ def test_cuda_inplace_decode_matches_onnxruntime(kv_model, tmp_path):
                           "--logs", str(out / "logs"), "--max-seq", str(CAPACITY), *extra]) == 0
         folder = next(p for p in out.iterdir() if p.name.startswith("llama_kv-"))
         np.testing.assert_array_equal(load(str(folder)).generate(ids, STEPS).tokens, want)
+
+
+#: the steps the in-place step and onnxruntime both run: the prompt (past 0), one token at a time, then three
+#: tokens at once after a past (a prefill after a past), then one at a time again
+STEP_LENGTHS = [PROMPT, 1, 1, 1, 3, 1, 1]
+
+
+def _steps_match_onnxruntime(path: str, run_step, dtype: str) -> list[int]:
+    """Run `run_step(ids, mask, past_len) -> logits` (the in-place step, its caches inside) and onnxruntime's
+    past -> present step on the same tokens (onnxruntime's greedy choice, so both read the same inputs) for
+    STEP_LENGTHS; assert the logits agree within the compute dtype's tolerance at every step; the past lengths."""
+    from tvmfuse.verify.outputs import compare  # pylint: disable=import-outside-toplevel
+
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    pasts = [i for i in sess.get_inputs() if i.name.startswith("past_")]
+    names = [o.name for o in sess.get_outputs()]
+    feeds = {p.name: np.zeros((BATCH, p.shape[1], 0, p.shape[3]), np.float32) for p in pasts}
+    rng = np.random.default_rng(9)
+    ids, past, seen = rng.integers(0, hf_export.VOCAB, (BATCH, STEP_LENGTHS[0]), dtype=np.int64), 0, []
+    for i, length in enumerate(STEP_LENGTHS):
+        mask = np.ones((BATCH, past + length), np.int64)
+        out = dict(zip(names, sess.run(None, {"input_ids": ids, "attention_mask": mask, **feeds})))
+        check = compare([run_step(ids, mask, past)], [out["logits"]], dtype)
+        assert check.ok, (past, length, check.as_dict())
+        seen.append(past)
+        feeds = {p.name: out[p.name.replace("past_", "present_")] for p in pasts}
+        past += length
+        nxt = STEP_LENGTHS[i + 1] if i + 1 < len(STEP_LENGTHS) else 1
+        ids = np.concatenate([out["logits"][:, -1:].argmax(-1)] + [rng.integers(0, hf_export.VOCAB, (BATCH, nxt - 1))],
+                             axis=1).astype(np.int64)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_inplace_step_keeps_the_cache_in_the_compute_dtype(kv_model, dtype):
+    """--dtype fp16/bf16: the caches are fp16/bf16 (the past K/V inputs have symbolic shapes, so the precision pass
+    left their concatenation in fp32), each written through a cast of the step's K/V and read, through a cast,
+    inside the attention kernel, which takes the cache's view in place: no other kernel reads a cache."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    want = {"fp16": "float16", "bf16": "bfloat16"}[dtype]
+    fused = _lowered(kv_model, "inplace", "cuda", dtype)
+    main = fused.mod["main"]
+    assert [str(p.ty.dtype) for p in main.params if p.name.startswith("cache_")] == [want] * 4
+    assert _cache_copies(fused) == []
+    assert list(fused.kernel_patterns.values()).count("tvmfuse.attention") == 1  # the two layers share it
+    writes = [b.value for blk in main.body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)
+              and getattr(b.value.op, "name", "") == "relax.call_tir_inplace"]
+    assert {c.args[0].name_hint for c in writes} == {f"kv_cache_write_{want}"}
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_low_precision_inplace_step_verifies_and_generates_on_llvm(kv_model, tmp_path, dtype):
+    """`--dtype fp16/bf16` in place on llvm: the manifest's cache dtype is the compute dtype, the step verifies
+    against onnxruntime's past -> present step at that dtype's tolerance, and generation runs on the half-size
+    cache (its tensors in that dtype)."""
+    out = tmp_path / "out"
+    assert tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--dtype", dtype,
+                      "--out", str(out), "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0
+    model = load(str(out / "llama_kv-llvm"))
+    want = {"fp16": "float16", "bf16": "bfloat16"}[dtype]
+    assert model.manifest["kv_cache"]["dtype"] == want and model.manifest["verification"]["status"] == "passed"
+    cache = model.kv_cache(BATCH)
+    ids = np.random.default_rng(8).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
+    assert model.generate(ids, 8, cache=cache).tokens.shape == (BATCH, 8)
+    assert {str(t.dtype) for t in cache.tensors} == {want} and cache.length == PROMPT + 7
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_inplace_step_takes_the_step_template_and_compiles_for_sm_90a(kv_model, dtype):
+    """The CUDA build of the in-place step (symbolic batch, seq and past): its attention kernel, reading K/V from
+    the caches' [past + seq, batch, kv heads, head dim] view with GQA and the additive mask, is taken by the step
+    template (flash-decoding at one token, the prefill kernel otherwise), as the job log would say; the built
+    module's CUDA source compiles with nvcc for sm_90a."""
+    from checks import cuda_sources  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.build.compile import apply_default_schedules, compile_module  # pylint: disable=import-outside-toplevel
+    from tvmfuse.kernels import substitute  # pylint: disable=import-outside-toplevel
+    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
+
+    cuda = resolve_target("cuda")
+    fused = _lowered(kv_model, "inplace", "cuda", dtype)
+    log: list = []
+    new = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=log)
+    assert [outcome for _, outcome in log] == ["template attention_step"], log
+    (name,) = [k for k, _ in log]
+    shapes = json.loads(str(new[name].attrs["tvmfuse.template"]))["shapes"]
+    assert (shapes["k_layout"], shapes["v_layout"], shapes["seq_q"], shapes["seq_k"]) == \
+        ("SBHD", "SBHD", "seq", "past + seq")
+    assert (shapes["heads"], shapes["kv_heads"], shapes["mask"]) == (4, 2, "additive")
+    (src,) = cuda_sources(compile_module(apply_default_schedules(new, cuda), cuda))
+    kernel = [k for k in src.split('extern "C" __global__')[1:] if "k_ptr" in k]
+    assert len(kernel) >= 3  # the split pass and the combine of the decode branch, and the prefill kernel
+    assert "mma.sync.aligned.m16n8k16" in src and "__shfl_xor_sync" in src
+    with cuda:
+        assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
+
+
+def test_inplace_step_with_the_step_template_matches_onnxruntime_on_llvm(kv_model):
+    """The step template's CPU variant substituted into the fp16 in-place step (the call site as on CUDA: the
+    cache's view, the additive mask, the scalars dropped), run on llvm: the logits match onnxruntime's at the
+    prompt, at one token after pasts of several lengths, and at three tokens after a past."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.build.compile import build  # pylint: disable=import-outside-toplevel
+    from tvmfuse.kernels import substitute  # pylint: disable=import-outside-toplevel
+    from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
+
+    llvm = resolve_target("llvm")
+    fused = _lowered(kv_model, "inplace", "llvm", "fp16")
+    log: list = []
+    new = substitute(fused.mod, fused.kernel_patterns, target="llvm", log=log)
+    assert [outcome for _, outcome in log] == ["template attention_step"], log
+    vm = tvm.relax.VirtualMachine(build(new, llvm)[0], tvm.cpu())
+    caches = [tvm.runtime.tensor(np.zeros((CAPACITY, BATCH, 2, 16), "float16")) for _ in range(4)]
+
+    def run_step(ids, mask, past):
+        return vm["main"](tvm.runtime.tensor(ids), tvm.runtime.tensor(mask), tvm.runtime.ShapeTuple([past]),
+                          *caches).numpy()
+
+    assert _steps_match_onnxruntime(kv_model, run_step, "float16") == [0, 5, 6, 7, 8, 11, 12]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gpu_inplace_step_with_the_step_template_matches_onnxruntime(kv_model, tmp_path, dtype):
+    """On a GPU: the in-place step built for CUDA in fp16/bf16 (the step template on its attention, the caches in
+    the compute dtype) passes its verification, and its logits match onnxruntime's at the prompt, at decode after
+    pasts of several lengths, and at a three-token prefill after a past."""
+    out = tmp_path / "out"
+    assert tune_main([kv_model, "--target", "cuda", "--trials", "0", "--schedules", "none", "--dtype", dtype,
+                      "--out", str(out), "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0
+    model = load(str(next(p for p in out.iterdir() if p.name.startswith("llama_kv-"))))
+    assert model.manifest["verification"]["status"] == "passed"
+    assert model.manifest["kv_cache"]["dtype"] == {"fp16": "float16", "bf16": "bfloat16"}[dtype]
+    cache = model.kv_cache(BATCH)
+    compute = model.manifest["precision"]["compute_dtype"]
+    assert _steps_match_onnxruntime(kv_model, lambda ids, mask, past: model(ids, mask, past, *cache.tensors)[0],
+                                    compute) == [0, 5, 6, 7, 8, 11, 12]

@@ -135,7 +135,8 @@ def kv_cache_phase(bound: tvm.IRModule, imported: Imported, job: Job, say: Say) 
     lengths = {str(p.ty.shape.values[2]) for p, _, _ in sites} | {  # the past dim, and the mask's past + seq
         d for t in imported.inputs if "mask" in t.name for d in t.shape[-1:] if isinstance(d, str)}
     capacity = job.max_seq or max((max(v) for d, v in job.buckets.items() if d in lengths), default=DEFAULT_MAX_SEQ)
-    mod, layout = in_place_kv_cache(bound, capacity, [t.name for t in imported.outputs])
+    mod, layout = in_place_kv_cache(bound, capacity, [t.name for t in imported.outputs],
+                                    parse_dtype(job.dtype, "dtype"))
     say(f"KV cache in place: {len(layout.sites)} caches of {capacity} positions ({layout.dtype}), written at "
         f"past_len, read where they lie (--kv-cache onnx: the exported past -> present copy)")
     return mod, layout

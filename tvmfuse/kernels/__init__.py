@@ -3,7 +3,7 @@
 
 from tvmfuse.kernels.hopper import apply_hopper_kernels, is_hopper
 from tvmfuse.kernels.substitution import lookup, substitute, template_sites, templates
-from tvmfuse.kernels.table import ATTENTION_DECODE, ATTENTION_PREFILL, TABLE, TemplateEntry
+from tvmfuse.kernels.table import ATTENTION_DECODE, ATTENTION_PREFILL, ATTENTION_STEP, TABLE, TemplateEntry
 
-__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "TABLE", "TemplateEntry", "apply_hopper_kernels", "is_hopper", "lookup",
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "ATTENTION_STEP", "TABLE", "TemplateEntry", "apply_hopper_kernels", "is_hopper", "lookup",
            "substitute", "template_sites", "templates"]

@@ -11,6 +11,7 @@ from tvmfuse.kernels.attention.common import Template
 from tvmfuse.kernels.attention.decode import TEMPLATE as ATTENTION_DECODE
 from tvmfuse.kernels.attention.prefill import TEMPLATE as ATTENTION_PREFILL
 from tvmfuse.kernels.attention.roles import attention_roles
+from tvmfuse.kernels.attention.step import TEMPLATE as ATTENTION_STEP
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class TemplateEntry:
     templates: tuple[Template, ...]
 
 
-#: pattern name -> its row: attention's role analysis; decode (one query row) before prefill
+#: pattern name -> its row: attention's role analysis; decode (one query row), then the step (a symbolic query
+#: length: decode or prefill at run time), then prefill
 TABLE = {
-    "tvmfuse.attention": TemplateEntry(attention_roles, (ATTENTION_DECODE, ATTENTION_PREFILL)),
+    "tvmfuse.attention": TemplateEntry(attention_roles, (ATTENTION_DECODE, ATTENTION_STEP, ATTENTION_PREFILL)),
 }

@@ -23,6 +23,12 @@ def _heads(p: DFPattern) -> DFPattern:
     return _op("permute_dims", p) | p
 
 
+def _cache_heads(p: DFPattern) -> DFPattern:
+    """K or V as the heads: [B,S,H,D] or an in-place cache's [S,B,KV,D] view, permuted (and, where the graph
+    computes in fp32 around an fp16/bf16 cache, cast up), or already in head layout."""
+    return cast(_op("permute_dims", p)) | p
+
+
 def _gqa(p: DFPattern) -> tuple[DFPattern, DFPattern]:
     """repeat_kv: [B,KV,S,D] -> expand_dims -> broadcast_to -> reshape -> [B,H,S,D]; also the expand_dims."""
     expand = _op("expand_dims", p)
@@ -37,14 +43,17 @@ def _key_transpose(p: DFPattern) -> DFPattern:
 def make_attention_pattern() -> Annotated:
     """softmax(scale * Q @ K^T [+ mask]) @ V with the multi-head transposes (and GQA repeat) around it. In mixed
     precision each matmul accumulates in fp32 and is cast to the compute dtype, the scores are cast back up for
-    the mask and softmax (fp32), and the probabilities down again for P @ V: the optional `cast`s."""
+    the mask and softmax (fp32), and the probabilities down again for P @ V: the optional `cast`s. Q and K may
+    be scaled in fp32 and cast down before Q K^T, V cast down before P V (a rotary embedding computed in fp32 at
+    symbolic positions, an fp16/bf16 KV cache read into the fp32 graph)."""
     q_in, k_in, v_in, mask = wildcard(), wildcard(), wildcard(), wildcard()
-    (k_gqa, k_exp), (v_gqa, _) = _gqa(_heads(k_in)), _gqa(_heads(v_in))  # (a cache's [S,B,KV,D] view: permuted)
+    k_src, v_src = _cache_heads(k_in), _cache_heads(v_in)
+    (k_gqa, k_exp), (v_gqa, _) = _gqa(k_src), _gqa(v_src)
     q = _heads(q_in)
-    k = _key_transpose(k_gqa) | _key_transpose(_op("permute_dims", k_in)) | _key_transpose(k_in)
-    v = v_gqa | _heads(v_in)
-    qs = _op("multiply", q, const()) | _op("divide", q, const()) | q
-    ks = _op("multiply", k, const()) | _op("divide", k, const()) | k
+    k = _key_transpose(k_gqa) | _key_transpose(k_src)
+    v = cast(v_gqa | v_src)
+    qs = cast(_op("multiply", q, const())) | cast(_op("divide", q, const())) | q
+    ks = cast(_op("multiply", k, const())) | cast(_op("divide", k, const())) | k
     scores = _op("matmul", qs, ks)
     scores_out = cast(cast(scores))
     scaled = _op("multiply", scores_out, const()) | _op("divide", scores_out, const()) | scores_out

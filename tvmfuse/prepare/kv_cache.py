@@ -14,6 +14,7 @@ from tvmfuse.errors import TvmfuseError
 
 POSITION = "past_len"  # the step's Shape argument: how many positions the caches hold before this step
 LAYOUT = ["capacity", "batch", "kv_heads", "head_dim"]  # each cache tensor; a prefix of the first axis is contiguous
+LOW_DTYPES = ("float16", "bfloat16")  # compute dtypes the cache is stored in (half the bytes read per step)
 
 
 @dataclass
@@ -157,10 +158,14 @@ class _InPlace(relax.PyExprMutator):
         self.set_var_remap(binding.var, emit(value, binding.var.name))
 
 
-def in_place_kv_cache(mod: tvm.IRModule, capacity: int, output_names: list[str]) -> tuple[tvm.IRModule, CacheLayout]:
+def in_place_kv_cache(mod: tvm.IRModule, capacity: int, output_names: list[str],
+                      compute_dtype: str = "float32") -> tuple[tvm.IRModule, CacheLayout]:
     """`main(inputs..., past_k0, past_v0, ...) -> (outputs..., present_k0, ...)` becomes
     `main(inputs..., past_len: Shape([past]), cache_k0, cache_v0, ...) -> outputs...`, each cache
-    [capacity, batch, kv heads, head dim] in the dtype the step computes K/V in, written in place at past_len.
+    [capacity, batch, kv heads, head dim], written in place at past_len, in `compute_dtype` when that is fp16 or
+    bf16 (the exported past K/V inputs have symbolic shapes, so the precision pass leaves their concatenation in
+    fp32: the step's K/V are rounded to the compute dtype as they are written, and the attention reads the
+    cache's view through a cast), else in the dtype the concatenation computes in.
     `output_names`: main's ONNX output names, in order. Raises TvmfuseError when `main` has no cache idiom."""
     sites = find_cache_sites(mod)
     if not sites:
@@ -177,7 +182,8 @@ def in_place_kv_cache(mod: tvm.IRModule, capacity: int, output_names: list[str])
     for past, var, new in sites:
         batch, heads, _, dim = past.ty.shape.values
         name = past.name[len("past_"):] if past.name.startswith("past_") else past.name
-        caches[past] = relax.Var(f"cache_{name}", relax.TensorType([capacity, batch, heads, dim], var.ty.dtype))
+        dtype = compute_dtype if compute_dtype in LOW_DTYPES else str(var.ty.dtype)
+        caches[past] = relax.Var(f"cache_{name}", relax.TensorType([capacity, batch, heads, dim], dtype))
         by_var[var] = (past, new)
     ret = fn.body.body
     bound = _bindings(fn)
@@ -204,7 +210,7 @@ def in_place_kv_cache(mod: tvm.IRModule, capacity: int, output_names: list[str])
     for i, (p, var, _) in enumerate(sites):
         idx = next((j for j, f in enumerate(ret_fields(fn)) if _returned_site(f, bound, {var})), None)
         present[i] = output_names[idx] if idx is not None and idx < len(output_names) else None
-    layout = CacheLayout(capacity, str(sites[0][1].ty.dtype), [
+    layout = CacheLayout(capacity, str(caches[sites[0][0]].ty.dtype), [
         CacheSite(p.name, present[i], caches[p].name, int(p.ty.shape.values[1]), int(p.ty.shape.values[3]))
         for i, (p, _, _) in enumerate(sites)])
     return out, layout

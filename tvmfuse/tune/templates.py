@@ -16,7 +16,7 @@ from tvmfuse.records.keys import knob_key, workload_hash
 from tvmfuse.records.knobs import best_knobs, measured, target_kind
 from tvmfuse.tune.progress import TaskProgress
 from tvmfuse.kernels.substitution import call_sites, template_sites
-from tvmfuse.kernels.attention.common import Template
+from tvmfuse.kernels.attention.common import Template, normalize, symbolic
 from tvmfuse.tune.search import evaluator_config, make_builder, make_runner
 
 FAILED_SECS = 1e10  # what MetaSchedule stores for a candidate that failed to build or run
@@ -50,6 +50,9 @@ def tune_templates(mod: tvm.IRModule, patterns: dict[str, str], target: tvm.targ
     progress: dict[str, TaskProgress] = {}
     say = say or (lambda _line: None)
     for gv, name, tmpl, shapes, perm in template_sites(mod, patterns, info, target_kind(target)):
+        if trials > 0 and symbolic(normalize(shapes)):
+            say(f"{name}: {tmpl.name} knobs not measured (symbolic sizes: no inputs to time it on); default knobs")
+            continue
         space, done = candidate_knobs(tmpl, shapes), measured(database, tmpl, shapes, target)
         budget = min(max(trials, 0), len(space))
         spent = min(sum(knob_key(k) in done for k in space), budget)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmfuse.records.keys import knob_key
@@ -61,36 +62,89 @@ class Template:
                            "shapes": s}, sort_keys=True, default=str)
 
 
+SIZES = ("batch", "seq_q", "seq_k")  # the sizes that may be symbolic (their TIR text: "batch", "past + seq")
+LAYOUTS = ("BHSD", "BSHD", "SBHD")  # SBHD: an in-place KV cache's [positions, batch, kv heads, head dim] view
+
+
 def normalize(shapes: dict) -> dict:
-    """Shape dict with ints (the decide stage records dims as strings) and defaults filled in."""
+    """Shape dict with ints (the decide stage records dims as strings; a symbolic size keeps its text) and defaults
+    filled in."""
     s = dict(shapes)
     for key in ("batch", "heads", "seq_q", "seq_k", "head_dim"):
-        s[key] = int(s[key])
+        s[key] = _size(s[key]) if key in SIZES else int(s[key])
     s["kv_heads"] = int(s.get("kv_heads") or s["heads"])
     s["v_heads"] = int(s.get("v_heads") or s["kv_heads"])
     for key in ("q_layout", "k_layout", "v_layout", "out_layout"):
         s[key] = s.get(key) or "BHSD"
-        if s[key] not in ("BHSD", "BSHD"):
-            raise ValueError(f"{key} {s[key]} (BHSD or BSHD)")
+        if s[key] not in LAYOUTS:
+            raise ValueError(f"{key} {s[key]} ({', '.join(LAYOUTS)})")
     s.setdefault("dtype", "float16")
+    if s.get("q_dtype") in (None, s["dtype"]):
+        s.pop("q_dtype", None)  # only a Q of another dtype is named (the tuning records' keys stay as they were)
     s["mask"] = s.get("mask") or "none"
     s["causal"] = bool(s.get("causal", False)) and s["mask"] != "additive"
     if s.get("scale") is None:
         s["scale"] = 1.0 / math.sqrt(s["head_dim"])
     s["scale"] = float(s["scale"])
+    if "mask_shape" in s:
+        s["mask_shape"] = tuple(_size(x) for x in s["mask_shape"])
     return s
 
 
-def dims(s: dict):
-    return s["batch"], s["heads"], s["kv_heads"], s["seq_k"], s["head_dim"], s["dtype"], s["scale"]
+def _size(x) -> int | str:
+    """An int, or the text of a symbolic size."""
+    return int(x) if isinstance(x, int) or str(x).isdigit() else str(x)
+
+
+def q_dtype(s: dict) -> str:
+    """Q's dtype: the compute dtype, or fp32 (a rotary embedding computed in fp32)."""
+    return s.get("q_dtype", s["dtype"])
+
+
+def symbolic(s: dict) -> bool:
+    """Whether any of batch, seq_q, seq_k is symbolic (one kernel for every value: bounds guarded)."""
+    return any(isinstance(s[key], str) for key in SIZES)
+
+
+def extents(s: dict) -> dict:
+    """{size name: its extent in the kernel}: the int, or one int32 variable per distinct symbolic size (the
+    kernel's buffers define it from the call's shapes)."""
+    found: dict[str, tirx.Var] = {}
+    return {key: s[key] if isinstance(s[key], int) else found.setdefault(s[key], tirx.Var(key, "int32"))
+            for key in SIZES}
+
+
+def dims(s: dict, ext: dict):
+    """(batch, heads, kv heads, seq_q, seq_k, head_dim, dtype, scale), the sizes as `extents` gives them."""
+    return ext["batch"], s["heads"], s["kv_heads"], ext["seq_q"], ext["seq_k"], s["head_dim"], s["dtype"], s["scale"]
+
+
+def mask_extents(s: dict, ext: dict) -> tuple:
+    """The additive mask's buffer shape: each axis 1 (broadcast) or the size it has ([B, H, Sq, Sk])."""
+    shape = s.get("mask_shape") or (1, 1, s["seq_q"], s["seq_k"])
+    named = {s[key]: ext[key] for key in SIZES if isinstance(s[key], str)}
+    return tuple(named[x] if isinstance(x, str) else x for x in shape)
+
+
+def drop_mask(fn: tirx.PrimFunc, s: dict) -> tirx.PrimFunc:
+    """Without an additive mask, the variant without the unused mask parameter: the signature (q, k, v, out)."""
+    if s["mask"] == "additive":
+        return fn
+    return tirx.PrimFunc([p for i, p in enumerate(fn.params) if i != 3], fn.body, fn.ret_type, fn.attrs)
+
+
+def ceil_div(a, b):
+    """ceil(a / b) of ints or TIR sizes."""
+    return (a + b - 1) // b
 
 
 def tshape(layout: str, b, h, seq, d) -> tuple:
-    """The buffer shape of a [B,H,S,D] tensor stored in `layout` (BHSD, or BSHD as exports leave it)."""
-    return (b, h, seq, d) if layout == "BHSD" else (b, seq, h, d)
+    """The buffer shape of a [B,H,S,D] tensor stored in `layout` (BHSD, BSHD as exports leave it, or SBHD as an
+    in-place KV cache's view holds K and V)."""
+    return {"BHSD": (b, h, seq, d), "BSHD": (b, seq, h, d), "SBHD": (seq, b, h, d)}[layout]
 
 
 def at(layout: str, b, h, seq, d) -> tuple:
-    """The buffer index of element [b, h, seq, d] of a tensor stored in `layout`: BSHD is read in place,
-    with strided loads (contiguous along d), instead of a separate transpose kernel."""
-    return (b, h, seq, d) if layout == "BHSD" else (b, seq, h, d)
+    """The buffer index of element [b, h, seq, d] of a tensor stored in `layout`: BSHD and SBHD are read in
+    place, with strided loads (contiguous along d), instead of a separate transpose kernel."""
+    return tshape(layout, b, h, seq, d)

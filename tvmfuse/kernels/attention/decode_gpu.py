@@ -5,27 +5,55 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, f32, tshape
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, drop_mask, extents, f32, mask_extents, \
+    q_dtype, tshape
 from tvmfuse.kernels.attention.decode_guards import guards
 from tvmfuse.kernels.attention.decode_knobs import VEC, chunk_of, group
 
 
 def gpu_kernel(s: dict, knobs: dict):
-    """The CUDA PrimFunc (q, k, v, out) for these shapes and knobs (split, warps, unroll)."""
-    B, H, HKV, L, D, dt, scale = dims(s)
-    SQ, split, lq, lk, lv, lo = s["seq_q"], knobs["split"], s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
-    HQ, G = H * SQ, group(s)  # rows as heads: row r of head h is head h * SQ + r of the group of KV head h // G
-    chunk, qs = chunk_of(s, knobs), float(scale * LOG2E)
+    """The CUDA PrimFunc (q, k, v[, mask], out) for these shapes and knobs (split, warps, unroll)."""
+    ext = extents(s)
+    B, H, HKV, SQ, L, D, dt, _ = dims(s, ext)
+    body = gpu_body(s, knobs, ext, s["seq_q"])
+    qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
+                              (("q", H, SQ), ("k", HKV, L), ("v", HKV, L)))
+    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
+        s.get("mask_dtype", dt)
+
+    @T.prim_func(s_tir=True)
+    def gpu(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
+            out: T.Buffer(oshape, dt)):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        body(q, k, v, mask, out)
+
+    return drop_mask(gpu, s)
+
+
+def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
+    """The kernel's two passes as a TVMScript macro over (q, k, v, mask, out), with the sizes `ext` and `rows`
+    query rows (the step template calls it in its one-token branch, under a symbolic seq_q)."""
+    B, H, HKV, _, L, D, dt, scale = dims(s, ext)
+    split, lq, lk, lv, lo = knobs["split"], s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
+    HQ, G = H * rows, group(dict(s, seq_q=rows))  # rows as heads: row r of head h is head h * rows + r
+    chunk, qs = chunk_of(s, knobs, L), float(scale * LOG2E)
     LANES = D // VEC
     RPW, W, U = 32 // LANES, knobs["warps"], knobs["unroll"]
     SLOTS, NT, steps = W * RPW, W * 32, chunk // (W * RPW * U)
     NOUT = G * D
-    has, qo, score = guards(s, knobs)
+    masked = s["mask"] == "additive"
+    has, qo, score, alive = guards(s, knobs, L, rows)
 
-    @T.prim_func(s_tir=True)
-    def gpu(q: T.Buffer(tshape(lq, B, H, SQ, D), dt), k: T.Buffer(tshape(lk, B, HKV, L, D), dt),
-            v: T.Buffer(tshape(lv, B, HKV, L, D), dt), out: T.Buffer(tshape(lo, B, H, SQ, D), dt)):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+    def live(x, flag):
+        """x, or 0 for a slot none of whose keys the mask lets through (it then weighs 0 in the combines)."""
+        return x * flag if masked else x
+
+    def ratio(num, den):
+        """The combined output; 0 for a row no live key reached (fully masked)."""
+        return T.Select(den > T.float32(0), num / den, T.float32(0)) if masked else num / den
+
+    @T.macro
+    def body(q, k, v, mask, out):
         Op = T.alloc_buffer((B, HQ, split, D), "float32")
         Mp = T.alloc_buffer((B, HQ, split), "float32")
         Lp = T.alloc_buffer((B, HQ, split), "float32")
@@ -41,6 +69,7 @@ def gpu_kernel(s: dict, knobs: dict):
                         sc = T.sblock_alloc_buffer((U, G), "float32", scope="local")
                         acc = T.sblock_alloc_buffer((G, VEC), "float32", scope="local")
                         m = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                        al = T.sblock_alloc_buffer((G,), "float32", scope="local")  # the row has a live key
                         l = T.sblock_alloc_buffer((G,), "float32", scope="local")
                         t = T.sblock_alloc_buffer((2,), "float32", scope="local")
                         o_sm = T.sblock_alloc_buffer((SLOTS, G, D), "float32", scope="shared")
@@ -56,6 +85,8 @@ def gpu_kernel(s: dict, knobs: dict):
                                 acc[g, e] = T.float32(0)
                             m[g] = T.float32(NEG)
                             l[g] = T.float32(0)
+                            if masked:
+                                al[g] = T.float32(0)
                         for it in T.serial(steps):
                             if has(sp * chunk + it * U * SLOTS):  # the block's step holds keys (block-uniform)
                                 for u in T.unroll(U):
@@ -75,7 +106,9 @@ def gpu_kernel(s: dict, knobs: dict):
                                         for e in T.unroll(VEC):
                                             sc[u, g] = sc[u, g] + qr[g, e] * f32(kr[u, e])
                                         sc[u, g] = T.cuda.warp_sum(sc[u, g], width=LANES)  # every lane: full-mask shuffles
-                                        sc[u, g] = score(sc[u, g], sp * chunk + (it * U + u) * SLOTS + slot)
+                                        sc[u, g] = score(sc[u, g], mask, b, hk * G + g, sp * chunk + (it * U + u) * SLOTS + slot)
+                                        if masked:
+                                            al[g] = T.max(al[g], alive(mask, b, hk * G + g, sp * chunk + (it * U + u) * SLOTS + slot))
                                 for g in T.unroll(G):
                                     t[0] = m[g]
                                     for u in T.unroll(U):
@@ -90,11 +123,11 @@ def gpu_kernel(s: dict, knobs: dict):
                                         for e in T.unroll(VEC):
                                             acc[g, e] = acc[g, e] + sc[u, g] * f32(vr[u, e])
                                     m[g] = t[0]
-                        for g in T.unroll(G):
+                        for g in T.unroll(G):  # a slot whose keys are all masked weighs 0
                             for e in T.unroll(VEC):
-                                o_sm[slot, g, d0 + e] = acc[g, e]
+                                o_sm[slot, g, d0 + e] = live(acc[g, e], al[g])
                             ml_sm[0, slot, g] = m[g]
-                            ml_sm[1, slot, g] = l[g]
+                            ml_sm[1, slot, g] = live(l[g], al[g])
                         T.tvm_storage_sync("shared")
                         for i in T.serial((NOUT + NT - 1) // NT):
                             if i * NT + ty * 32 + tx < NOUT:
@@ -125,6 +158,6 @@ def gpu_kernel(s: dict, knobs: dict):
                     for s_ in T.serial(split):
                         c[1] = c[1] + Lp[bh // HQ, bh % HQ, s_] * T.exp2(Mp[bh // HQ, bh % HQ, s_] - c[0])
                         c[2] = c[2] + Op[bh // HQ, bh % HQ, s_, d] * T.exp2(Mp[bh // HQ, bh % HQ, s_] - c[0])
-                    out[qo(lo, bh // HQ, bh % HQ, d)] = T.Cast(dt, c[2] / c[1])
+                    out[qo(lo, bh // HQ, bh % HQ, d)] = T.Cast(dt, ratio(c[2], c[1]))
 
-    return gpu
+    return body

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from tvmfuse.kernels.attention.common import ceil_div
+
 VEC = 8  # 16-byte loads of fp16/bf16
 PAST = -3.0e38  # the score of a key at or past L: below NEG, so it never raises a running max and weighs exp2(.) = 0
 _SMEM = 48 * 1024  # static shared memory for the in-block combine
 
 
 def check(s: dict) -> str | None:
-    if s["mask"] not in ("none",):
-        return f"decode template takes no mask (got {s['mask']})"
+    if isinstance(s["seq_q"], str):
+        return "decode template needs a static query length (the step template takes a symbolic one)"
     if s["seq_q"] != 1 and (s["causal"] or group(s) > 8):
         return "decode template needs one query token (or, not causal, up to 8 rows of a query head group)"
     if s["v_heads"] != s["kv_heads"]:
@@ -29,14 +31,11 @@ def group(s: dict) -> int:
     return s["heads"] * s["seq_q"] // s["kv_heads"]
 
 
-def chunk_of(s: dict, knobs: dict) -> int:
-    """Keys per split: ceil(L / split) rounded up to whole steps of warps x (32 x 8 / head_dim) x unroll keys."""
+def chunk_of(s: dict, knobs: dict, length=None):
+    """Keys per split: ceil(L / split) rounded up to whole steps of warps x (32 x 8 / head_dim) x unroll keys;
+    `length`: L as the kernel has it (a TIR size when the KV length is symbolic), else the shapes' seq_k."""
     rows = knobs.get("warps", 4) * (32 * VEC // s["head_dim"]) * knobs.get("unroll", 1)
-    return _ceil(_ceil(s["seq_k"], knobs["split"]), rows) * rows
-
-
-def _ceil(a: int, b: int) -> int:
-    return (a + b - 1) // b
+    return ceil_div(ceil_div(s["seq_k"] if length is None else length, knobs["split"]), rows) * rows
 
 
 def knob_space(s: dict) -> list[dict]:
@@ -48,11 +47,18 @@ def knob_space(s: dict) -> list[dict]:
 
 
 def default_knobs(s: dict) -> dict:
-    """About 2 blocks with keys per SM (528), 4 warps; then the fewest empty splits and padded keys."""
+    """About 2 blocks with keys per SM (528), 4 warps; then the fewest empty splits and padded keys. A symbolic
+    batch counts as 1 and a symbolic KV length as long (every split holds keys): the long decode steps are the
+    ones the split is for."""
+    batch = s["batch"] if isinstance(s["batch"], int) else 1
+
     def key(k):
-        chunk = chunk_of(s, k)
-        live = _ceil(s["seq_k"], chunk)  # splits with keys
-        blocks = s["batch"] * s["kv_heads"] * live
-        return (blocks < 264 or k["warps"] != 4, abs(blocks - 528), k["split"] - live, chunk * k["split"], -k["unroll"])
+        if isinstance(s["seq_k"], str):
+            live, padded = k["split"], 0
+        else:
+            chunk = chunk_of(s, k)
+            live, padded = ceil_div(s["seq_k"], chunk), chunk * k["split"]  # splits with keys
+        blocks = batch * s["kv_heads"] * live
+        return (blocks < 264 or k["warps"] != 4, abs(blocks - 528), k["split"] - live, padded, -k["unroll"])
     space = knob_space(s)
     return min(space, key=key) if space else {"split": 1, "warps": 4, "unroll": 1}

@@ -11,8 +11,6 @@ such a -inf row would be NaN there; the template still gives 0."""
 
 from __future__ import annotations
 
-from tvm import tirx
-
 from tvmfuse.kernels.attention.common import Template
 from tvmfuse.kernels.attention.prefill_cpu import cpu_kernel
 from tvmfuse.kernels.attention.prefill_gpu import gpu_kernel
@@ -22,13 +20,7 @@ from tvmfuse.kernels.attention.prefill_logits import mask_index
 
 def build(s: dict, knobs: dict, target: str = "cuda"):
     """The CPU variant (target 'llvm') or the CUDA kernel; without an additive mask, without the mask parameter."""
-    fn = cpu_kernel(s, knobs) if target == "llvm" else gpu_kernel(s, knobs)
-    return fn if s["mask"] == "additive" else _drop_mask(fn)
-
-
-def _drop_mask(fn):
-    """The unmasked variant: drop the unused mask parameter, so the signature is (q, k, v, out)."""
-    return tirx.PrimFunc([p for i, p in enumerate(fn.params) if i != 3], fn.body, fn.ret_type, fn.attrs)
+    return cpu_kernel(s, knobs) if target == "llvm" else gpu_kernel(s, knobs)
 
 
 TEMPLATE = Template("attention_prefill", build, check, knob_space, default_knobs)

@@ -5,26 +5,57 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, f32, tshape
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, dims, drop_mask, extents, f32, \
+    mask_extents, q_dtype, tshape
 from tvmfuse.kernels.attention.prefill_logits import logit_rules
 
 
 def cpu_kernel(s: dict, knobs: dict):
-    """The CPU PrimFunc (q, k, v, mask, out) for these shapes; of the knobs only block_n (keys per tile) counts."""
-    B, HQ, HKV, L, D, dt, scale = dims(s)
-    SQ, G, GV, causal = s["seq_q"], HQ // HKV, HQ // s["v_heads"], s["causal"]
-    HV, lq, lk, lv, lo = s["v_heads"], s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
-    qs = float(scale * LOG2E)
-    mshape = tuple(s.get("mask_shape") or (1, 1, SQ, L))
-    mdt = s.get("mask_dtype", dt)
-    BN = knobs["block_n"]
-    bias, visible, alive, _, final = logit_rules(s)
+    """The CPU PrimFunc (q, k, v[, mask], out) for these shapes; of the knobs only block_n (keys per tile)
+    counts."""
+    ext = extents(s)
+    B, HQ, HKV, SQ, L, D, dt, _ = dims(s, ext)
+    body = cpu_body(s, knobs, ext)
+    qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
+                              (("q", HQ, SQ), ("k", HKV, L), ("v", s["v_heads"], L)))
+    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, HQ, SQ, D), mask_extents(s, ext), q_dtype(s), \
+        s.get("mask_dtype", dt)
 
     @T.prim_func(s_tir=True)
-    def cpu(q: T.Buffer(tshape(lq, B, HQ, SQ, D), dt), k: T.Buffer(tshape(lk, B, HKV, L, D), dt),
-            v: T.Buffer(tshape(lv, B, HV, L, D), dt), mask: T.Buffer(mshape, mdt),
-            out: T.Buffer(tshape(lo, B, HQ, SQ, D), dt)):
+    def cpu(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
+            out: T.Buffer(oshape, dt)):
         T.func_attr({"tirx.noalias": True})
+        body(q, k, v, mask, out)
+
+    return drop_mask(cpu, s)
+
+
+def cpu_body(s: dict, knobs: dict, ext: dict):
+    """One block per query row as a TVMScript macro over (q, k, v, mask, out), with the sizes `ext`; a symbolic
+    KV length leaves a ragged last tile, its keys past L not read."""
+    B, HQ, HKV, SQ, L, D, dt, scale = dims(s, ext)
+    G, GV, causal = HQ // HKV, HQ // s["v_heads"], s["causal"]
+    lq, lk, lv, lo = s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
+    qs = float(scale * LOG2E)
+    BN = knobs["block_n"]
+    bias, visible, alive, _, final = logit_rules(s)
+    ragged = not isinstance(L, int)
+
+    def krow(j):
+        """Key row j as read: past L the last key (weighed 0)."""
+        return T.min(j, L - 1) if ragged else j
+
+    def kv_tiles(row):
+        """K/V tiles row `row` reads: up to its diagonal when causal, else all (the last one ragged)."""
+        return row // BN + 1 if causal else ceil_div(L, BN)
+
+    def seen(r, c):
+        """Whether key c counts for row r: below L, and shown by the causal mask."""
+        shown = visible(r, c)
+        return (c < L if shown is True else T.And(shown, c < L)) if ragged else shown
+
+    @T.macro
+    def body(q, k, v, mask, out):
         for b, h, i in T.grid(B, HQ, SQ):
             with T.sblock("row"):
                 vb, vh, vi = T.axis.remap("SSS", [b, h, i])
@@ -38,11 +69,11 @@ def cpu_kernel(s: dict, knobs: dict):
                 st[4] = T.float32(0)
                 for d in range(D):
                     acc[d] = T.float32(0)
-                for jt in range((vi // BN + 1) if causal else (L // BN)):
+                for jt in range(kv_tiles(vi)):
                     st[2] = st[0]
                     for j in range(BN):
                         sc[j] = T.float32(NEG)
-                        if visible(vi, jt * BN + j):
+                        if seen(vi, jt * BN + j):
                             sc[j] = T.float32(0)
                             for d in range(D):
                                 sc[j] = sc[j] + f32(q[at(lq, vb, vh, vi, d)]) * f32(k[at(lk, vb, vh // G, jt * BN + j, d)])
@@ -57,9 +88,9 @@ def cpu_kernel(s: dict, knobs: dict):
                         sc[j] = T.exp2(sc[j] - st[2])
                         st[1] = st[1] + sc[j]
                         for d in range(D):
-                            acc[d] = acc[d] + sc[j] * f32(v[at(lv, vb, vh // GV, jt * BN + j, d)])
+                            acc[d] = acc[d] + sc[j] * f32(v[at(lv, vb, vh // GV, krow(jt * BN + j), d)])
                     st[0] = st[2]
                 for d in range(D):
                     out[at(lo, vb, vh, vi, d)] = T.Cast(dt, final(acc[d] / st[1], st[4]))
 
-    return cpu
+    return body

@@ -1,39 +1,88 @@
 """Prefill template's CUDA kernel: mma.sync m16n8k16 tensor cores, ldmatrix fragments, fp32 online softmax,
 K/V tiles in shared memory (synchronous, or cp.async double-buffered), per-warp m-tiles; with an additive mask,
-K/V tiles whose mask block is all -inf (a causal mask's upper triangle) skip their math."""
+K/V tiles whose mask block is all -inf (a causal mask's upper triangle) skip their math. With a symbolic query or
+KV length (an in-place KV cache step: one kernel for every length) the tiles are ragged: loads past the end read
+the last row (no out-of-bounds access), keys past L weigh nothing, rows past seq_q are not stored."""
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import NEG, at, dims, tshape
+from tvmfuse.kernels.attention.common import NEG, at, ceil_div, dims, drop_mask, extents, mask_extents, q_dtype, \
+    tshape
 from tvmfuse.kernels.attention.prefill_knobs import STATIC_SMEM, smem_bytes
 from tvmfuse.kernels.attention.prefill_logits import logit_rules, mask_index
 
 
 def gpu_kernel(s: dict, knobs: dict):
-    """The CUDA PrimFunc (q, k, v, mask, out) for these shapes and knobs (warps, block_n, m_tiles, stages, q_smem)."""
-    B, HQ, HKV, L, D, dt, _ = dims(s)
-    SQ, G, GV, causal = s["seq_q"], HQ // HKV, HQ // s["v_heads"], s["causal"]
-    HV, lq, lk, lv, lo = s["v_heads"], s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
-    mshape = tuple(s.get("mask_shape") or (1, 1, SQ, L))
+    """The CUDA PrimFunc (q, k, v[, mask], out) for these shapes and knobs (warps, block_n, m_tiles, stages,
+    q_smem)."""
+    ext = extents(s)
+    B, HQ, HKV, SQ, L, D, dt, _ = dims(s, ext)
+    body = gpu_body(s, knobs, ext)
+    qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
+                              (("q", HQ, SQ), ("k", HKV, L), ("v", s["v_heads"], L)))
+    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, HQ, SQ, D), mask_extents(s, ext), q_dtype(s), \
+        s.get("mask_dtype", dt)
+
+    @T.prim_func(s_tir=True)
+    def gpu(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
+            out: T.Buffer(oshape, dt)):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        body(q, k, v, mask, out)
+
+    return drop_mask(gpu, s)
+
+
+def gpu_body(s: dict, knobs: dict, ext: dict):
+    """The kernel as a TVMScript macro over (q, k, v, mask, out), with the sizes `ext` (the step template calls
+    it in its many-token branch)."""
+    B, HQ, HKV, SQ, L, D, dt, _ = dims(s, ext)
+    G, GV, causal = HQ // HKV, HQ // s["v_heads"], s["causal"]
+    lq, lk, lv, lo = s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
     mdt = s.get("mask_dtype", dt)
     W, BN, MT, S = knobs["warps"], knobs["block_n"], knobs.get("m_tiles", 1), knobs.get("stages", 1)
     QS = bool(knobs.get("q_smem", 0))
     BM, NT, PAD = 16 * W * MT, 32 * W, 8
     SMEM = "shared" if smem_bytes(s, knobs) <= STATIC_SMEM else "shared.dyn"
     ab = "bf16" if dt == "bfloat16" else "fp16"
-    _, visible, alive, logit, final = logit_rules(s)
+    ragged_q, ragged_k = not isinstance(SQ, int), not isinstance(L, int)
+    _, visible, alive, logit, final = logit_rules(s, SQ)
     masked, mi = s["mask"] == "additive", mask_index(s)
-    _, _, alive0, logit0, _ = logit_rules(dict(s, mask="none"))  # for a tile whose mask block is all 0
-    MV = 4 if mdt == "float32" else 8  # mask values per 16-byte load
+    _, _, alive0, logit0, _ = logit_rules(dict(s, mask="none"), SQ)  # for a tile whose mask block is all 0
+    MV = 4 if mdt == "float32" else 8  # mask values per 16-byte load (one by one at a symbolic KV length)
+    QT, KT = ceil_div(SQ, BM), ceil_div(L, BN)  # query tiles, K/V tiles
+
+    def kv_tiles(qt):
+        """K/V tiles query tile qt reads: up to its last row's diagonal when causal, else all."""
+        if not causal:
+            return KT
+        return T.min(ceil_div((qt + 1) * BM, BN), KT) if ragged_k else ceil_div((qt + 1) * BM, BN)
+
+    def qrow(r):
+        """Query row r as read (the last row past seq_q: loaded, never stored)."""
+        return T.min(r, SQ - 1) if ragged_q else r
+
+    def krow(j):
+        """Key row j as read (the last key past L: loaded, weighed 0)."""
+        return T.min(j, L - 1) if ragged_k else j
+
+    def qval(x):
+        """A Q value in the compute dtype (an fp32 Q rounded, as the graph's cast before Q K^T does)."""
+        return x if q_dtype(s) == dt else T.Cast(dt, x)
+
+    def stored(r):
+        """Whether query row r is stored (below seq_q)."""
+        return r < SQ if ragged_q else True
 
     def qoff(t, kk):
         """Where m-tile t's Q fragment for k-step kk sits in qa: all in registers, or the one just loaded."""
         return t * 8 if QS else t * (D // 2) + kk * 8
 
     def seen(diag, r, c):
-        return visible(r, c) if diag else True
+        """Whether score (r, c) counts: a key below L, and on a diagonal tile one the causal mask shows."""
+        shown = visible(r, c) if diag else True
+        return (c < L if shown is True else T.And(shown, c < L)) if ragged_k else shown
 
     @T.macro
     def softmax_tile(diag, plain, sa, pa, oa, st, mask, b, h, r0, c0, jt):
@@ -67,12 +116,9 @@ def gpu_kernel(s: dict, knobs: dict):
                 for c in T.unroll(4):
                     oa[t * (D // 2) + n * 4 + c] = oa[t * (D // 2) + n * 4 + c] * st[t * 10 + 6 + c // 2]
 
-    @T.prim_func(s_tir=True)
-    def gpu(q: T.Buffer(tshape(lq, B, HQ, SQ, D), dt), k: T.Buffer(tshape(lk, B, HKV, L, D), dt),
-            v: T.Buffer(tshape(lv, B, HV, L, D), dt), mask: T.Buffer(mshape, mdt),
-            out: T.Buffer(tshape(lo, B, HQ, SQ, D), dt)):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        for bx in T.thread_binding(SQ // BM, thread="blockIdx.x"):
+    @T.macro
+    def body(q, k, v, mask, out):
+        for bx in T.thread_binding(QT, thread="blockIdx.x"):
             for by in T.thread_binding(B * HQ, thread="blockIdx.y"):
                 for ty in T.thread_binding(W, thread="threadIdx.y"):
                     for tx in T.thread_binding(32, thread="threadIdx.x"):
@@ -91,20 +137,20 @@ def gpu_kernel(s: dict, knobs: dict):
                             mv = T.sblock_alloc_buffer((MV,), mdt, scope="local")
                             b: T.let[T.int32] = by // HQ
                             h: T.let[T.int32] = by % HQ
-                            qt: T.let[T.int32] = SQ // BM - 1 - bx
+                            qt: T.let[T.int32] = QT - 1 - bx
                             r0: T.let[T.int32] = qt * BM + ty * 16 + tx // 4  # m-tile t: rows r0 + t * 16 * W (+ 8)
                             c0: T.let[T.int32] = tx % 4 * 2
                             if QS:  # the Q tile into shared memory (the first tile's barrier publishes it)
                                 for it in T.serial(BM * D // 8 // NT):
                                     for e in T.vectorized(8):
                                         q_sm[(it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
-                                            q[at(lq, b, h, qt * BM + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
+                                            qval(q[at(lq, b, h, qrow(qt * BM + (it * NT + ty * 32 + tx) // (D // 8)), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)])
                             else:  # Q's mma fragments stay in registers
                                 for t in T.unroll(MT):
                                     for kk in T.unroll(D // 16):
                                         for r in T.unroll(4):
                                             for e in T.unroll(2):
-                                                qa[t * (D // 2) + kk * 8 + r * 2 + e] = q[at(lq, b, h, r0 + t * 16 * W + r % 2 * 8, kk * 16 + r // 2 * 8 + c0 + e)]
+                                                qa[t * (D // 2) + kk * 8 + r * 2 + e] = qval(q[at(lq, b, h, qrow(r0 + t * 16 * W + r % 2 * 8), kk * 16 + r // 2 * 8 + c0 + e)])
                             for i in T.unroll(MT * D // 2):
                                 oa[i] = T.float32(0)
                             for t in T.unroll(MT):
@@ -116,39 +162,44 @@ def gpu_kernel(s: dict, knobs: dict):
                                 for it in T.unroll(BN * D // 8 // NT):
                                     T.ptx["cp.async.cg.shared.global"](
                                         T.address_of(kv_sm[0, 0, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
-                                        T.address_of(k[at(lk, b, h // G, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
+                                        T.address_of(k[at(lk, b, h // G, krow((it * NT + ty * 32 + tx) // (D // 8)), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
                                     T.ptx["cp.async.cg.shared.global"](
                                         T.address_of(kv_sm[0, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
-                                        T.address_of(v[at(lv, b, h // GV, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
+                                        T.address_of(v[at(lv, b, h // GV, krow((it * NT + ty * 32 + tx) // (D // 8)), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
                                 T.ptx["cp.async.commit_group"]()
-                            for jt in T.serial(((qt + 1) * BM + BN - 1) // BN if causal else L // BN):
+                            for jt in T.serial(kv_tiles(qt)):
                                 if S == 2:  # tile jt + 1 loads (cp.async) while tile jt computes
-                                    if jt + 1 < (((qt + 1) * BM + BN - 1) // BN if causal else L // BN):
+                                    if jt + 1 < kv_tiles(qt):
                                         for it in T.unroll(BN * D // 8 // NT):
                                             T.ptx["cp.async.cg.shared.global"](
                                                 T.address_of(kv_sm[(jt + 1) % 2, 0, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
-                                                T.address_of(k[at(lk, b, h // G, (jt + 1) * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
+                                                T.address_of(k[at(lk, b, h // G, krow((jt + 1) * BN + (it * NT + ty * 32 + tx) // (D // 8)), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
                                             T.ptx["cp.async.cg.shared.global"](
                                                 T.address_of(kv_sm[(jt + 1) % 2, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8]),
-                                                T.address_of(v[at(lv, b, h // GV, (jt + 1) * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
+                                                T.address_of(v[at(lv, b, h // GV, krow((jt + 1) * BN + (it * NT + ty * 32 + tx) // (D // 8)), (it * NT + ty * 32 + tx) % (D // 8) * 8)]), 16)
                                     T.ptx["cp.async.commit_group"]()
                                     T.ptx["cp.async.wait_group"](1)
                                 else:
                                     for it in T.serial(BN * D // 8 // NT):
                                         for e in T.vectorized(8):
                                             kv_sm[0, 0, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
-                                                k[at(lk, b, h // G, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
+                                                k[at(lk, b, h // G, krow(jt * BN + (it * NT + ty * 32 + tx) // (D // 8)), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
                                         for e in T.vectorized(8):
                                             kv_sm[0, 1, (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e] = \
-                                                v[at(lv, b, h // GV, jt * BN + (it * NT + ty * 32 + tx) // (D // 8), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
+                                                v[at(lv, b, h // GV, krow(jt * BN + (it * NT + ty * 32 + tx) // (D // 8)), (it * NT + ty * 32 + tx) % (D // 8) * 8 + e)]
                                 T.tvm_storage_sync("shared")
                                 if masked:  # the CTA votes on the tile's mask block (16-byte loads): all -inf
                                     fl[0] = 0  # adds nothing (skip the tile), all 0 needs no mask (plain softmax)
                                     fl[1] = 0
                                     for it in T.serial(BM * BN // MV // NT):
-                                        for e in T.vectorized(MV):
-                                            mv[e] = mask[mi(b, h, qt * BM + (it * NT + ty * 32 + tx) // (BN // MV),
-                                                            jt * BN + (it * NT + ty * 32 + tx) % (BN // MV) * MV + e)]
+                                        if ragged_k:  # a mask row of symbolic length: not 16-byte aligned
+                                            for e in T.serial(MV):
+                                                mv[e] = mask[mi(b, h, qrow(qt * BM + (it * NT + ty * 32 + tx) // (BN // MV)),
+                                                                krow(jt * BN + (it * NT + ty * 32 + tx) % (BN // MV) * MV + e))]
+                                        else:
+                                            for e in T.vectorized(MV):
+                                                mv[e] = mask[mi(b, h, qrow(qt * BM + (it * NT + ty * 32 + tx) // (BN // MV)),
+                                                                jt * BN + (it * NT + ty * 32 + tx) % (BN // MV) * MV + e)]
                                         for e in T.unroll(MV):
                                             fl[0] = fl[0] | T.Cast("int32", T.Not(T.isinf(T.Cast("float32", mv[e]))))
                                             fl[1] = fl[1] | T.Cast("int32", T.Cast("float32", mv[e]) != T.float32(0))
@@ -203,7 +254,8 @@ def gpu_kernel(s: dict, knobs: dict):
                                     st[t * 10 + 8 + i] = T.cuda.warp_max(st[t * 10 + 8 + i], width=4)
                                 for n in T.unroll(D // 8):
                                     for c in T.unroll(4):
-                                        out[at(lo, b, h, r0 + t * 16 * W + c // 2 * 8, n * 8 + c0 + c % 2)] = T.Cast(
-                                            dt, final(oa[t * (D // 2) + n * 4 + c] / st[t * 10 + 2 + c // 2], st[t * 10 + 8 + c // 2]))
+                                        if stored(r0 + t * 16 * W + c // 2 * 8):
+                                            out[at(lo, b, h, r0 + t * 16 * W + c // 2 * 8, n * 8 + c0 + c % 2)] = T.Cast(
+                                                dt, final(oa[t * (D // 2) + n * 4 + c] / st[t * 10 + 2 + c // 2], st[t * 10 + 8 + c // 2]))
 
-    return gpu
+    return body

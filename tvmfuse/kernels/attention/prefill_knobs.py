@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tvmfuse.kernels.attention.common import q_dtype
+
 
 def check(s: dict) -> str | None:
     if s["head_dim"] not in (16, 32, 64, 128) or s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:
@@ -10,7 +12,7 @@ def check(s: dict) -> str | None:
         return f"prefill template is fp16/bf16 only, fp32 on llvm (got {s['dtype']})"
     if s["causal"] and s["seq_q"] != s["seq_k"]:
         return "causal needs seq_q == seq_k"
-    if s["seq_q"] < 16 or not knob_space(s):
+    if isinstance(s["seq_q"], int) and s["seq_q"] < 16 or not knob_space(s):
         return f"no tile divides seq_q={s['seq_q']}, seq_k={s['seq_k']}"
     return None
 
@@ -34,10 +36,17 @@ def knob_space(s: dict) -> list[dict]:
     space = [{"warps": w, "block_n": n, "m_tiles": mt, "stages": st} | ({"q_smem": qs} if mt > 1 else {})
              for st in (1, 2) for mt in (1, 2) for qs in ((0, 1) if mt > 1 else (0,)) for w in (4, 8)
              for n in (32, 64, 128)]
-    return [k for k in space if s["seq_q"] % (16 * k["warps"] * k["m_tiles"]) == 0 and s["seq_k"] % k["block_n"] == 0
+    return [k for k in space if _tiles(s["seq_q"], 16 * k["warps"] * k["m_tiles"]) and _tiles(s["seq_k"], k["block_n"])
             and k["block_n"] * s["head_dim"] <= 8192
+            and not (k.get("q_smem") and q_dtype(s) != s["dtype"])  # Q staged in shared memory in the compute dtype
             and k["block_n"] * s["head_dim"] // 8 % (32 * k["warps"]) == 0  # every thread loads as many K/V vectors
             and smem_bytes(s, k) <= MAX_SMEM]
+
+
+def _tiles(size, tile: int) -> bool:
+    """Whether tiles of `tile` cover a size exactly; a symbolic size takes any tile (the kernel guards the ragged
+    last one)."""
+    return isinstance(size, str) or size % tile == 0
 
 
 def default_knobs(s: dict) -> dict:

@@ -11,14 +11,18 @@ from tvmfuse.kernels.attention.common import LOG2E, NEG, f32
 def mask_index(s: dict):
     """Python index function (b, h, row, col) -> mask indices for the broadcast mask shape."""
     mb, mh, mq, _ = s.get("mask_shape") or (1, 1, s["seq_q"], s["seq_k"])
-    return lambda b, h, r, c: (b if mb > 1 else 0, h if mh > 1 else 0, r if mq > 1 else 0, c)
+    return lambda b, h, r, c: (b if mb != 1 else 0, h if mh != 1 else 0, r if mq != 1 else 0, c)
 
 
-def logit_rules(s: dict):
-    """(bias, visible, alive, logit, final) for these shapes: Python functions the kernels' TVMScript calls."""
+def logit_rules(s: dict, seq_q=None):
+    """(bias, visible, alive, logit, final) for these shapes: Python functions the kernels' TVMScript calls.
+    `seq_q`: the query length as the kernel has it; a symbolic one clamps the mask's row (the rows of the last
+    query tile past it are computed, never stored)."""
     scale, causal, masked = s["scale"], s["causal"], s["mask"] == "additive"
     qs = float(scale * LOG2E)
-    mi = mask_index(s)
+    index = mask_index(s)
+    mi = index if seq_q is None or isinstance(seq_q, int) else \
+        (lambda b, h, r, c: index(b, h, T.min(r, seq_q - 1), c))
 
     def bias(m, b, h, r, c):
         return f32(m[mi(b, h, r, c)]) * LOG2E if masked else T.float32(0)

@@ -23,8 +23,29 @@ class LabelConflict(Exception):
     pass
 
 
-def _analyzer(blk) -> Analyzer:
+def size_vars(bufs: dict) -> list:
+    """The symbolic sizes the buffers' shapes use (batch, seq, past)."""
+    found = {}
+    for buf in bufs.values():
+        for extent in buf.shape:
+            for var in tirx.analysis.undefined_vars(extent):
+                found.setdefault(var.name, var)
+    return list(found.values())
+
+
+#: what each symbolic size stands for while indices are read: distinct primes, far above any static extent, so
+#: a reshape's (i * (past + seq) + j) // (past + seq) with j < past + seq simplifies to i (TVM's simplifier does
+#: not do it with the symbols) and no two sizes can be mistaken for each other
+_SIZE_STAND_INS = (1000003, 1000033, 1000037, 1000039, 1000081, 1000099)
+
+
+def _analyzer(blk, sizes: list) -> Analyzer:
+    """An analyzer knowing the block's iteration ranges, with each symbolic size bound to its stand-in."""
     ana = Analyzer()
+    if len(sizes) > len(_SIZE_STAND_INS):
+        raise LabelConflict(f"{len(sizes)} symbolic sizes")
+    for var, value in zip(sizes, _SIZE_STAND_INS):
+        ana.bind(var, tirx.IntImm(str(var.ty), value))
     for iv in blk.iter_vars:
         ana.bind(iv.var, iv.dom)
     return ana
@@ -51,6 +72,7 @@ def _point(region) -> list | None:
 def label_axes(blocks, seeds: dict, bufs: dict) -> dict:
     """{buffer name: [label or None per axis]}; a label is (name, div): the axis indexes `name // div`."""
     labels: dict[str, list] = {n: list(v) for n, v in seeds.items()}
+    sizes = size_vars(bufs)
 
     def merge(name, axis, lab):
         cur = labels.setdefault(name, [None] * len(bufs[name].shape))
@@ -68,7 +90,7 @@ def label_axes(blocks, seeds: dict, bufs: dict) -> dict:
         for blk, red in reversed(blocks):  # backwards: from what a block writes to what it reads
             if len(blk.writes) != 1 or blk.writes[0].source.name not in labels:
                 continue
-            ana, var_lab = _analyzer(blk), dict(red)
+            ana, var_lab = _analyzer(blk, sizes), dict(red)
             w = blk.writes[0]
             for idx, lab in zip(_point(w) or [], labels[w.source.name]):
                 if isinstance(idx, tirx.Var) and lab is not None:
@@ -82,7 +104,7 @@ def label_axes(blocks, seeds: dict, bufs: dict) -> dict:
         for blk, _ in blocks:  # forwards: to blocks (the output permute) whose reads are labelled
             if len(blk.writes) != 1:
                 continue
-            ana, var_lab = _analyzer(blk), {}
+            ana, var_lab = _analyzer(blk, sizes), {}
             for r in blk.reads:
                 for idx, lab in zip(_point(r) or [], labels.get(r.source.name) or []):
                     ix = _index(idx, ana)

@@ -1,16 +1,24 @@
-"""Template shapes of an attention PrimFunc from its parameters' axis labels: the layout (BHSD or BSHD), head count
-and sizes of Q, K, V and out, and the additive mask's broadcast shape."""
+"""Template shapes of an attention PrimFunc from its parameters' axis labels: the layout (BHSD, BSHD or SBHD), head
+count, dtype and sizes of Q, K, V and out, and the additive mask's broadcast shape."""
 
 from __future__ import annotations
 
-LAYOUTS = {("b", "h", "s", "d"): "BHSD", ("b", "s", "h", "d"): "BSHD"}
+from tvm import tirx
+
+LAYOUTS = {("b", "h", "s", "d"): "BHSD", ("b", "s", "h", "d"): "BSHD", ("s", "b", "h", "d"): "SBHD"}
+
+
+def dim_value(extent) -> int | str:
+    """A buffer extent as the template shapes hold it: an int, or the text of a symbolic one ("past + seq")."""
+    return int(extent) if isinstance(extent, tirx.IntImm) else str(extent)
 
 
 def template_shapes(names: list, order: list, bufs: dict, labels: dict,
                     q: str, k: str, v: str, out: str) -> dict | None:
     """The template's shapes dict for parameters `names` with roles `order` (q, k, v and out the parameter names
     of those roles), or None when the labels do not describe one attention (a layout, head or size mismatch)."""
-    shp = {r: [int(x) for x in bufs[n].shape] for r, n in zip(order, names) if r in ("q", "k", "v", "mask", "out")}
+    shp = {r: [dim_value(x) for x in bufs[n].shape] for r, n in zip(order, names)
+           if r in ("q", "k", "v", "mask", "out")}
     axes = {}
     for role, n in (("q", q), ("k", k), ("v", v), ("out", out)):
         seq = "q" if role in ("q", "out") else "k"
@@ -23,6 +31,8 @@ def template_shapes(names: list, order: list, bufs: dict, labels: dict,
     sk, hk, hv = dim("k", "s"), dim("k", "h"), dim("v", "h")
     if axes["q"][2] not in (1, None) or axes["out"][2] not in (1, None) or [dim("out", x) for x in "bhsd"] != [b, h, sq, d]:
         return None
+    if not all(isinstance(x, int) for x in (h, hk, hv, d)):
+        return None  # heads and head dim are static in every template
     for role, heads in (("k", hk), ("v", hv)):
         if h % heads or axes[role][2] not in (h // heads, None) or dim(role, "b") != b or dim(role, "d") != d:
             return None
@@ -32,6 +42,10 @@ def template_shapes(names: list, order: list, bufs: dict, labels: dict,
               "dtype": str(bufs[out].dtype), "mask": "additive" if "mask" in shp else "none", "causal": False,
               "q_layout": axes["q"][0], "k_layout": axes["k"][0], "v_layout": axes["v"][0],
               "out_layout": axes["out"][0], "where_guard": "const" in order}
+    if str(bufs[q].dtype) != shapes["dtype"]:
+        shapes["q_dtype"] = str(bufs[q].dtype)  # an fp32 Q (rotary in fp32) rounded to the compute dtype in the group
+    if {str(bufs[k].dtype), str(bufs[v].dtype)} != {shapes["dtype"]}:
+        return None
     if "mask" in shp:
         mname = names[order.index("mask")]
         mlab = [x[0] if x else None for x in (labels.get(mname) or [None] * 4)]

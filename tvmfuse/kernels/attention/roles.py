@@ -22,11 +22,13 @@ from tvmfuse.kernels.attention.role_shapes import LAYOUTS, template_shapes
 
 
 def attention_roles(fn: tirx.PrimFunc) -> dict | None:
-    """{'order': role per parameter ('q','k','v','mask','out','scale','const'), 'uses': {param index:
+    """{'order': role per parameter ('q','k','v','mask','out','scale','const', or 'dim' for a shape scalar such as
+    the past length of a KV cache's view), 'uses': {param index:
     (multiplies, divides)} for the scale scalars, 'shapes': template shapes (with the layout of Q, K, V and
     out, and the K and V head counts)} for an unscheduled softmax(scale * Q K^T [+ mask]) V PrimFunc, else
     None."""
     names = [p.name for p in fn.params]
+    dims = {p.name for p in fn.params if isinstance(p.ty, tvm.ir.PrimType)}  # shape scalars (a KV length)
     blocks = sblocks(fn)
     deps: dict[str, set] = {n: {n} for n in names}
     bufs, consumers = {}, {n: [] for n in names}
@@ -79,6 +81,8 @@ def attention_roles(fn: tirx.PrimFunc) -> dict | None:
     for i, n in enumerate(names):
         if n in (q, k, v, out):
             order.append({q: "q", k: "k", v: "v", out: "out"}[n])
+        elif n in dims:
+            order.append("dim")
         elif rank[n] == 4 and n in deps.get(p2.source.name, ()):
             order.append("mask")
         elif rank[n] == 0 or (rank[n] == 1 and int(bufs[n].shape[0]) == 1):
