@@ -66,7 +66,7 @@ def test_fused_module_runs_on_gpu_and_matches_onnxruntime():
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_cuda_graph_option_captures_kernel_launches(cuda_graph):
-    from tvmfuse.build.compile import compile_module
+    from tvmfuse.build.compile import compile_module, compiler_errors
     from tvmfuse.frontend.default_model import make_tiny_block
 
     cuda = resolve_target("cuda")
@@ -85,7 +85,7 @@ def test_compile_module_scopes_the_target(monkeypatch):
     push its target, or a build worker that sees no GPU fails ("No CUDA architecture was specified")."""
     import tvm as _tvm
 
-    from tvmfuse.build.compile import compile_module
+    from tvmfuse.build.compile import compile_module, compiler_errors
     from tvmfuse.targets import resolve_target
 
     seen = []
@@ -124,7 +124,7 @@ def test_skip_layer_norm_gets_the_row_reduction_default_on_cuda():
     """dlight's reduction rules give up on the two-output skip-LayerNorm (its Fallback ran one thread per row and
     took 427 us at 512 x 768 fp16 on the H200): tvmfuse's row schedule takes it, 192 threads x 4-wide vectors."""
     from tvmfuse.spaces.defaults import ROW_DEFAULT
-    from tvmfuse.build.compile import compile_module
+    from tvmfuse.build.compile import compile_module, compiler_errors
 
     cuda = resolve_target("cuda")
     fused = _fused_fp16(_skip_layer_norm(512, 768))
@@ -181,3 +181,39 @@ def test_row_reduction_default_runs_on_gpu_and_matches_onnxruntime(rows, hidden)
     check = compare(run_vm(relax.VirtualMachine(executable, dev), dev, list(feeds.values()), "float16"),
                     onnxruntime_outputs(model, feeds), compute_dtype="float16")
     assert check.ok, check
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_nvccs_errors_are_read_out_of_a_failed_compile_with_the_kernels_name():
+    """A kernel whose CUDA source nvcc rejects (it calls a device function that does not exist): the summary a
+    failed build raises names the kernel and quotes nvcc's error line, not the warnings around it."""
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+    from tvm.script import tirx as T
+
+    from tvmfuse.build.compile import compile_module, compiler_errors
+
+    @I.ir_module
+    class Broken:
+        @T.prim_func(private=True)
+        def bad_copy(x: T.Buffer((64,), "float32"), y: T.Buffer((64,), "float32")):
+            for i in T.thread_binding(64, thread="threadIdx.x"):
+                y[i] = T.call_pure_extern("float32", "tvmfuse_no_such_device_fn", x[i])
+
+        @R.function
+        def main(x: R.Tensor((64,), "float32")) -> R.Tensor((64,), "float32"):
+            cls = Broken
+            return R.call_tir(cls.bad_copy, (x,), out_ty=R.Tensor((64,), "float32"))
+
+    # without a GPU TVM keeps the CUDA source uncompiled (nvcc runs at build time only where a GPU is): compile
+    # what it generated with nvcc as a GPU machine's build does, and read the failure as compile_module does
+    (src,) = cuda_sources(compile_module(Broken, resolve_target("cuda")))
+    with resolve_target("cuda"), pytest.raises(RuntimeError) as caught:
+        tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")
+    summary = compiler_errors(str(caught.value))
+    assert compiler_errors("an FFI traceback\nof a few lines\n" + str(caught.value)) == summary  # text before it
+    first, second = summary.splitlines()[:2]
+    assert first == "1 error(s) from nvcc:"
+    assert second.startswith("in kernel bad_copy_kernel: ") and ": error: " in second
+    assert "tvmfuse_no_such_device_fn" in second and "warning" not in summary
+    assert compiler_errors("Compilation error:\nx.cu(3): warning #177-D: variable unused") is None

@@ -29,20 +29,41 @@ def _is_tirx(func) -> bool:
     return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and TIRX_ATTR in func.attrs
 
 
+#: a PrimFunc attribute: lower this kernel without TIR's common-subexpression elimination. The CSE pass hoists
+#: loop-invariant terms of an index with a symbolic size (`batch * 65536`) into a kernel argument, where TVM's CUDA
+#: codegen can no longer prove a 16-byte load aligned; its lane-by-lane fallback for 8 fp16/bf16 lanes then does
+#: not compile ("too many arguments in function call" in make_uint4). nvcc eliminates common subexpressions itself.
+NO_CSE_ATTR = "tvmfuse.no_cse"
+
+
+def _no_cse(func) -> bool:
+    return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and bool(func.attrs.get(NO_CSE_ATTR, False))
+
+
 def _mixed_tir_pipeline():
     """TVM lowers a module through one TIR pipeline; the wgmma kernels (tvmfuse.hopper) need the tirx one and
-    every scheduled kernel the s_tir one, so this runs each on its own functions and merges the results."""
+    every scheduled kernel the s_tir one (the kernels marked NO_CSE_ATTR with its CSE switched off), so this runs
+    each on its own functions and merges the results."""
     s_pass, host, device = tvm.tirx.get_tir_pipeline("s_tir")
     x_pass = tvm.tirx.get_tir_pipeline("tirx")[0]
 
     @tvm.transform.module_pass(opt_level=0, name="tvmfuse.MixedTIRPipeline")
     def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         ours = {gv: f for gv, f in mod.functions.items() if _is_tirx(f)}
-        if not ours:
+        no_cse = {gv: f for gv, f in mod.functions.items() if gv not in ours and _no_cse(f)}
+        if not ours and not no_cse:
             return s_pass(mod)
-        merged = s_pass(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in ours}, attrs=mod.attrs))
-        for gv, func in x_pass(tvm.IRModule(ours, attrs=mod.attrs)).functions.items():
+        merged = s_pass(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in ours and gv not in no_cse},
+                                     attrs=mod.attrs))
+        for gv, func in x_pass(tvm.IRModule(ours, attrs=mod.attrs)).functions.items() if ours else ():
             merged[gv] = func
+        if no_cse:
+            outer = tvm.transform.PassContext.current()
+            with tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
+                                           disabled_pass=list(outer.disabled_pass),
+                                           config={**dict(outer.config), "tirx.disable_cse_tir": True}):
+                for gv, func in s_pass(tvm.IRModule(no_cse, attrs=mod.attrs)).functions.items():
+                    merged[gv] = func
         return merged
 
     return run, host, device
@@ -112,7 +133,44 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
     with target, tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
                                            disabled_pass=list(outer.disabled_pass),
                                            config={**dict(outer.config), **config}):
-        return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
+        try:
+            return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
+        except Exception as err:  # noqa: BLE001  (re-raised with the compiler's errors first)
+            summary = compiler_errors(str(err))
+            if summary is None:
+                raise
+            raise RuntimeError(f"CUDA compilation failed: {summary}") from err
+
+
+_NVCC_ERROR = re.compile(r"^\S*\((\d+)\): (?:catastrophic )?error\b")
+_KERNEL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\(\s*\d+\s*(?:,\s*\d+\s*)*\)\s+)?(\w+)\s*\(")
+
+
+def compiler_errors(output: str, context: int = 2, most: int = 10) -> str | None:
+    """nvcc's errors out of a failed CUDA compile's message, each named by the kernel its line is in and followed
+    by `context` lines (nvcc's copy of the source line and the caret), the first `most` of them. TVM's message is
+    the whole generated source, then "Compilation error:" and nvcc's output, where the errors stand among hundreds
+    of warnings on generated code, so a failed build's log otherwise ends in warnings. None: no nvcc error in it."""
+    source, sep, log = output.partition("\nCompilation error:\n")
+    if not sep:
+        source, log = "", output
+    lines, code = log.splitlines(), source.splitlines()
+    found = [(i, int(m.group(1))) for i, m in ((i, _NVCC_ERROR.match(line.strip())) for i, line in enumerate(lines))
+             if m]
+    if not found:
+        return None
+    shown = []
+    for i, line_no in found[:most]:
+        # where the line is in the source the message carries (the error's text may stand before it: the line
+        # that nvcc quotes, nearest to its number)
+        quoted = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        same = [j for j, text in enumerate(code) if quoted and text.strip() == quoted]
+        at = min(same, key=lambda j: abs(j - (line_no - 1))) if same else line_no - 1
+        kernel = next((m.group(1) for text in reversed(code[:at + 1]) for m in [_KERNEL.search(text)] if m), None)
+        where = f"in kernel {kernel}: " if kernel else ""
+        shown.append(where + "\n".join(text.rstrip() for text in lines[i:i + 1 + context]))
+    more = f"\n(and {len(found) - most} more)" if len(found) > most else ""
+    return f"{len(found)} error(s) from nvcc:\n" + "\n".join(shown) + more
 
 
 RUN_OR_CAPTURE = "vm.builtin.cuda_graph.run_or_capture"
