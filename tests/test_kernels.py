@@ -786,6 +786,30 @@ def test_cuda_cache_view_kernels_compile_guarded():
         assert "mma.sync.aligned.m16n8k16" in src and "__shfl_xor_sync" in src and "__syncthreads_or(" in src
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_cache_view_kernels_at_llama_7b_heads_compile_through_the_build_pipeline(dt):
+    """Llama-2-7B's heads (32 of 128) over the cache's view with a symbolic batch: lowered as the build lowers
+    them (its TIR pipeline: these kernels without TIR's CSE), every K/V load is one 16-byte load and nvcc compiles
+    them. With CSE, `batch * 65536` went into a kernel argument, the third load lost its proven alignment and TVM
+    emitted 8 halves into make_uint4, which nvcc rejects (the 8-layer generation bench's build failed so)."""
+    from tvmfuse.build.compile import TIR_PIPELINE
+    from tvmfuse.kernels import ATTENTION_STEP
+
+    base = dict(CACHE_STEP, heads=32, kv_heads=32, head_dim=128, dtype=dt)
+    one = dict(base, seq_q=1, mask_shape=("batch", 1, 1, "past + seq"))
+    for fn in (ATTENTION_DECODE(one, ATTENTION_DECODE.default_knobs(one)), ATTENTION_STEP(base)):
+        assert fn.attrs["tvmfuse.no_cse"]
+        ex = tvm.compile(tvm.IRModule({"main": fn}), target=H100, tir_pipeline=TIR_PIPELINE)
+        src = ex.mod.imports[0].inspect_source("cuda")
+        assert "make_uint4(k_ptr[" not in src and "make_uint4(v_ptr[" not in src
+        assert src.count("= *(uint4*)(k_ptr + ") >= 4
+        with H100:
+            assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
+    static = dict(base, batch=1, seq_q=1, seq_k=512, mask_shape=(1, 1, 1, 512))
+    assert "tvmfuse.no_cse" not in ATTENTION_DECODE(static, ATTENTION_DECODE.default_knobs(static)).attrs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
 def test_gpu_cache_view_kernels_match_numpy():

@@ -144,6 +144,15 @@ def tshape(layout: str, b, h, seq, d) -> tuple:
     return {"BHSD": (b, h, seq, d), "BSHD": (b, seq, h, d), "SBHD": (seq, b, h, d)}[layout]
 
 
+def kernel_attrs(*sizes) -> dict:
+    """The CUDA kernel's function attributes; with a symbolic size among `sizes`, lowered without TIR's CSE
+    (tvmfuse.build.compile.NO_CSE_ATTR says why), so the static kernels' CUDA source stays as it was."""
+    attrs = {"tirx.noalias": True, "tirx.is_scheduled": True}
+    if any(not isinstance(n, int) for n in sizes):
+        attrs["tvmfuse.no_cse"] = True
+    return attrs
+
+
 def at(layout: str, b, h, seq, d) -> tuple:
     """The buffer index of element [b, h, seq, d] of a tensor stored in `layout`: BSHD and SBHD are read in
     place, with strided loads (contiguous along d), instead of a separate transpose kernel."""

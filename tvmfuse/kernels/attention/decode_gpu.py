@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, drop_mask, extents, f32, mask_extents, \
-    q_dtype, tshape
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, drop_mask, extents, f32, kernel_attrs, \
+    mask_extents, q_dtype, tshape
 from tvmfuse.kernels.attention.decode_guards import guards
 from tvmfuse.kernels.attention.decode_knobs import VEC, chunk_of, group
 
@@ -21,10 +21,12 @@ def gpu_kernel(s: dict, knobs: dict):
     oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
         s.get("mask_dtype", dt)
 
+    attrs = kernel_attrs(B, HKV, SQ, L)
+
     @T.prim_func(s_tir=True)
     def gpu(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
             out: T.Buffer(oshape, dt)):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr(attrs)
         body(q, k, v, mask, out)
 
     return drop_mask(gpu, s)

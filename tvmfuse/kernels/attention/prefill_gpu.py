@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import NEG, at, ceil_div, dims, drop_mask, extents, mask_extents, q_dtype, \
-    tshape
+from tvmfuse.kernels.attention.common import NEG, at, ceil_div, dims, drop_mask, extents, kernel_attrs, mask_extents, \
+    q_dtype, tshape
 from tvmfuse.kernels.attention.prefill_knobs import STATIC_SMEM, smem_bytes
 from tvmfuse.kernels.attention.prefill_logits import logit_rules, mask_index
 
@@ -25,10 +25,12 @@ def gpu_kernel(s: dict, knobs: dict):
     oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, HQ, SQ, D), mask_extents(s, ext), q_dtype(s), \
         s.get("mask_dtype", dt)
 
+    attrs = kernel_attrs(B, HKV, SQ, L)
+
     @T.prim_func(s_tir=True)
     def gpu(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
             out: T.Buffer(oshape, dt)):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr(attrs)
         body(q, k, v, mask, out)
 
     return drop_mask(gpu, s)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention import decode_knobs, prefill_knobs
-from tvmfuse.kernels.attention.common import Template, dims, drop_mask, extents, mask_extents, q_dtype, tshape
+from tvmfuse.kernels.attention.common import Template, dims, drop_mask, extents, kernel_attrs, mask_extents, q_dtype, \
+    tshape
 from tvmfuse.kernels.attention.decode_cpu import cpu_body as decode_cpu_body
 from tvmfuse.kernels.attention.decode_gpu import gpu_body as decode_gpu_body
 from tvmfuse.kernels.attention.prefill_cpu import cpu_body as prefill_cpu_body
@@ -67,7 +68,7 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
                               (("q", H, SQ), ("k", HKV, L), ("v", s["v_heads"], L)))
     oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
         s.get("mask_dtype", dt)
-    attrs = {"tirx.noalias": True} if cpu else {"tirx.noalias": True, "tirx.is_scheduled": True}
+    attrs = {"tirx.noalias": True} if cpu else kernel_attrs(B, HKV, SQ, L)
 
     @T.prim_func(s_tir=True)
     def step(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
