@@ -153,6 +153,25 @@ def kernel_attrs(*sizes) -> dict:
     return attrs
 
 
+def template_func(s: dict, ext: dict, body, name: str, gpu: bool, v_heads=None):
+    """The PrimFunc `name` (q, k, v[, mask], out) running `body`, a TVMScript macro over those five buffers, at
+    the shapes `s` with the sizes `ext`; V has `v_heads` heads (default: K's)."""
+    B, H, HKV, SQ, L, D, dt, _ = dims(s, ext)
+    qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
+                              (("q", H, SQ), ("k", HKV, L), ("v", HKV if v_heads is None else v_heads, L)))
+    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
+        s.get("mask_dtype", dt)
+    attrs = kernel_attrs(B, HKV, SQ, L) if gpu else {"tirx.noalias": True}
+
+    @T.prim_func(s_tir=True)
+    def func(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
+             out: T.Buffer(oshape, dt)):
+        T.func_attr(attrs)
+        body(q, k, v, mask, out)
+
+    return drop_mask(func.with_attr("global_symbol", name), s)
+
+
 def at(layout: str, b, h, seq, d) -> tuple:
     """The buffer index of element [b, h, seq, d] of a tensor stored in `layout`: BSHD and SBHD are read in
     place, with strided loads (contiguous along d), instead of a separate transpose kernel."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, drop_mask, extents, f32, mask_extents, \
-    q_dtype, tshape
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, extents, f32, template_func
 from tvmfuse.kernels.attention.decode_guards import guards
 from tvmfuse.kernels.attention.decode_knobs import chunk_of, group
 
@@ -14,20 +13,7 @@ from tvmfuse.kernels.attention.decode_knobs import chunk_of, group
 def cpu_kernel(s: dict, knobs: dict):
     """The CPU PrimFunc (q, k, v[, mask], out) for these shapes; the knobs count only through split and chunk_of."""
     ext = extents(s)
-    B, H, HKV, SQ, L, D, dt, _ = dims(s, ext)
-    body = cpu_body(s, knobs, ext, s["seq_q"])
-    qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
-                              (("q", H, SQ), ("k", HKV, L), ("v", HKV, L)))
-    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
-        s.get("mask_dtype", dt)
-
-    @T.prim_func(s_tir=True)
-    def cpu(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
-            out: T.Buffer(oshape, dt)):
-        T.func_attr({"tirx.noalias": True})
-        body(q, k, v, mask, out)
-
-    return drop_mask(cpu, s)
+    return template_func(s, ext, cpu_body(s, knobs, ext, s["seq_q"]), "cpu", gpu=False)
 
 
 def cpu_body(s: dict, knobs: dict, ext: dict, rows: int):

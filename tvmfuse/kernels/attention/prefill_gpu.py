@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import NEG, at, ceil_div, dims, drop_mask, extents, kernel_attrs, mask_extents, \
-    q_dtype, tshape
+from tvmfuse.kernels.attention.common import NEG, at, ceil_div, dims, extents, q_dtype, template_func
 from tvmfuse.kernels.attention.prefill_knobs import STATIC_SMEM, smem_bytes
 from tvmfuse.kernels.attention.prefill_logits import logit_rules, mask_index
 
@@ -18,22 +17,7 @@ def gpu_kernel(s: dict, knobs: dict):
     """The CUDA PrimFunc (q, k, v[, mask], out) for these shapes and knobs (warps, block_n, m_tiles, stages,
     q_smem)."""
     ext = extents(s)
-    B, HQ, HKV, SQ, L, D, dt, _ = dims(s, ext)
-    body = gpu_body(s, knobs, ext)
-    qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
-                              (("q", HQ, SQ), ("k", HKV, L), ("v", s["v_heads"], L)))
-    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, HQ, SQ, D), mask_extents(s, ext), q_dtype(s), \
-        s.get("mask_dtype", dt)
-
-    attrs = kernel_attrs(B, HKV, SQ, L)
-
-    @T.prim_func(s_tir=True)
-    def gpu(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
-            out: T.Buffer(oshape, dt)):
-        T.func_attr(attrs)
-        body(q, k, v, mask, out)
-
-    return drop_mask(gpu, s)
+    return template_func(s, ext, gpu_body(s, knobs, ext), "gpu", gpu=True, v_heads=s["v_heads"])
 
 
 def gpu_body(s: dict, knobs: dict, ext: dict):

@@ -9,8 +9,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention import decode_knobs, prefill_knobs
-from tvmfuse.kernels.attention.common import Template, dims, drop_mask, extents, kernel_attrs, mask_extents, q_dtype, \
-    tshape
+from tvmfuse.kernels.attention.common import Template, dims, extents, template_func
 from tvmfuse.kernels.attention.decode_cpu import cpu_body as decode_cpu_body
 from tvmfuse.kernels.attention.decode_gpu import gpu_body as decode_gpu_body
 from tvmfuse.kernels.attention.prefill_cpu import cpu_body as prefill_cpu_body
@@ -59,27 +58,20 @@ def build(s: dict, knobs: dict, target: str = "cuda"):
     """One PrimFunc (q, k, v[, mask], out): the decode passes when seq_q is 1, else the prefill kernel; the CPU
     variants for target 'llvm'."""
     ext = extents(s)
-    B, H, HKV, SQ, L, D, dt, _ = dims(s, ext)
+    SQ = dims(s, ext)[3]
     dk, pk = _split(knobs)
     cpu = target == "llvm"
     one = (decode_cpu_body if cpu else decode_gpu_body)(_one_token(s), dk, ext, 1)
     many = (prefill_cpu_body if cpu else prefill_gpu_body)(s, pk, ext)
-    qshape, kshape, vshape = (tshape(s[f"{r}_layout"], B, heads, n, D) for r, heads, n in
-                              (("q", H, SQ), ("k", HKV, L), ("v", s["v_heads"], L)))
-    oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
-        s.get("mask_dtype", dt)
-    attrs = {"tirx.noalias": True} if cpu else kernel_attrs(B, HKV, SQ, L)
 
-    @T.prim_func(s_tir=True)
-    def step(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
-             out: T.Buffer(oshape, dt)):
-        T.func_attr(attrs)
+    @T.macro
+    def body(q, k, v, mask, out):
         if SQ == 1:
             one(q, k, v, mask, out)
         else:
             many(q, k, v, mask, out)
 
-    return drop_mask(step, s)
+    return template_func(s, ext, body, "step", gpu=not cpu, v_heads=s["v_heads"])
 
 
 TEMPLATE = Template("attention_step", build, check, knob_space, default_knobs)
