@@ -795,11 +795,12 @@ def test_cache_view_kernels_at_llama_7b_heads_compile_through_the_build_pipeline
     emitted 8 halves into make_uint4, which nvcc rejects (the 8-layer generation bench's build failed so)."""
     from tvmfuse.build.compile import TIR_PIPELINE
     from tvmfuse.kernels import ATTENTION_STEP
+    from tvmfuse.kernels.attention.common import NO_CSE_ATTR
 
     base = dict(CACHE_STEP, heads=32, kv_heads=32, head_dim=128, dtype=dt)
     one = dict(base, seq_q=1, mask_shape=("batch", 1, 1, "past + seq"))
     for fn in (ATTENTION_DECODE(one, ATTENTION_DECODE.default_knobs(one)), ATTENTION_STEP(base)):
-        assert fn.attrs["tvmfuse.no_cse"]
+        assert fn.attrs[NO_CSE_ATTR]
         ex = tvm.compile(tvm.IRModule({"main": fn}), target=H100, tir_pipeline=TIR_PIPELINE)
         src = ex.mod.imports[0].inspect_source("cuda")
         assert "make_uint4(k_ptr[" not in src and "make_uint4(v_ptr[" not in src
@@ -807,7 +808,7 @@ def test_cache_view_kernels_at_llama_7b_heads_compile_through_the_build_pipeline
         with H100:
             assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
     static = dict(base, batch=1, seq_q=1, seq_k=512, mask_shape=(1, 1, 1, 512))
-    assert "tvmfuse.no_cse" not in ATTENTION_DECODE(static, ATTENTION_DECODE.default_knobs(static)).attrs
+    assert NO_CSE_ATTR not in ATTENTION_DECODE(static, ATTENTION_DECODE.default_knobs(static)).attrs
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from tvmfuse.isolation import REPLAY
 from tvmfuse.isolation import record as record_failure
+from tvmfuse.kernels.attention.common import NO_CSE_ATTR
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
 from tvmfuse.spaces.defaults import apply_default_schedules, default_kind
 
@@ -29,15 +30,15 @@ def _is_tirx(func) -> bool:
     return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and TIRX_ATTR in func.attrs
 
 
-#: a PrimFunc attribute: lower this kernel without TIR's common-subexpression elimination. The CSE pass hoists
-#: loop-invariant terms of an index with a symbolic size (`batch * 65536`) into a kernel argument, where TVM's CUDA
-#: codegen can no longer prove a 16-byte load aligned; its lane-by-lane fallback for 8 fp16/bf16 lanes then does
-#: not compile ("too many arguments in function call" in make_uint4). nvcc eliminates common subexpressions itself.
-NO_CSE_ATTR = "tvmfuse.no_cse"
-
-
 def _no_cse(func) -> bool:
     return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and bool(func.attrs.get(NO_CSE_ATTR, False))
+
+
+def _current_context_with(config: dict) -> tvm.transform.PassContext:
+    """The current PassContext's settings (the caller's opt level, passes and options) plus `config`."""
+    outer = tvm.transform.PassContext.current()
+    return tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
+                                     disabled_pass=list(outer.disabled_pass), config={**dict(outer.config), **config})
 
 
 def _mixed_tir_pipeline():
@@ -58,10 +59,7 @@ def _mixed_tir_pipeline():
         for gv, func in x_pass(tvm.IRModule(ours, attrs=mod.attrs)).functions.items() if ours else ():
             merged[gv] = func
         if no_cse:
-            outer = tvm.transform.PassContext.current()
-            with tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
-                                           disabled_pass=list(outer.disabled_pass),
-                                           config={**dict(outer.config), "tirx.disable_cse_tir": True}):
+            with _current_context_with({"tirx.disable_cse_tir": True}):
                 for gv, func in s_pass(tvm.IRModule(no_cse, attrs=mod.attrs)).functions.items():
                     merged[gv] = func
         return merged
@@ -127,12 +125,9 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
     config = {"tirx.use_async_copy": True} if cuda else {}
     if cuda_graph and cuda:
         config["relax.backend.use_cuda_graph"] = True
-    outer = tvm.transform.PassContext.current()  # keep the caller's settings, add these options
     # `with target`: TVM's CUDA compile callback takes the arch from Target.current() and otherwise asks the GPU,
     # so a process that sees no GPU (a build worker) failed with "No CUDA architecture was specified".
-    with target, tvm.transform.PassContext(opt_level=outer.opt_level, required_pass=list(outer.required_pass),
-                                           disabled_pass=list(outer.disabled_pass),
-                                           config={**dict(outer.config), **config}):
+    with target, _current_context_with(config):
         try:
             return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
         except Exception as err:  # noqa: BLE001  (re-raised with the compiler's errors first)

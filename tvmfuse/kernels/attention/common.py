@@ -144,12 +144,20 @@ def tshape(layout: str, b, h, seq, d) -> tuple:
     return {"BHSD": (b, h, seq, d), "BSHD": (b, seq, h, d), "SBHD": (seq, b, h, d)}[layout]
 
 
-def kernel_attrs(*sizes) -> dict:
-    """The CUDA kernel's function attributes; with a symbolic size among `sizes`, lowered without TIR's CSE
-    (tvmfuse.build.compile.NO_CSE_ATTR says why), so the static kernels' CUDA source stays as it was."""
+#: a PrimFunc attribute: lower this kernel without TIR's common-subexpression elimination (the build's TIR
+#: pipeline reads it). The CSE pass hoists loop-invariant terms of an index with a symbolic size (`batch * 65536`)
+#: into a kernel argument, where TVM's CUDA codegen can no longer prove a 16-byte load aligned; its lane-by-lane
+#: fallback for 8 fp16/bf16 lanes then does not compile ("too many arguments in function call" in make_uint4).
+#: nvcc eliminates common subexpressions itself.
+NO_CSE_ATTR = "tvmfuse.no_cse"
+
+
+def kernel_attrs(s: dict) -> dict:
+    """The CUDA kernel's function attributes; with a symbolic size, NO_CSE_ATTR too (the static kernels' CUDA source
+    stays as it was)."""
     attrs = {"tirx.noalias": True, "tirx.is_scheduled": True}
-    if any(not isinstance(n, int) for n in sizes):
-        attrs["tvmfuse.no_cse"] = True
+    if symbolic(s):
+        attrs[NO_CSE_ATTR] = True
     return attrs
 
 
@@ -161,7 +169,7 @@ def template_func(s: dict, ext: dict, body, name: str, gpu: bool, v_heads=None):
                               (("q", H, SQ), ("k", HKV, L), ("v", HKV if v_heads is None else v_heads, L)))
     oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
         s.get("mask_dtype", dt)
-    attrs = kernel_attrs(B, HKV, SQ, L) if gpu else {"tirx.noalias": True}
+    attrs = kernel_attrs(s) if gpu else {"tirx.noalias": True}
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
