@@ -811,6 +811,23 @@ def test_cache_view_kernels_at_llama_7b_heads_compile_through_the_build_pipeline
     assert NO_CSE_ATTR not in ATTENTION_DECODE(static, ATTENTION_DECODE.default_knobs(static)).attrs
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_fp32_cache_view_decode_kernel_compiles_with_nvcc():
+    """An fp32 cache (an fp32 build's in-place decode): the decode template's zeros for a slot without keys are
+    written element by element; as one float32x8 vector TVM emitted make_ulonglong4 of 8 floats, which nvcc rejects
+    (the CUDA-graph decode test's build failed so on the H200, bench/results/gpu_tests_run26.txt)."""
+    from tvmfuse.build.compile import TIR_PIPELINE
+
+    one = dict(CACHE_STEP, heads=32, kv_heads=32, head_dim=128, dtype="float32", seq_q=1,
+               mask_shape=("batch", 1, 1, "past + seq"))
+    fn = ATTENTION_DECODE(one, ATTENTION_DECODE.default_knobs(one))
+    src = tvm.compile(tvm.IRModule({"main": fn}), target=H100, tir_pipeline=TIR_PIPELINE).mod.imports[0] \
+        .inspect_source("cuda")
+    assert "make_ulonglong4(" not in src and src.count("= *(ulonglong4*)(k_ptr + ") >= 1
+    with H100:
+        assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
 def test_gpu_cache_view_kernels_match_numpy():

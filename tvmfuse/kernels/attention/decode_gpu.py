@@ -29,6 +29,9 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
     NOUT = G * D
     masked = s["mask"] == "additive"
     has, qo, score, alive = guards(s, knobs, L, rows)
+    # the zeros of a slot without keys: one vector store where VEC elements are 16 bytes; fp32's 32 bytes element by
+    # element (TVM 0.27 writes a float32x8 constant as make_ulonglong4 of 8 floats, which nvcc rejects)
+    zero_fill = T.vectorized if dt in ("float16", "bfloat16") else T.unroll
 
     def live(x, flag):
         """x, or 0 for a slot none of whose keys the mask lets through (it then weighs 0 in the combines)."""
@@ -82,9 +85,9 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
                                         for e in T.vectorized(VEC):
                                             vr[u, e] = v[at(lv, b, hk, sp * chunk + (it * U + u) * SLOTS + slot, d0 + e)]
                                     else:
-                                        for e in T.vectorized(VEC):
+                                        for e in zero_fill(VEC):
                                             kr[u, e] = T.Cast(dt, 0)
-                                        for e in T.vectorized(VEC):
+                                        for e in zero_fill(VEC):
                                             vr[u, e] = T.Cast(dt, 0)
                                 for u in T.unroll(U):
                                     for g in T.unroll(G):
