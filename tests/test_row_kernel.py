@@ -113,6 +113,30 @@ def test_analysis_refuses(model, rows, hidden, reason):
     assert got is None and reason in why, why
 
 
+def test_a_kernel_with_a_scalar_parameter_is_refused_with_a_reason_not_a_failure():
+    """A size passed in as a scalar (a decoder step's arange over the symbolic past): refused as such; it was an
+    AttributeError from the buffer checks, recorded as a failure of the Hopper kernels on every such kernel."""
+    from tvmfuse.isolation import collecting
+    from tvmfuse.kernels.hopper.select import apply_hopper_kernels
+    from tvmfuse.targets import resolve_target
+
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def arange(n: T.int64, out: T.handle):
+        o = T.match_buffer(out, (n,), "int64")
+        for i in range(n):
+            with T.sblock("o"):
+                vi = T.axis.spatial(n, i)
+                o[vi] = vi
+
+    assert row_kernel_from_fused(arange, "arange") == (None, "scalar parameters")
+    mod = tvm.IRModule({"arange": arange})
+    with collecting() as failures:
+        assert apply_hopper_kernels(mod, resolve_target("cuda"), print) is mod  # no kernel replaced
+    assert failures.items == []
+
+
 def test_analysis_refuses_kernels_without_a_sum():
     """The casts of an fp16 model's fp32 interface: elementwise kernels."""
     imp = import_model(onnx_models.layer_norm_gelu(rows=64, hidden=1024))

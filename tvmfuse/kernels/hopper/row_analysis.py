@@ -8,6 +8,7 @@ import math
 from tvm import s_tir, tirx
 from tvm.sym import Analyzer
 from tvm.s_tir.dlight.analysis import get_root_block
+from tvm.tirx.buffer import is_buffer_var
 
 from tvmfuse.kernels.hopper.expr_nodes import BINARY as _BINARY
 from tvmfuse.kernels.hopper.expr_nodes import CALL as _CALL
@@ -30,6 +31,8 @@ def analyze_rows(func: tirx.PrimFunc) -> tuple[dict | None, str]:
     expressions over rows of h elements and writes its outputs elementwise over the same rows, from inputs at
     [row.., k], per-column parameters [k], constants and the sums at [row..]; else (None, why not)."""
     params = list(func.params)
+    if not all(is_buffer_var(p) for p in params):  # a size passed in (arange's, a symbolic past's): no row kernel
+        return None, "scalar parameters"
     if any(not isinstance(d, tirx.IntImm) for p in params for d in p.shape):
         return None, "symbolic shapes"
     is_param = lambda buf: any(buf.same_as(p) for p in params)
