@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 import onnx_models
+import tvm
+from tvm import relax, tirx
 from checks import check_against_ort, lower_model
 from tvmfuse.fuse.fusion import DEFAULT_FUSION, launches, lower, symbolic_kernels
 from tvmfuse.frontend.importer import import_model
@@ -95,3 +97,23 @@ def test_kernel_taking_a_scalar_stays_out_of_fuseops_groups(llvm):
     vm = relax.VirtualMachine(tvm.compile(fused.mod, llvm), tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(np.zeros((3, 4), "float32"))).numpy()
     np.testing.assert_array_equal(got, (np.arange(4) + 3) ** 2)
+
+
+def test_launches_counts_kernels_that_tvms_reshape_analysis_raises_on():
+    """An identity broadcast_to over [2, 1, 8, past + 8] (a decoder's mask in a seq-8 bucket): TVM's
+    RewriteDataflowReshape raises on it (iter-map: `(past + 8) * 8` not provably divisible by `past + 8`), which
+    failed the job's fusion report; the launches are then counted kernel by kernel, reshapes still views."""
+    past = tirx.Var("past", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 1, 8, past + 8), "bool"))
+    y = relax.Var("y", relax.TensorType((2, 8, 4), "float32"))
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            m = bb.emit(relax.op.broadcast_to(x, (2, 1, 8, past + 8)))
+            r = bb.emit(relax.op.reshape(y, (2, 32)))
+            out = bb.emit_output(relax.Tuple([m, bb.emit(relax.op.exp(r))]))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    with pytest.raises(tvm.error.InternalError, match="CanProveDivisible"):
+        relax.transform.RewriteDataflowReshape()(mod)
+    assert launches(mod) == 2  # broadcast_to and exp; the reshape is a view
