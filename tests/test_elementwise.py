@@ -138,3 +138,47 @@ def test_gpu_vectorized_lookup_matches_numpy():
     vm = relax.VirtualMachine(compile_module(apply_default_schedules(_lookup(256, 4096, 512), cuda), cuda), dev)
     got = vm["main"](tvm.runtime.tensor(table, dev), tvm.runtime.tensor(ids, dev)).numpy()
     np.testing.assert_array_equal(got, table[ids])
+
+
+def test_a_concatenation_along_a_symbolic_axis_that_fallback_raises_on_gets_the_unsplit_schedule():
+    """The KV concatenation of a batch-16, seq-512 bucket over the symbolic past: every dlight rule raises (TVM's
+    iter-map rewrite cannot prove 32 * past + 16384 divisible when Fallback splits the fused loops; the 2-layer
+    generation build failed so on the H200). The unsplit schedule takes it and nvcc compiles the kernel; a static
+    concatenation keeps the vectorized schedule."""
+    import shutil
+
+    from tvm.s_tir import dlight as dl
+
+    from tvmfuse.spaces.defaults import UnsplitInjective
+
+    past = tirx.Var("past", "int64")
+    mod = _concat((16, 1, past, 128), (16, 1, 512, 128), axis=2)
+    fn = _kernel(mod)
+    cuda = resolve_target("cuda")
+    with cuda, pytest.raises(tvm.error.InternalError, match="CanProveDivisible"):
+        dl.gpu.Fallback().apply(fn, cuda, False)
+    rule, _ = default_rule(fn, cuda)
+    assert isinstance(rule, UnsplitInjective)
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+    assert "__launch_bounds__(128)" in src  # the innermost axis (head dim 128) on the threads
+    if shutil.which("nvcc"):
+        with cuda:
+            assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
+    static = _kernel(_concat((16, 1, 64, 128), (16, 1, 512, 128), axis=2))
+    assert isinstance(default_rule(static, cuda)[0], VectorizedInjective)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
+def test_gpu_unsplit_schedule_matches_numpy():
+    """On a GPU: the concatenation above at past 37 against numpy."""
+    past = tirx.Var("past", "int64")
+    mod = _concat((16, 1, past, 128), (16, 1, 512, 128), axis=2)
+    cuda = resolve_target("cuda")
+    ex = compile_module(apply_default_schedules(mod, cuda), cuda)
+    vm = relax.VirtualMachine(ex, tvm.cuda(0))
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((16, 1, 37, 128)).astype("float16")
+    b = rng.standard_normal((16, 1, 512, 128)).astype("float16")
+    got = vm["main"](tvm.runtime.tensor(a, tvm.cuda(0)), tvm.runtime.tensor(b, tvm.cuda(0))).numpy()
+    np.testing.assert_array_equal(got, np.concatenate([a, b], axis=2))

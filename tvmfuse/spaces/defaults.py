@@ -39,6 +39,17 @@ class VectorizedInjective(dl.ScheduleRule):
         return elementwise.default_schedule(func)
 
 
+class UnsplitInjective(dl.ScheduleRule):
+    """tvmfuse's last resort for injective kernels (tvmfuse.spaces.elementwise.schedule_unsplit): no fused loop
+    split, for those whose symbolic sizes make dlight's Fallback raise (so that no kernel is left without a
+    schedule)."""
+
+    def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        return elementwise.unsplit_schedule(func)
+
+
 class SmallBatchMatmul(dl.ScheduleRule):
     """tvmfuse's small-M matmul schedule (tvmfuse.spaces.smallm) for M of 2..32 rows over a [N, K] weight, where
     dlight's GEMV (M = 1 only) and Matmul (CUDA-core 32x64 tiles below M = 64) leave most of the GPU idle."""
@@ -144,7 +155,7 @@ def _last_block_transposes(func: tirx.PrimFunc) -> bool:
 #: the default-schedule rules in the order they are tried: (rule, targets: "cuda" / "gpu" (any GPU) / "cpu", builds:
 #: "tvmfuse" (tvmfuse's builds only), "stock" (benchmarks' stock TVM only) or "both"). dlight's rules keep the order
 #: TVM's own CUDA pipeline tries them; tvmfuse's small-M and tensor-core matmul schedules go first, its row and
-#: vectorized injective schedules just before dlight's final Fallback.
+#: vectorized injective schedules just before dlight's Fallback, and after it its unsplit one for what Fallback raises on.
 DEFAULT_RULES = (
     (SmallBatchMatmul, "cuda", "tvmfuse"),
     (TensorCoreGemm, "cuda", "tvmfuse"),
@@ -156,6 +167,7 @@ DEFAULT_RULES = (
     (RowReductionDefault, "cuda", "tvmfuse"),
     (VectorizedInjective, "cuda", "tvmfuse"),
     (dl.gpu.Fallback, "gpu", "both"),
+    (UnsplitInjective, "gpu", "tvmfuse"),
     (dl.cpu.GEMV, "cpu", "both"),
     (AlignedCPUReduction, "cpu", "tvmfuse"),
     (dl.cpu.Reduction, "cpu", "stock"),

@@ -84,3 +84,36 @@ def schedule_vectorized(sch: s_tir.Schedule) -> bool:
 def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """The vectorized schedule, or None where it does not apply."""
     return schedule_or_none(func, schedule_vectorized)
+
+
+def schedule_unsplit(sch: s_tir.Schedule) -> bool:
+    """Schedule in place an injective kernel whose fused loops TVM cannot split: each block's innermost loop on the
+    threads (split by THREADS where it is symbolic or longer), everything outside it fused onto the CTAs, unsplit.
+
+    Why: dlight's Fallback fuses all loops and splits the product by 1024; with a symbolic axis that TVM's iter-map
+    rewrite cannot prove divisible (a concatenation along the past at batch 16 and seq 512: extent 32 * past + 16384)
+    it raises, and so does every other rule: the kernel had no schedule and failed the build. No fused loop is split
+    here, so no divisibility proof is needed; the price is one element per thread, as Fallback."""
+    infos = normalize_prim_func(sch)
+    if not infos or any(not i.is_injective() for i in infos):
+        return False
+    for info in try_inline(sch, infos):
+        loops = sch.get_loops(info.block_rv)
+        if not loops:
+            return False
+        inner, outer = loops[-1], list(loops[:-1])
+        extent = sch.get(inner).extent
+        if isinstance(extent, tirx.IntImm) and int(extent) <= 1024:
+            threads = inner
+        else:
+            ctas, threads = sch.split(inner, [None, THREADS])
+            outer.append(ctas)
+        if outer:
+            sch.bind(sch.fuse(*outer) if len(outer) > 1 else outer[0], "blockIdx.x")
+        sch.bind(threads, "threadIdx.x")
+    return True
+
+
+def unsplit_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    """`schedule_unsplit`'s schedule, or None where it does not apply."""
+    return schedule_or_none(func, schedule_unsplit)
