@@ -12,9 +12,11 @@ Phases, each in its own process (the GPU and the memory are the next one's):
           [batch, total] and past_key_<i> / past_value_<i> [batch, kv heads, past, head dim] in, logits and the
           presents out (dynamic batch, seq, past; the dynamo exporter, weights as external data);
   build   `python -m tvmfuse tune MODEL --target cuda --dtype fp16 --trials 0 --max-seq 2176 --cuda-graph
-          --buckets seq=1 --buckets batch=<the batches>` (a static decode function per batch: only those are captured);
+          --buckets seq=1,<the prompts> --buckets batch=<the batches>` (a static decode function per batch, which
+          CUDA graphs capture, and a static prefill per prompt length, which gets the GEMM and attention templates);
   run     the export's generate for each batch x prompt: prefill ms, ms per token, tokens/s, the function the decode
           ran in and its CUDA graphs; the bytes-moved roofline per token at the copy bandwidth this phase measures;
+          --profile: the GPU's kernels (CUPTI via torch.profiler) of the prefill and of 8 decode steps, per step;
   torch   the same weights in fp16: prefill eager, decode steps compiled (reduce-overhead: CUDA graphs), timed without
           a sync per step; its greedy tokens, and per row the leading tokens identical to tvmfuse's.
 Results merge into OUT/generate.json after every phase and row (a phase that fails or runs out of time leaves the
@@ -172,6 +174,9 @@ def phase_export(args) -> dict:
     info = {"parameters": sum(x.numel() for x in model.parameters()), "init_s": round(time.time() - t, 1),
             "checksum": _checksum(model)}
     _merge(args.out, ("config", "parameters"), info["parameters"])
+    os.makedirs(args.work, exist_ok=True)
+    with open(os.path.join(args.work, "export.json"), "w", encoding="utf-8") as f:  # beside the ONNX file it counts
+        json.dump({"parameters": info["parameters"], "checksum": info["checksum"]}, f)
     layers, shape = args.layers, _shape(args)
     kv_heads, head_dim = shape["num_key_value_heads"], shape["hidden_size"] // shape["num_attention_heads"]
     batch, seq, past = 2, 3, 4
@@ -228,8 +233,11 @@ def phase_build(args) -> dict:
                                                                           "--cuda-graph"]
     # the decode steps' static functions (seq 1, each batch), which only CUDA captures; on llvm one static batch
     # took 2 minutes more to compile (2 cores), so the smoke run buckets seq alone
+    # and on CUDA the prompts' lengths too: a prefill in the generic function gets no GEMM or attention template
+    # (run 1: 29 ms for 512 tokens on 8 layers, torch eager 10.9)
     batches = ",".join(map(str, args.batches))
-    buckets = ["--buckets", "seq=1"] + ([] if args.smoke else ["--buckets", f"batch={batches}"])
+    seqs = ",".join(map(str, [1] + ([] if args.smoke else sorted(set(args.prompts)))))
+    buckets = ["--buckets", f"seq={seqs}"] + ([] if args.smoke else ["--buckets", f"batch={batches}"])
     flags = [*target, "--trials", "0", "--max-seq", str(args.max_seq), *buckets, "--tolerance", args.tolerance]
     cmd = [sys.executable, "-m", "tvmfuse", "tune", p["onnx"], *flags, "--out", p["out"], "--logs", p["logs"]]
     t = time.time()
@@ -272,6 +280,10 @@ def phase_run(args) -> dict:
 
     p = _paths(args)
     config = _load(args.out)["config"]
+    if "parameters" not in config:  # --phase run into another --out than the export's: the count beside the ONNX file
+        with open(os.path.join(args.work, "export.json"), encoding="utf-8") as f:
+            config["parameters"] = json.load(f)["parameters"]
+        _merge(args.out, ("config", "parameters"), config["parameters"])
     ceilings = copy_bandwidth(args.smoke)
     _merge(args.out, ("ceilings",), ceilings)
     t = time.time()
@@ -298,6 +310,8 @@ def phase_run(args) -> dict:
                    "fraction_of_roofline": round(ideal["roofline_ms"] / out.ms_per_token, 4),
                    "tokens": out.tokens.tolist()}
             _merge(args.out, ("rows", key, "roofline"), ideal)
+            if args.profile and not args.smoke:
+                row["profile"] = profile_rows(model, ids, cache)
         except Exception:  # pylint: disable=broad-except  (one row's failure must not lose the others)
             row = {"error": traceback.format_exc()[-3000:]}
         _merge(args.out, ("rows", key, "tvmfuse"), row)
@@ -308,6 +322,33 @@ def phase_run(args) -> dict:
                                 if "error" not in row else "FAILED " + row["error"].strip().splitlines()[-1]),
               flush=True)
     return info
+
+
+def profile_rows(model, ids, cache, steps: int = 8) -> dict:
+    """The GPU's own record (CUPTI through torch.profiler) of the prefill and of `steps` decode steps, per call, with
+    the host's wall time per decode step while profiled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.model_timing import gpu_kernels, kernel_summary
+    prefill = gpu_kernels(lambda: model.generate(ids, 1, cache=cache), calls=2)
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    walls = []
+
+    def on_token(i: int, ms: float) -> None:
+        if i == 1:
+            torch.cuda.synchronize()
+            prof.start()
+        elif 1 < i <= 1 + steps:
+            walls.append(ms)
+            if i == 1 + steps:
+                torch.cuda.synchronize()
+                prof.stop()
+
+    model.generate(ids, steps + 2, cache=cache, on_token=on_token)
+    decode = kernel_summary(prof, steps, top=24)
+    decode["wall_ms_per_step"] = round(sum(walls) / len(walls), 4)
+    return {"prefill": prefill, "decode": decode}
 
 
 def phase_torch(args) -> dict:
@@ -430,6 +471,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tolerance", default="5e-2,5e-2",
                     help="the build's verification tolerance (ATOL,RTOL; bench/big_model.py says why fp16 needs it)")
     ap.add_argument("--smoke", action="store_true", help="a tiny Llama on the CPU (llvm, fp32, torch eager)")
+    ap.add_argument("--profile", action="store_true", help="per row, the GPU's kernels of the prefill and of 8 decode "
+                    "steps (CUDA only)")
     ap.add_argument("--phase", default="all", choices=["all", *PHASES])
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no phase or row after this many seconds")
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # the phases' copy of the budget (epoch s)

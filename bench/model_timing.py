@@ -58,7 +58,6 @@ def gpu_kernels(fn, calls: int = 3, top: int = 16) -> dict:
     kernels inside CUDA graphs): per kernel name, launches and microseconds per call, and the sum against the
     busy span (first start to last end per call), whose difference is the idle time between kernels."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -66,6 +65,12 @@ def gpu_kernels(fn, calls: int = 3, top: int = 16) -> dict:
         for _ in range(calls):
             fn()
             torch.cuda.synchronize()
+    return kernel_summary(prof, calls, top)
+
+
+def kernel_summary(prof, calls: int, top: int = 16) -> dict:
+    """`gpu_kernels`' summary of a finished torch.profiler run that made `calls` calls."""
+    from torch.autograd import DeviceType
     evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     agg: dict[str, list] = {}
     for e in evs:

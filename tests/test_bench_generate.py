@@ -48,6 +48,14 @@ def test_smoke_generates_torchs_greedy_tokens_and_writes_every_row(tmp_path):
         for contender in (ours, theirs):
             assert contender["fraction_of_roofline"] == pytest.approx(
                 ideal["roofline_ms"] / contender["ms_per_token"], rel=1e-2, abs=1e-4)
+    # the run phase alone into another folder (as a second device call does): the parameter count comes from the
+    # export's work folder, and the rows are the same tokens
+    again = tmp_path / "again"
+    assert generate.main(["--smoke", "--exporter", "legacy", "--work", str(tmp_path / "work"), "--out", str(again),
+                          "--phase", "run", "--prompts", "8"]) == 0
+    rerun = json.loads((again / "generate.json").read_text())
+    assert rerun["config"]["parameters"] == config["parameters"]
+    assert rerun["rows"]["b1_p8"]["tvmfuse"]["tokens"] == res["rows"]["b1_p8"]["tvmfuse"]["tokens"]
 
 
 @pytest.mark.parametrize("flags, message", [(["--prompts", "30"], "need 37 positions; --max-seq is 32"),
