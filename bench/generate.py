@@ -306,7 +306,7 @@ def phase_run(args) -> dict:
             ideal = roofline(config, batch, prompt, args.new_tokens, ceilings["copy_bw"])
             row = {"prefill_ms": round(out.prefill_ms, 3), "ms_per_token": round(out.ms_per_token, 4),
                    "median_ms_per_token": round(sorted(out.step_ms)[len(out.step_ms) // 2], 4),
-                   "tokens_per_s": round(out.tokens_per_s, 1), "decode": out.decode,
+                   "tokens_per_s": round(out.tokens_per_s, 1), "decode": out.decode, "prefill": out.prefill,
                    "fraction_of_roofline": round(ideal["roofline_ms"] / out.ms_per_token, 4),
                    "tokens": out.tokens.tolist()}
             _merge(args.out, ("rows", key, "roofline"), ideal)

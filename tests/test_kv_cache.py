@@ -77,6 +77,44 @@ def test_greedy_tokens_match_onnxruntime_for_32_steps(kv_model, kv_exports, mode
         assert logits.shape == (BATCH, 1, hf_export.VOCAB)  # one more step by hand, past_len as an int
 
 
+def test_a_prompt_padded_to_a_longer_prefill_gives_the_same_tokens(kv_model, kv_exports):
+    """The prefill run at more tokens than the prompt (as it is padded to a seq bucket): the last prompt position's
+    logits and the cache entries the decode steps read are the prompt's alone, so onnxruntime's greedy tokens; the
+    ONNX-semantics step (its presents would keep the pads) refuses padding."""
+    ids = np.random.default_rng(3).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
+    want = _onnxruntime_greedy(kv_model, ids, 16)
+    got = load(kv_exports["inplace"]).generate(ids, 16, prefill_to=PROMPT + 6)
+    np.testing.assert_array_equal(got.tokens, want)
+    assert got.prefill == {"function": "main", "length": PROMPT + 6}
+    with pytest.raises(TvmfuseError, match="only with the in-place KV cache"):
+        load(kv_exports["onnx"]).generate(ids, 4, prefill_to=PROMPT + 6)
+    with pytest.raises(TvmfuseError, match=f"cannot pad a {PROMPT}-token prompt to {CAPACITY + 1} tokens"):
+        load(kv_exports["inplace"]).generate(ids, 4, prefill_to=CAPACITY + 1)
+
+
+def test_prefill_length_is_the_shortest_seq_bucket_of_the_batch_that_holds_the_prompt():
+    from tvmfuse.export.generate import prefill_length
+
+    def manifest(shapes, mode="inplace"):
+        return {"inputs": [{"name": "input_ids", "shape": ["batch", "seq"]},
+                           {"name": "attention_mask", "shape": ["batch", "total"]}, {"name": "past_len", "shape": []},
+                           {"name": "cache_key_0", "shape": [CAPACITY, "batch", 2, 16]}],
+                "kv_cache": {"mode": mode, "capacity": 2176, "position": "past_len",
+                             "caches": [{"cache": "cache_key_0"}]},
+                "buckets": {"functions": [{"function": "f", "shape": s} for s in shapes],
+                            "generic": {"function": "main_generic"}}}
+
+    grid = [{"seq": s, "batch": b} for s in (1, 512, 2048) for b in (1, 16)]
+    assert prefill_length(manifest(grid), 1, 300) == 512
+    assert prefill_length(manifest(grid), 16, 512) == 512
+    assert prefill_length(manifest(grid), 16, 513) == 2048
+    assert prefill_length(manifest(grid), 4, 300) == 300  # no bucket of batch 4: the generic function as it is
+    assert prefill_length(manifest(grid), 1, 3000) == 3000
+    assert prefill_length(manifest([{"seq": 1}, {"seq": 4096}]), 1, 300) == 300  # 4096 > the cache's 2176
+    assert prefill_length(manifest([{"seq": 1}, {"seq": 64}]), 7, 30) == 64  # seq alone bucketed: any batch
+    assert prefill_length(manifest(grid, mode="onnx"), 1, 300) == 300
+
+
 def test_gpt2_inplace_greedy_tokens_match_onnxruntime(tmp_path):
     """GPT-2 (no GQA, K^T as a permute of the cache's view): in place, no cache copy, onnxruntime's tokens."""
     path = hf_export.export_with_cache("gpt2", str(tmp_path))

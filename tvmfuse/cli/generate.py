@@ -83,7 +83,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     mode = model.manifest["kv_cache"]["mode"]
-    print(f"prefill {out.prefill_ms:.2f} ms ({ids.shape[0]} x {ids.shape[1]} tokens); decode "
+    padded = f", padded to {out.prefill['length']}" if out.prefill["length"] != ids.shape[1] else ""
+    print(f"prefill {out.prefill_ms:.2f} ms ({ids.shape[0]} x {ids.shape[1]} tokens in {out.prefill['function']}"
+          f"{padded}); decode "
           f"{out.ms_per_token:.2f} ms/token, {out.tokens_per_s:.1f} tokens/s (batch {ids.shape[0]}, KV cache {mode})")
     if model.manifest["target"]["kind"] == "cuda":
         print(f"decode steps: {decode_graphs_text(model.manifest, out.decode)}")

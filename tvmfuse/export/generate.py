@@ -39,6 +39,7 @@ class Generation:
     prefill_ms: float
     step_ms: list[float] = field(default_factory=list)  # each decode step after the prefill
     decode: dict = field(default_factory=dict)  # the function decode steps run in, and its CUDA graphs (decode_path)
+    prefill: dict = field(default_factory=dict)  # the function the prefill ran in and the length it ran at
 
     @property
     def ms_per_token(self) -> float:
@@ -51,14 +52,15 @@ class Generation:
         return self.tokens.shape[0] * len(self.step_ms) / (total / 1e3) if total else 0.0
 
 
-def last_position(logits: tvm.runtime.Tensor) -> np.ndarray:
-    """The logits [batch, seq, vocab] of each row's last position as numpy [batch, vocab], copied from the device
-    alone (a prefill's whole logits can be gigabytes)."""
+def last_position(logits: tvm.runtime.Tensor, position: int | None = None) -> np.ndarray:
+    """The logits [batch, seq, vocab] of each row's last position (or of `position`) as numpy [batch, vocab], copied
+    from the device alone (a prefill's whole logits can be gigabytes)."""
     batch, seq, vocab = (int(d) for d in logits.shape)
+    at = seq - 1 if position is None else position
     if seq == 1:
         return logits.numpy()[:, 0]
     row = vocab * tvm.runtime.DataType(str(logits.dtype)).bits // 8
-    return np.stack([logits._create_view((vocab,), str(logits.dtype), relative_byte_offset=(b * seq + seq - 1) * row)
+    return np.stack([logits._create_view((vocab,), str(logits.dtype), relative_byte_offset=(b * seq + at) * row)
                      .numpy() for b in range(batch)])  # pylint: disable=protected-access  (TVM's view, no copy)
 
 
@@ -84,12 +86,39 @@ def _ids_dims(manifest: dict) -> list:
 def decode_function(manifest: dict, batch: int) -> str:
     """The function the exported `main` runs a decode step (seq 1, `batch` rows) in: the bucket of that shape
     (fuse.buckets dispatches on the dims' values), else the generic one (`main` itself without buckets)."""
+    return _function_for(manifest, batch, 1)
+
+
+def _function_for(manifest: dict, batch: int, seq: int) -> str:
+    """The function the exported `main` runs ids [batch, seq] in (see decode_function)."""
     buckets = manifest.get("buckets")
     if not buckets:
         return "main"
-    values = {d: v for d, v in zip(_ids_dims(manifest), (batch, 1)) if isinstance(d, str)}
+    values = {d: v for d, v in zip(_ids_dims(manifest), (batch, seq)) if isinstance(d, str)}
     return next((f["function"] for f in buckets["functions"]
                  if all(values.get(d) == v for d, v in f["shape"].items())), buckets["generic"]["function"])
+
+
+def prefill_length(manifest: dict, batch: int, prompt: int) -> int:
+    """The length the prefill of a [batch, prompt] prompt runs at: the shortest seq bucket of this batch that holds
+    the prompt and fits the in-place cache, else the prompt's own (the generic function). A decoder step is causal:
+    the tokens padded after the prompt change none of its positions' outputs, and the cache entries they write
+    are overwritten by the decode steps before any step reads them."""
+    dims = _ids_dims(manifest)
+    layout, buckets = manifest.get("kv_cache", {}), manifest.get("buckets")
+    if layout.get("mode") != "inplace" or not buckets or not isinstance(dims[1], str):
+        return prompt
+    fits = []
+    for f in buckets["functions"]:
+        shape = f["shape"]
+        if isinstance(dims[0], str) and shape.get(dims[0], batch) != batch:
+            continue
+        if not isinstance(dims[0], str) and dims[0] != batch:
+            continue
+        length = shape.get(dims[1])
+        if length is not None and prompt <= length <= int(layout["capacity"]):
+            fits.append(length)
+    return min(fits, default=prompt)
 
 
 def decode_path(manifest: dict, batch: int) -> dict:
@@ -121,10 +150,12 @@ def cuda_graph_summary(manifest: dict) -> str:
 
 
 def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, float], None] | None = None,
-             cache: KVCache | None = None) -> Generation:
+             cache: KVCache | None = None, prefill_to: int | None = None) -> Generation:
     """Greedy decoding on a loaded export (`tvmfuse.load`): `ids` [batch, prompt] int64; returns `new_tokens`
     tokens per row. `on_token(i, ms)` is called after each decode step; `cache` (in place) is reused after a
-    reset, else created. A prompt plus new tokens that do not fit the cache is a TvmfuseError."""
+    reset, else created. The prompt is padded to `prefill_to` tokens (default: `prefill_length`, the shortest seq
+    bucket that holds it, whose kernels are the templates and tuned ones; in-place cache only). A prompt plus new
+    tokens that do not fit the cache is a TvmfuseError."""
     manifest = model.manifest
     if "kv_cache" not in manifest:
         raise TvmfuseError(f"{model.folder}: not a decoder step with a KV cache (no past K/V inputs were found "
@@ -144,6 +175,10 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
         if cache is None or cache.batch != batch:
             cache = KVCache(layout, batch, model.device)
         cache.reset()
+    length = prefill_length(manifest, batch, prompt) if prefill_to is None else int(prefill_to)
+    if length != prompt and (not inplace or not prompt <= length <= int(layout["capacity"])):
+        raise TvmfuseError(f"cannot pad a {prompt}-token prompt to {length} tokens"
+                           + ("" if inplace else " (only with the in-place KV cache)"))
     dev = model.device
     names = [t["name"] for t in manifest["inputs"]]
     dtype = {t["name"]: t["dtype"] for t in manifest["inputs"]}
@@ -151,7 +186,7 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
                                            dtype[s["past"]]), dev)
              for s in layout["caches"]] if not inplace else []
 
-    def step(tokens: np.ndarray, position: int) -> np.ndarray:
+    def step(tokens: np.ndarray, position: int, last: int | None = None) -> np.ndarray:
         nonlocal pasts
         feed = {ids_name: tvm.runtime.tensor(tokens, dev)}
         if mask_name:
@@ -167,13 +202,15 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
             presents = {t["name"]: o for t, o in zip(manifest["outputs"], outs)}
             pasts = [presents[s["present"]] for s in layout["caches"]]
         else:
-            cache.length = position + tokens.shape[1]
-        return last_position(outs[0]).argmax(-1).astype(np.int64)
+            cache.length = position + tokens.shape[1] if last is None else position + last + 1
+        return last_position(outs[0], last).argmax(-1).astype(np.int64)
 
     start = time.perf_counter()
-    token = step(ids, 0)
+    padded = np.concatenate([ids, np.repeat(ids[:, -1:], length - prompt, axis=1)], axis=1) if length > prompt else ids
+    token = step(padded, 0, prompt - 1 if length > prompt else None)
     result = Generation(np.zeros((batch, new_tokens), np.int64), (time.perf_counter() - start) * 1e3,
-                        decode=decode_path(manifest, batch))
+                        decode=decode_path(manifest, batch),
+                        prefill={"function": _function_for(manifest, batch, length), "length": length})
     result.tokens[:, 0] = token
     for i in range(1, new_tokens):
         start = time.perf_counter()

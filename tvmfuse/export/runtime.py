@@ -71,9 +71,10 @@ class LoadedModel:
             raise TvmfuseError(f"{self.folder}: no in-place KV cache (built without one, or with --kv-cache onnx)")
         return KVCache(self.manifest["kv_cache"], batch, self.device)
 
-    def generate(self, ids, new_tokens: int, on_token=None, cache: KVCache | None = None) -> Generation:
+    def generate(self, ids, new_tokens: int, on_token=None, cache: KVCache | None = None,
+                 prefill_to: int | None = None) -> Generation:
         """Greedy decoding: prefill `ids` [batch, prompt], then `new_tokens` tokens per row (export.generate)."""
-        return generate(self, ids, new_tokens, on_token, cache)
+        return generate(self, ids, new_tokens, on_token, cache, prefill_to)
 
 
 def load(path: str, device=None) -> LoadedModel:
