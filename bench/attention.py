@@ -21,6 +21,12 @@ CASES = [  # name, template, shapes, knob filter
     ("prefill_b1_h32kv8_s2048_d64_mask_fp16", "prefill", dict(batch=1, heads=32, kv_heads=8, seq_q=2048, seq_k=2048, head_dim=64, dtype="float16", mask="additive", mask_shape=(1, 1, 2048, 2048))),
     ("decode_b1_h32kv8_L4096_d128_fp16", "decode", dict(batch=1, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="float16")),
     ("decode_b16_h32kv8_L4096_d128_fp16", "decode", dict(batch=16, heads=32, kv_heads=8, seq_q=1, seq_k=4096, head_dim=128, dtype="float16")),
+    # the in-place KV cache's layout (positions first: [capacity, batch, kv heads, head dim], read where it lies)
+    # against heads first, at Llama-2-7B's 32 KV heads: generate_run2's long-cache decode read its cache at ~0.4 TB/s
+    ("decode_b1_h32_L2048_d128_fp16", "decode", dict(batch=1, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16")),
+    ("decode_b1_h32_L2048_d128_fp16_sbhd", "decode", dict(batch=1, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16", k_layout="SBHD", v_layout="SBHD")),
+    ("decode_b16_h32_L2048_d128_fp16", "decode", dict(batch=16, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16")),
+    ("decode_b16_h32_L2048_d128_fp16_sbhd", "decode", dict(batch=16, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16", k_layout="SBHD", v_layout="SBHD")),
 ]
 DECODE_SPLITS = {1: (16, 32), 16: (4, 8)}  # the decode knob sets measured: every warps/unroll at these splits
 LIKE = {"prefill_b1_h32_s2048_d128_causal_bf16": "prefill_b1_h32_s2048_d128_causal_fp16"}  # measure its 6 best
@@ -127,7 +133,9 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
     q, k, v = (torch.randn(sh, device="cuda", dtype=tdt) for sh in ((B, H, SQ, D), (B, HKV, L, D), (B, HKV, L, D)))
     m = (torch.randn(s["mask_shape"], device="cuda") * 2).to(tdt) if s.get("mask") == "additive" else None
     ref = torch_side(s, (q, k, v, m), res)
-    tensors = [t.contiguous() for t in (q, k, v) + ((m,) if m is not None else ())]
+    stored = {"SBHD": lambda t: t.permute(2, 0, 1, 3)}  # K/V as the template reads them (BHSD: as they are)
+    k_in, v_in = (stored.get(s.get(f"{x}_layout", "BHSD"), lambda t: t)(t) for x, t in (("k", k), ("v", v)))
+    tensors = [t.contiguous() for t in (q, k_in, v_in) + ((m,) if m is not None else ())]
     flops = 4 * B * H * SQ * L * D / (2 if s.get("causal") else 1)
     bytes_ = 2 * (q.numel() + k.numel() + v.numel() + q.numel())
     knob_list = tmpl.knob_space(s)
@@ -135,7 +143,9 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
     if like:  # the same kernel in another dtype: its fastest correct knob sets only
         knob_list = [t["knobs"] for t in sorted((t for t in like if t.get("ok")), key=lambda t: t["us"])[:6]] or knob_list
     if kind == "decode":
-        knob_list = [kn for kn in knob_list if kn["split"] in DECODE_SPLITS.get(B, ())] or [tmpl.default_knobs(s)]
+        knob_list = [kn for kn in knob_list if kn["split"] in DECODE_SPLITS.get(B, ())]
+        knob_list += [tmpl.default_knobs(s)] if tmpl.default_knobs(s) not in knob_list else []  # the product's pick
+        res["default_knobs"] = tmpl.default_knobs(s)
     t0 = time.time()
     built = build_all([tmpl(s, kn) for kn in knob_list], target)
     res["build_seconds"] = round(time.time() - t0, 1)
