@@ -186,11 +186,20 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
                                            dtype[s["past"]]), dev)
              for s in layout["caches"]] if not inplace else []
 
+    # the decode steps' inputs live in buffers made once: a step allocates no device memory (a freed TVM tensor is
+    # a cudaFree, which waits for the GPU); the mask is all ones, so any prefix of one buffer of ones is the mask
+    mask_dtype = dtype.get(mask_name, "int64")
+    ones = (tvm.runtime.tensor(np.ones(batch * max(length, prompt + new_tokens - 1), mask_dtype), dev)
+            if mask_name else None)
+    next_ids = tvm.runtime.empty((batch, 1), dtype.get(ids_name, "int64"), dev)
+
     def step(tokens: np.ndarray, position: int, last: int | None = None) -> np.ndarray:
         nonlocal pasts
-        feed = {ids_name: tvm.runtime.tensor(tokens, dev)}
+        if tokens.shape[1] == 1:
+            next_ids.copyfrom(tokens.astype(str(next_ids.dtype)))
+        feed = {ids_name: next_ids if tokens.shape[1] == 1 else tvm.runtime.tensor(tokens, dev)}
         if mask_name:
-            feed[mask_name] = tvm.runtime.tensor(np.ones((batch, position + tokens.shape[1]), np.int64), dev)
+            feed[mask_name] = ones._create_view((batch, position + tokens.shape[1]), mask_dtype)  # pylint: disable=protected-access
         if inplace:
             feed[layout["position"]] = tvm.runtime.ShapeTuple([position])
             feed.update(zip(cache.names, cache.tensors))
