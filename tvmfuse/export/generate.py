@@ -199,7 +199,8 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
             next_ids.copyfrom(tokens.astype(str(next_ids.dtype)))
         feed = {ids_name: next_ids if tokens.shape[1] == 1 else tvm.runtime.tensor(tokens, dev)}
         if mask_name:
-            feed[mask_name] = ones._create_view((batch, position + tokens.shape[1]), mask_dtype)  # pylint: disable=protected-access
+            total = position + tokens.shape[1]
+            feed[mask_name] = ones._create_view((batch, total), mask_dtype)  # pylint: disable=protected-access
         if inplace:
             feed[layout["position"]] = tvm.runtime.ShapeTuple([position])
             feed.update(zip(cache.names, cache.tensors))

@@ -175,7 +175,7 @@ def launches(mod: tvm.IRModule) -> int:
     """Kernel launches per run of `main`: call_tir sites left once reshapes become views (as the build does)."""
     try:
         viewed = relax.transform.RewriteDataflowReshape()(mod)
-    except tvm.error.InternalError:  # TVM's reshape analysis raises on some symbolic kernels: count the views one by one
+    except tvm.error.InternalError:  # TVM's reshape analysis raises on some symbolic kernels: count view by view
         return sum(len(calls) for name, calls in _kernel_calls(mod).items() if not _is_view(mod[name]))
     return sum(len(calls) for calls in _kernel_calls(viewed).values())
 

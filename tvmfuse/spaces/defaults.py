@@ -155,7 +155,8 @@ def _last_block_transposes(func: tirx.PrimFunc) -> bool:
 #: the default-schedule rules in the order they are tried: (rule, targets: "cuda" / "gpu" (any GPU) / "cpu", builds:
 #: "tvmfuse" (tvmfuse's builds only), "stock" (benchmarks' stock TVM only) or "both"). dlight's rules keep the order
 #: TVM's own CUDA pipeline tries them; tvmfuse's small-M and tensor-core matmul schedules go first, its row and
-#: vectorized injective schedules just before dlight's Fallback, and after it its unsplit one for what Fallback raises on.
+#: vectorized injective schedules just before dlight's Fallback, and after it the unsplit one for what Fallback
+#: raises on.
 DEFAULT_RULES = (
     (SmallBatchMatmul, "cuda", "tvmfuse"),
     (TensorCoreGemm, "cuda", "tvmfuse"),
