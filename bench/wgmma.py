@@ -3,6 +3,7 @@ prefill projections and the issue-5 GEMM, or of the small-M kernel (tvmfuse/kern
 at decode shapes; checked against torch (cuBLAS) and timed beside it.
 
     python3 bench/wgmma.py --out results.json [--kernel smallm] [--cases NAME ...] [--tiles 128x4 256x3 ...]
+                           [--dtypes fp16,bf16]   # each case in each dtype (bf16 cases named NAME_bf16)
 
 Tiles: `bn x stages` or `bm x bn x stages`, `d` at the end for two accumulator sets (wgmma), `n8 x warps x vec x
 unroll` (smallm). Weights of 32 MiB or less stay in the H200's
@@ -99,9 +100,13 @@ def precompile(mods) -> float:
     return time.time() - t
 
 
+DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+TOLERANCE = {"float16": 5e-2, "bfloat16": 1e-1}  # max |kernel - torch| of a correct kernel (both round to dtype)
+
+
 def _build(kernel, job):
-    """Compile one (case, tile); returns (runtime module, error)."""
-    m, k, n, gelu, spec, _ = job
+    """Compile one (case, tile, dtype); returns (runtime module, error)."""
+    m, k, n, gelu, spec, dtype = job
     import tvm
 
     from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
@@ -113,7 +118,7 @@ def _build(kernel, job):
     if why:
         return None, why
     try:
-        func = make(m, n, k, tile, "bias_gelu" if gelu else "none")
+        func = make(m, n, k, tile, "bias_gelu" if gelu else "none", dtype)
         return tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx").mod, None
     except Exception as err:  # noqa: BLE001  (record the build error, keep sweeping)
         return None, str(err).strip().splitlines()[-1][:300]
@@ -128,7 +133,9 @@ def main():
                    "and the product's choice (tvmfuse.hopper.choose_tile) per shape; chosen: that choice alone (see --groups)")
     p.add_argument("--groups", nargs="*", type=int, default=[1], help="with --tiles chosen: row-tile groups to measure")
     p.add_argument("--prefill", action="store_true", help="the GPT-2 / Llama prefill projections (PREFILL_CASES)")
+    p.add_argument("--dtypes", default="fp16", help="fp16, bf16 or fp16,bf16: each case in each (torch in the same)")
     opts = p.parse_args()
+    dtypes = [DTYPES[d] for d in opts.dtypes.split(",")]
     tiles = opts.tiles or list(SMALL_TILES if opts.kernel == "smallm" else TILES)
     import numpy as np
     import torch
@@ -137,24 +144,25 @@ def main():
 
     table = SMALL_CASES if opts.kernel == "smallm" else PREFILL_CASES if opts.prefill else CASES
     cases = [c for c in table if not opts.cases or c[0] in opts.cases]
-    jobs = [(m, k, n, gelu, spec, None) for name, m, k, n, gelu in cases
-            for spec in _case_tiles(opts.kernel, tiles, m, k, n, opts.groups)]
+    jobs = [(m, k, n, gelu, spec, dt) for name, m, k, n, gelu in cases
+            for spec in _case_tiles(opts.kernel, tiles, m, k, n, opts.groups) for dt in dtypes]
     t = time.time()
     built = [_build(opts.kernel, job) for job in jobs]  # in this process: a forked build pool broke CUDA init (run 1)
     log(f"{len(jobs)} kernels built in {time.time() - t:.0f} s; nvcc {precompile([b[0] for b in built]):.0f} s")
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(),
            "copy_bw_TBps": copy_bandwidth() / 1e12, "cases": {}}
     dev = tvm.cuda(0)
-    for name, m, k, n, gelu in cases:
-        x, w, b = inputs(m, k, n)
+    for (name, m, k, n, gelu), dt in ((c, dt) for c in cases for dt in dtypes):
+        name = name + ("" if dt == "float16" else "_bf16")
+        x, w, b = (t.to(getattr(torch, dt)) for t in inputs(m, k, n))
         x2 = x.reshape(m, k)
         ref_fn = (lambda x2=x2, w=w, b=b: F.gelu(F.linear(x2, w, b))) if gelu else (lambda x2=x2, w=w: F.linear(x2, w))
         ref = ref_fn().float()
-        case = res["cases"][name] = {"m": m, "k": k, "n": n, "epilogue": "bias+gelu" if gelu else "none",
+        case = res["cases"][name] = {"m": m, "k": k, "n": n, "dtype": dt, "epilogue": "bias+gelu" if gelu else "none",
                                      "chosen": _chosen(m, k, n) if opts.kernel == "wgmma" else None,
                                      "gflop": 2 * m * n * k / 1e9, "torch_us": torch_time(ref_fn), "tiles": []}
-        for (jm, jk, jn, _, spec, _), (lib, err) in zip(jobs, built):
-            if (jm, jk, jn) != (m, k, n):
+        for (jm, jk, jn, _, spec, jdt), (lib, err) in zip(jobs, built):
+            if (jm, jk, jn, jdt) != (m, k, n, dt):
                 continue
             row = {"tile": spec}
             if err:
@@ -162,7 +170,7 @@ def main():
             else:
                 try:
                     args = [tvm.runtime.from_dlpack(v.contiguous()) for v in (x2, w, b)]
-                    out = tvm.runtime.tensor(np.zeros((m, n), "float16"), dev)
+                    out = tvm.runtime.empty((m, n), dt, dev)
                     lib["main"](*args, out)
                     row["max_abs_err"] = float((torch.from_dlpack(out).float() - ref).abs().max())
                     ev = lib.time_evaluator("main", dev, number=100, repeat=5)
@@ -173,7 +181,7 @@ def main():
                     row["error"] = str(e).strip().splitlines()[-1][:300]
             case["tiles"].append(row)
             log(name, row)
-        ok = [r for r in case["tiles"] if "us" in r and r["max_abs_err"] < 5e-2]
+        ok = [r for r in case["tiles"] if "us" in r and r["max_abs_err"] < TOLERANCE[dt]]
         case["best"] = min(ok, key=lambda r: r["us"]) if ok else None
         log(name, f"torch {case['torch_us']:.1f} us, best {case['best']}")
         write_json(opts.out, res)
