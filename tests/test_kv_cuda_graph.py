@@ -74,6 +74,10 @@ def test_decode_bucket_replays_graphs_and_the_generic_step_does_not(graph_build)
     assert decode["graphs"] >= 4 and decode["kernels_in_graphs"] > decode["kernels_outside"] / 2
     assert generic["kernels_in_graphs"] <= 2 < generic["kernels_outside"]  # symbolic batch/seq: launches
     assert all(g["keyed"] == 0 for g in graphs.values())  # no graph recaptured per value of a symbolic var
+    # the launches one by one, by kernel: the cache writes and the attention over the cache's view among them
+    assert sum(decode["outside"].values()) == decode["kernels_outside"]
+    assert any(k.startswith("kv_cache_write") for k in decode["outside"]), decode["outside"]
+    assert any("softmax" in k for k in decode["outside"]), decode["outside"]
     assert decode_function(manifest, 1) == "main_batch1_seq1" and decode_function(manifest, 2) == "main_generic"
     assert decode_path(manifest, 1) == {"function": "main_batch1_seq1", **decode}
     assert decode_graphs_text(manifest, decode_path(manifest, 1)).startswith(

@@ -176,7 +176,8 @@ def cuda_graph_captures(vm_text: str, kernels: set[str]) -> dict[str, dict[str, 
     """What TVM's RewriteCUDAGraph lifted into CUDA graphs, per VM function of an executable's text (`as_text()`)
     that is not itself a lifted one: `graphs` (its run_or_capture calls), `kernels_in_graphs` (the launches they
     replay), `kernels_outside` (the launches the VM makes one by one) and `keyed` (graphs recaptured for each value
-    of the symbolic vars passed as their key); `kernels` are the module's PrimFunc names."""
+    of the symbolic vars passed as their key), and `outside` ({kernel: launches} of those one by one: what keeps a
+    decode step out of its graphs); `kernels` are the module's PrimFunc names."""
     bodies: dict[str, list[tuple[str, list[str]]]] = {}
     name = None
     for line in vm_text.splitlines():
@@ -194,8 +195,13 @@ def cuda_graph_captures(vm_text: str, kernels: set[str]) -> dict[str, dict[str, 
     def launches(fn: str) -> int:
         return sum(callee in kernels for callee, _ in bodies.get(fn, []))
 
+    def outside(fn: str) -> dict[str, int]:
+        names = [callee for callee, _ in bodies.get(fn, []) if callee in kernels]
+        return {k: names.count(k) for k in sorted(set(names), key=names.index)}
+
     return {fn: {"graphs": len(lifted[fn]), "kernels_in_graphs": sum(launches(g) for g, _ in lifted[fn]),
-                 "kernels_outside": launches(fn), "keyed": sum(keyed for _, keyed in lifted[fn])}
+                 "kernels_outside": launches(fn), "keyed": sum(keyed for _, keyed in lifted[fn]),
+                 "outside": outside(fn)}
             for fn in bodies if fn not in graph_functions and fn != "cuda_graph_alloc"}
 
 
