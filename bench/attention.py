@@ -143,9 +143,9 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
     if like:  # the same kernel in another dtype: its fastest correct knob sets only
         knob_list = [t["knobs"] for t in sorted((t for t in like if t.get("ok")), key=lambda t: t["us"])[:6]] or knob_list
     if kind == "decode":
+        res["default_knobs"] = tmpl.default_knobs(s)  # the product's pick, always measured
         knob_list = [kn for kn in knob_list if kn["split"] in DECODE_SPLITS.get(B, ())]
-        knob_list += [tmpl.default_knobs(s)] if tmpl.default_knobs(s) not in knob_list else []  # the product's pick
-        res["default_knobs"] = tmpl.default_knobs(s)
+        knob_list += [res["default_knobs"]] if res["default_knobs"] not in knob_list else []
     t0 = time.time()
     built = build_all([tmpl(s, kn) for kn in knob_list], target)
     res["build_seconds"] = round(time.time() - t0, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import tvm
 from tvm import relax, tirx
@@ -26,12 +27,9 @@ WGMMA, MMA_SMALLM = tirx_kind("wgmma"), tirx_kind("mma_smallm")
 TIR_PIPELINE = "tvmfuse"  # registered below: TVM's s_tir pipeline, and its tirx pipeline for TIRx kernels
 
 
-def _is_tirx(func) -> bool:
-    return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and TIRX_ATTR in func.attrs
-
-
-def _no_cse(func) -> bool:
-    return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and bool(func.attrs.get(NO_CSE_ATTR, False))
+def _marked(func, attr: str) -> bool:
+    """Whether `func` is a PrimFunc carrying `attr` (TIRX_ATTR, NO_CSE_ATTR) with a true value."""
+    return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and bool(func.attrs.get(attr, False))
 
 
 def _current_context_with(config: dict) -> tvm.transform.PassContext:
@@ -50,8 +48,8 @@ def _mixed_tir_pipeline():
 
     @tvm.transform.module_pass(opt_level=0, name="tvmfuse.MixedTIRPipeline")
     def run(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        ours = {gv: f for gv, f in mod.functions.items() if _is_tirx(f)}
-        no_cse = {gv: f for gv, f in mod.functions.items() if gv not in ours and _no_cse(f)}
+        ours = {gv: f for gv, f in mod.functions.items() if _marked(f, TIRX_ATTR)}
+        no_cse = {gv: f for gv, f in mod.functions.items() if gv not in ours and _marked(f, NO_CSE_ATTR)}
         if not ours and not no_cse:
             return s_pass(mod)
         merged = s_pass(tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv not in ours and gv not in no_cse},
@@ -78,7 +76,7 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
         return mod
     tuned = mod.clone()
     for gv, func in mod.functions.items():  # kernel by kernel: a record whose trace no longer applies is skipped
-        if isinstance(func, tirx.PrimFunc) and not _is_tirx(func):
+        if isinstance(func, tirx.PrimFunc) and not _marked(func, TIRX_ATTR):
             try:
                 tuned[gv] = replay_record(gv, func, target, database)
             except Exception as err:  # noqa: BLE001  (one stale record must not fail the build)
@@ -86,7 +84,7 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
     for name in keep_default:
         tuned[name] = mod[name]
     for gv, func in mod.functions.items():  # TIRx kernels are never scheduled from records
-        if _is_tirx(func):
+        if _marked(func, TIRX_ATTR):
             tuned[gv] = func
     return tuned
 
@@ -101,7 +99,7 @@ def replay_record(gv, func: tirx.PrimFunc, target: tvm.target.Target, database: 
 def schedule_kinds(mod: tvm.IRModule, target: tvm.target.Target | None = None) -> dict[str, str]:
     """Which kernels carry a tuned schedule (after `apply_database`) and which do not; with `target`, the
     untuned ones that get tvmfuse's row-reduction default say so (baseline.ROW_DEFAULT)."""
-    return {gv.name_hint: tirx_kind(str(fn.attrs[TIRX_ATTR])) if _is_tirx(fn)
+    return {gv.name_hint: tirx_kind(str(fn.attrs[TIRX_ATTR])) if _marked(fn, TIRX_ATTR)
             else TUNED if fn.attrs and fn.attrs.get("tirx.is_scheduled", False)
             else default_kind(fn, target) if target is not None else DEFAULT
             for gv, fn in mod.functions.items() if isinstance(fn, tirx.PrimFunc)}
@@ -192,16 +190,12 @@ def cuda_graph_captures(vm_text: str, kernels: set[str]) -> dict[str, dict[str, 
         for fn, calls in bodies.items()}
     graph_functions = {g for calls in lifted.values() for g, _ in calls}
 
-    def launches(fn: str) -> int:
-        return sum(callee in kernels for callee, _ in bodies.get(fn, []))
-
-    def outside(fn: str) -> dict[str, int]:
-        names = [callee for callee, _ in bodies.get(fn, []) if callee in kernels]
-        return {k: names.count(k) for k in sorted(set(names), key=names.index)}
-
-    return {fn: {"graphs": len(lifted[fn]), "kernels_in_graphs": sum(launches(g) for g, _ in lifted[fn]),
-                 "kernels_outside": launches(fn), "keyed": sum(keyed for _, keyed in lifted[fn]),
-                 "outside": outside(fn)}
+    # {kernel: launches} of each function, in order of first launch
+    launches = {fn: Counter(callee for callee, _ in calls if callee in kernels) for fn, calls in bodies.items()}
+    return {fn: {"graphs": len(lifted[fn]),
+                 "kernels_in_graphs": sum(launches.get(g, Counter()).total() for g, _ in lifted[fn]),
+                 "kernels_outside": launches[fn].total(), "keyed": sum(keyed for _, keyed in lifted[fn]),
+                 "outside": dict(launches[fn])}
             for fn in bodies if fn not in graph_functions and fn != "cuda_graph_alloc"}
 
 

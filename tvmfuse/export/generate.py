@@ -108,16 +108,9 @@ def prefill_length(manifest: dict, batch: int, prompt: int) -> int:
     layout, buckets = manifest.get("kv_cache", {}), manifest.get("buckets")
     if layout.get("mode") != "inplace" or not buckets or not isinstance(dims[1], str):
         return prompt
-    fits = []
-    for f in buckets["functions"]:
-        shape = f["shape"]
-        if isinstance(dims[0], str) and shape.get(dims[0], batch) != batch:
-            continue
-        if not isinstance(dims[0], str) and dims[0] != batch:
-            continue
-        length = shape.get(dims[1])
-        if length is not None and prompt <= length <= int(layout["capacity"]):
-            fits.append(length)
+    lengths = {f["shape"][dims[1]] for f in buckets["functions"] if dims[1] in f["shape"]}
+    fits = [n for n in lengths if prompt <= n <= int(layout["capacity"])
+            and _function_for(manifest, batch, n) != buckets["generic"]["function"]]  # as `main` dispatches
     return min(fits, default=prompt)
 
 
@@ -197,7 +190,9 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
         nonlocal pasts
         if tokens.shape[1] == 1:
             next_ids.copyfrom(tokens.astype(str(next_ids.dtype)))
-        feed = {ids_name: next_ids if tokens.shape[1] == 1 else tvm.runtime.tensor(tokens, dev)}
+            feed = {ids_name: next_ids}
+        else:
+            feed = {ids_name: tvm.runtime.tensor(tokens, dev)}
         if mask_name:
             total = position + tokens.shape[1]
             feed[mask_name] = ones._create_view((batch, total), mask_dtype)  # pylint: disable=protected-access
@@ -216,8 +211,8 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
         return last_position(outs[0], last).argmax(-1).astype(np.int64)
 
     start = time.perf_counter()
-    padded = np.concatenate([ids, np.repeat(ids[:, -1:], length - prompt, axis=1)], axis=1) if length > prompt else ids
-    token = step(padded, 0, prompt - 1 if length > prompt else None)
+    padded = np.concatenate([ids, np.repeat(ids[:, -1:], length - prompt, axis=1)], axis=1)
+    token = step(padded, 0, last=prompt - 1)  # the prompt's last position, padded or not
     result = Generation(np.zeros((batch, new_tokens), np.int64), (time.perf_counter() - start) * 1e3,
                         decode=decode_path(manifest, batch),
                         prefill={"function": _function_for(manifest, batch, length), "length": length})
