@@ -9,6 +9,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.s_tir import meta_schedule as ms
 
+from tvmfuse.fuse.views import rewrite_dataflow_reshape
 from tvmfuse.isolation import REPLAY
 from tvmfuse.isolation import record as record_failure
 from tvmfuse.kernels.attention.common import NO_CSE_ATTR
@@ -115,7 +116,9 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
     """
     cuda = target.kind.name == "cuda"
     backend = relax.backend.cuda.pipeline if cuda else relax.backend.cpu_generic.pipeline
-    passes = backend.dataflow_lower_passes(target) + backend.finalize_passes(target)
+    # TVM's RewriteDataflowReshape raises on some symbolic kernels (fuse.views): the guarded one keeps them launches
+    passes = [rewrite_dataflow_reshape if p.info.name == "RewriteDataflowReshape" else p
+              for p in backend.dataflow_lower_passes(target) + backend.finalize_passes(target)]
     pipeline = tvm.transform.Sequential(passes)
     # CUDA: cp.async for the software-pipelined shared-memory copies, as the tuning builds (tvmfuse.builder) have
     # them: without it the tensor-core GEMM's 3-deep ring ran as plain loads and stores, and the kernel that was

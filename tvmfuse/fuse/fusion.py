@@ -12,6 +12,7 @@ from tvmfuse.decide.decision import Plan, decide
 from tvmfuse.prepare import bind_params
 from tvmfuse.fuse.legalize import LEGALIZE, one_kernel_splits
 from tvmfuse.fuse.opmath_groups import opmath_composites
+from tvmfuse.fuse.views import rewrite_dataflow_reshape
 from tvmfuse.patterns import Recorder, fusion_patterns, start, stop
 from tvmfuse.patterns.attention import batched_transpose_source
 from tvmfuse.frontend.lowering_check import check_lowered
@@ -173,21 +174,7 @@ class _Transposes(relax.PyExprMutator):
 
 def launches(mod: tvm.IRModule) -> int:
     """Kernel launches per run of `main`: call_tir sites left once reshapes become views (as the build does)."""
-    try:
-        viewed = relax.transform.RewriteDataflowReshape()(mod)
-    except tvm.error.InternalError:  # TVM's reshape analysis raises on some symbolic kernels: count view by view
-        return sum(len(calls) for name, calls in _kernel_calls(mod).items() if not _is_view(mod[name]))
-    return sum(len(calls) for calls in _kernel_calls(viewed).values())
-
-
-def _is_view(func) -> bool:
-    """Whether the build makes `func` a view instead of a launch (a reshape pattern); False where TVM's analysis
-    of it raises (an identity broadcast_to over [2, 1, 8, past + 8]: its iter-map rewrite cannot prove
-    `(past + 8) * 8` divisible by `past + 8`)."""
-    try:
-        return isinstance(func, tirx.PrimFunc) and bool(relax.analysis.has_reshape_pattern(func))
-    except tvm.error.InternalError:
-        return False
+    return sum(len(calls) for calls in _kernel_calls(rewrite_dataflow_reshape(mod)).values())
 
 
 def called_prim_funcs(mod: tvm.IRModule) -> list[str]:
