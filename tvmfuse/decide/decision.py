@@ -9,6 +9,7 @@ from tvm import relax
 
 from tvmfuse.decide import cost_model as cm
 from tvmfuse.patterns import Match, Recorder, fusion_patterns, start, stop
+from tvmfuse.prepare.names import unique_binding_names
 
 KEPT, REJECTED = "kept", "rejected"
 EXACT_LIMIT = 20  # overlap groups up to this many candidates are solved exactly
@@ -68,6 +69,7 @@ class Plan:
 def decide(mod: tvm.IRModule, target=None, settings: Settings | None = None, patterns=None) -> Plan:
     """Every match of the table becomes a candidate with a decision and a reason; nothing is fused here."""
     settings = settings or Settings()
+    mod = unique_binding_names(mod)  # candidates are known by their variables' names (lower renames alike)
     device = cm.with_budget(cm.device_for_target(target, settings.device), settings.smem_per_block)
     rec = Recorder(dry_run=True)
     rec.order, rec.producers = _bindings(mod)

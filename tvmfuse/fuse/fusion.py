@@ -10,6 +10,7 @@ from tvm import relax, tirx
 
 from tvmfuse.decide.decision import Plan, decide
 from tvmfuse.prepare import bind_params
+from tvmfuse.prepare.names import unique_binding_names
 from tvmfuse.fuse.legalize import LEGALIZE, one_kernel_splits
 from tvmfuse.fuse.opmath_groups import opmath_composites
 from tvmfuse.fuse.views import rewrite_dataflow_reshape
@@ -46,7 +47,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
           plan: Plan | None = None, target=None) -> Fused:
     """Fuse the candidates the decide stage kept (deciding here when no plan is given), legalize,
     fuse the rest with TVM's FuseOps, and merge each group into one PrimFunc. `patterns=[]`: stock TVM."""
-    mod = bind_params(mod, params)
+    mod = unique_binding_names(bind_params(mod, params))  # the names the plan knows candidates by (as decide)
     patterns = fusion_patterns() if patterns is None else patterns
     if plan is None and patterns:
         plan = decide(mod, target, patterns=patterns)
