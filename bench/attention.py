@@ -27,6 +27,15 @@ CASES = [  # name, template, shapes, knob filter
     ("decode_b1_h32_L2048_d128_fp16_sbhd", "decode", dict(batch=1, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16", k_layout="SBHD", v_layout="SBHD")),
     ("decode_b16_h32_L2048_d128_fp16", "decode", dict(batch=16, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16")),
     ("decode_b16_h32_L2048_d128_fp16_sbhd", "decode", dict(batch=16, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16", k_layout="SBHD", v_layout="SBHD")),
+    # the decode step's kernel as a decoder export has it (generate_run4: 2x these above in the model): a symbolic KV
+    # length (one kernel for every step: "length" is the one measured), the fp32 additive mask [B, 1, 1, L]
+    *[(f"decode_b{b}_h32_L2048_d128_fp16_sbhd{tag}", "decode",
+       dict(batch=b, heads=32, kv_heads=32, seq_q=1, seq_k="past + 1" if sym else 2048, head_dim=128, dtype="float16",
+            k_layout="SBHD", v_layout="SBHD", length=2048,
+            **(dict(mask="additive", mask_shape=(b, 1, 1, "past + 1" if sym else 2048), mask_dtype="float32")
+               if mask else {})))
+      for b in (1, 16) for tag, sym, mask in (("_mask32", False, True), ("_symL", True, False),
+                                              ("_symL_mask32", True, True))],
 ]
 DECODE_SPLITS = {1: (16, 32), 16: (4, 8)}  # the decode knob sets measured: every warps/unroll at these splits
 LIKE = {"prefill_b1_h32_s2048_d128_causal_bf16": "prefill_b1_h32_s2048_d128_causal_fp16"}  # measure its 6 best
@@ -129,10 +138,13 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
         raise ValueError(reason)
     tdt = getattr(torch, s["dtype"])
     B, H, HKV, SQ, L, D = (s[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim"))
+    L = s.get("length", L) if isinstance(L, str) else L  # a symbolic KV length: the one measured
     torch.manual_seed(0)
     q, k, v = (torch.randn(sh, device="cuda", dtype=tdt) for sh in ((B, H, SQ, D), (B, HKV, L, D), (B, HKV, L, D)))
-    m = (torch.randn(s["mask_shape"], device="cuda") * 2).to(tdt) if s.get("mask") == "additive" else None
-    ref = torch_side(s, (q, k, v, m), res)
+    mask_shape = tuple(L if isinstance(x, str) else x for x in s.get("mask_shape", ()))
+    m = (torch.randn(mask_shape, device="cuda") * 2).to(getattr(torch, s.get("mask_dtype", s["dtype"]))) \
+        if s.get("mask") == "additive" else None
+    ref = torch_side(s, (q, k, v, m.to(tdt) if m is not None else None), res)
     stored = {"SBHD": lambda t: t.permute(2, 0, 1, 3)}  # K/V as the template reads them (BHSD: as they are)
     k_in, v_in = (stored.get(s.get(f"{x}_layout", "BHSD"), lambda t: t)(t) for x, t in (("k", k), ("v", v)))
     tensors = [t.contiguous() for t in (q, k_in, v_in) + ((m,) if m is not None else ())]

@@ -419,6 +419,23 @@ def test_gpu_prefill_every_knob_set_matches_numpy(variant):
         assert np.abs(out.numpy().astype("f4") - want).max() < 5e-3, knobs
 
 
+@pytest.mark.parametrize("batch, mask, want", [
+    (16, "additive", {"split": 4, "warps": 8, "unroll": 2}),  # attention_run4: 135 us (split 1: 260)
+    (1, "additive", {"split": 16, "warps": 8, "unroll": 2}),  # 10.2 us (4 warps x 4: 12.6)
+    (16, None, {"split": 4, "warps": 4, "unroll": 4}),        # 129 us (split 1: 225)
+])
+def test_decode_defaults_for_a_symbolic_kv_length(batch, mask, want):
+    """A decoder's in-place cache (symbolic KV length, fp32 mask [B, 1, 1, L]): the split that keeps more than one
+    wave of blocks, as measured on the H200; the static length's rule (2 blocks per SM) is unchanged."""
+    s = dict(batch=batch, heads=32, kv_heads=32, seq_q=1, seq_k="past + 1", head_dim=128, dtype="float16",
+             k_layout="SBHD", v_layout="SBHD", mask=mask,
+             **({"mask_shape": (batch, 1, 1, "past + 1"), "mask_dtype": "float32"} if mask else {}))
+    assert ATTENTION_DECODE.default_knobs(s) == want and want in ATTENTION_DECODE.knob_space(s)
+    static = dict(s, seq_k=2048, mask=None)
+    static.pop("mask_shape", None)
+    assert ATTENTION_DECODE.default_knobs(static)["split"] == (1 if batch == 16 else 16)
+
+
 @pytest.mark.parametrize("L", [513, 100])
 def test_decode_cpu_any_kv_length(L):
     """KV length that no split x step count divides (the decode exports' 512 past keys + 1): each split takes
@@ -799,12 +816,13 @@ def test_cache_view_kernels_at_llama_7b_heads_compile_through_the_build_pipeline
 
     base = dict(CACHE_STEP, heads=32, kv_heads=32, head_dim=128, dtype=dt)
     one = dict(base, seq_q=1, mask_shape=("batch", 1, 1, "past + seq"))
+    unroll = ATTENTION_DECODE.default_knobs(one)["unroll"]  # K loads per step of keys in flight
     for fn in (ATTENTION_DECODE(one, ATTENTION_DECODE.default_knobs(one)), ATTENTION_STEP(base)):
         assert fn.attrs[NO_CSE_ATTR]
         ex = tvm.compile(tvm.IRModule({"main": fn}), target=H100, tir_pipeline=TIR_PIPELINE)
         src = ex.mod.imports[0].inspect_source("cuda")
         assert "make_uint4(k_ptr[" not in src and "make_uint4(v_ptr[" not in src
-        assert src.count("= *(uint4*)(k_ptr + ") >= 4
+        assert src.count("= *(uint4*)(k_ptr + ") >= unroll
         with H100:
             assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
     static = dict(base, batch=1, seq_q=1, seq_k=512, mask_shape=(1, 1, 1, 512))
