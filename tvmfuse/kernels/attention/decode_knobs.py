@@ -53,10 +53,12 @@ SMS = 132  # the H200's SMs: the block counts below are per SM of it
 def default_knobs(s: dict) -> dict:
     """A static KV length: about 2 blocks with keys per SM (528), 4 warps; then the fewest empty splits and padded
     keys. A symbolic one (a decoder's in-place cache: one kernel for every step; it counts as SYMBOLIC_LENGTH keys):
-    the most blocks up to 16 per SM (at least 2) with at least 128 keys per split, and with an additive mask 8 warps
-    of 2 steps. attention_run4 (H200, 32 KV heads, L 2048, SBHD cache, fp32 mask [B, 1, 1, L]): batch 16 ran 260 us
-    at split 1 (512 blocks, the static rule's pick) and 135 us at split 4, 8 warps, unroll 2 (cuDNN 130); batch 1
-    12.6 us at 4 warps and 10.1 at 8. A symbolic batch counts as 1."""
+    the most blocks up to 16 query heads' worth per SM (at least 2 blocks) with at least 128 keys per split, and with
+    an additive mask 8 warps of 2 steps. attention_run4 (H200, 32 KV heads, L 2048, SBHD cache, fp32 mask
+    [B, 1, 1, L]): batch 16 ran 260 us at split 1 (512 blocks, the static rule's pick) and 135 us at split 4,
+    8 warps, unroll 2 (cuDNN 130); batch 1 12.6 us at 4 warps and 10.1 at 8. With 8 KV heads of 4 query heads
+    (attention_run2, static L 4096) batch 16 was fastest at split 4 (512 blocks), not 8: the cap counts query
+    heads. A symbolic batch counts as 1."""
     batch = s["batch"] if isinstance(s["batch"], int) else 1
     space = knob_space(s)
     if not space:
@@ -68,7 +70,8 @@ def default_knobs(s: dict) -> dict:
         def by_blocks(k):
             blocks = batch * s["kv_heads"] * k["split"]
             short = ceil_div(SYMBOLIC_LENGTH, k["split"]) < 128
-            return (blocks < 2 * SMS, blocks > 16 * SMS, short, -blocks, k["warps"] != warps, k["unroll"] != unroll)
+            rows = blocks * group(s)  # a block computes its KV head's whole query group
+            return (blocks < 2 * SMS, rows > 16 * SMS, short, -blocks, k["warps"] != warps, k["unroll"] != unroll)
         return min(space, key=by_blocks)
 
     def key(k):
