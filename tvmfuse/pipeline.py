@@ -35,7 +35,8 @@ from tvmfuse.jobs import Job
 from tvmfuse.kernels import apply_hopper_kernels, substitute
 from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
-from tvmfuse.prepare.kv_cache import CacheLayout, find_cache_sites, in_place_kv_cache
+from tvmfuse.prepare.decoder_mask import one_kernel_decoder_mask
+from tvmfuse.prepare.kv_cache import POSITION, CacheLayout, find_cache_sites, in_place_kv_cache
 from tvmfuse.prepare.precision import has_low_lookups
 from tvmfuse.records import SCHEDULES_DIR, TuningDatabase, open_database
 from tvmfuse.spaces import apply_default_schedules, space_for
@@ -139,6 +140,12 @@ def kv_cache_phase(bound: tvm.IRModule, imported: Imported, job: Job, say: Say) 
                                     parse_dtype(job.dtype, "dtype"))
     say(f"KV cache in place: {len(layout.sites)} caches of {capacity} positions ({layout.dtype}), written at "
         f"past_len, read where they lie (--kv-cache onnx: the exported past -> present copy)")
+    mask = next((t.name for t in imported.inputs if "mask" in t.name), None)
+    if mask:
+        seqs = sorted({v for values in job.buckets.values() for v in values if 1 < v <= capacity})
+        mod, notes = one_kernel_decoder_mask(mod, mask, POSITION, capacity, seqs)
+        for note in notes:
+            say(f"decoder mask: {note}")
     return mod, layout
 
 

@@ -1,0 +1,199 @@
+"""A decoder step's causal + padding mask, which exports build from `attention_mask` with a dozen small ops every step
+(aranges, a gather_nd over the mask, comparisons, a where), becomes one kernel, once evaluation on probes up to the
+in-place cache's capacity shows it equals that mask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+from tvm.script import tirx as T
+
+NAME = "decoder_mask"
+
+
+@dataclass
+class MaskSite:
+    """The binding of an additive mask [batch, 1, seq, past + seq] and what computes it."""
+
+    var: relax.Var
+    value: relax.Call
+    bindings: list  # the bindings it is computed by, in order (the where's own last)
+    masked: float  # the value a hidden key gets (the where's large negative constant)
+    dtype: str
+
+
+def _where_consts(value) -> tuple[float, float] | None:
+    """(shown, hidden) when `value` is where(cond, 0, c) with c a large negative scalar constant, else None."""
+    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.where"):
+        return None
+    consts = value.args[1:]
+    if not all(isinstance(c, tvm.ir.GenericConst) and c.value.numpy().size == 1 for c in consts):
+        return None
+    shown, hidden = (float(c.value.numpy().reshape(-1)[0]) for c in consts)
+    return (shown, hidden) if shown == 0.0 and hidden <= -1e30 else None
+
+
+def find_mask_sites(fn: relax.Function, mask: relax.Var) -> list[MaskSite]:
+    """The additive masks [B, 1, S, L] that `fn` computes from `mask` (its attention_mask parameter) and shapes
+    alone: no other parameter, weight or kernel call reaches them."""
+    bound, order = {}, {}
+    for blk in fn.body.blocks:
+        for b in blk.bindings:
+            if isinstance(b, relax.VarBinding):
+                bound[b.var] = b
+                order[b.var] = len(order)
+    params = set(fn.params)
+    sites = []
+    for var, binding in bound.items():
+        consts = _where_consts(binding.value)
+        ty = var.ty
+        if consts is None or not isinstance(ty, relax.TensorType) or ty.ndim != 4 or ty.shape is None:
+            continue
+        if not (isinstance(ty.shape.values[1], tirx.IntImm) and int(ty.shape.values[1]) == 1):
+            continue
+        closure, todo, ok = {}, [var], True
+        while todo and ok:
+            v = todo.pop()
+            if v in closure:
+                continue
+            b = bound[v]
+            value = b.value
+            if isinstance(value, relax.Call) and not isinstance(value.op, tvm.ir.Op):
+                ok = False  # a call of another function
+                break
+            if isinstance(value, relax.Call) and value.op.name in ("relax.call_tir", "relax.call_tir_inplace"):
+                ok = False
+                break
+            closure[v] = b
+            for u in relax.analysis.free_vars(value):
+                if u in bound:
+                    todo.append(u)
+                elif u in params and not u.same_as(mask):
+                    ok = False  # another input (the ids, a cache, a weight) reaches the mask
+                    break
+        if ok and any(mask in relax.analysis.free_vars(b.value) for b in closure.values()):
+            sites.append(MaskSite(var, binding.value, sorted(closure.values(), key=lambda b: order[b.var]),
+                                  consts[1], str(ty.dtype)))
+    return sites
+
+
+def _probe_function(site: MaskSite, params: list) -> relax.Function:
+    """The mask's bindings as a function of `params` (the step's inputs that define its sizes)."""
+    out = relax.Var("mask", site.var.ty)
+    body = relax.SeqExpr([relax.DataflowBlock([*site.bindings, relax.VarBinding(out, site.var)])], out)
+    return relax.Function(params, body, site.var.ty)
+
+
+def expected_mask(mask: np.ndarray, past: int, seq: int, masked: float, dtype: str) -> np.ndarray:
+    """The causal + padding mask: key j is shown to query i (at position past + i) when j <= past + i and
+    mask[b, j] != 0."""
+    total = mask.shape[1]
+    causal = np.arange(total)[None, :] <= past + np.arange(seq)[:, None]
+    shown = causal[None, None] & (mask != 0)[:, None, None, :]
+    return np.where(shown, 0, masked).astype(dtype)
+
+
+def check_mask_site(site: MaskSite, fn: relax.Function, mask: relax.Var, position: relax.Var, capacity: int,
+                    seqs: list[int]) -> str | None:
+    """None when the mask equals `expected_mask` on every probe (batch 2, random masks with zeros, query lengths
+    `seqs` and 1-3, pasts from 0 to the capacity's last), else why not."""
+    size_params = [p for p in fn.params if p.same_as(mask) or p.same_as(position)]
+    ids = [p for p in fn.params[:int(fn.attrs["num_input"])] if p not in size_params
+           and isinstance(p.ty, relax.TensorType) and p.ty.ndim == 2]  # input_ids [batch, seq]: defines seq
+    params = ids[:1] + size_params
+    try:
+        ex = tvm.compile(tvm.IRModule({"main": _probe_function(site, params)}), target="llvm")
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+    except Exception as err:  # pylint: disable=broad-except  (an op the probe cannot build: leave the mask alone)
+        return f"its ops do not build on their own ({type(err).__name__})"
+    rng = np.random.default_rng(0)
+    probes = [(s, p) for s in sorted({1, 2, 3, *seqs}) for p in (0, 1, capacity - s) if 0 <= p <= capacity - s]
+    for seq, past in probes:
+        am = (rng.random((2, past + seq)) < 0.7).astype(str(mask.ty.dtype))
+        am[0] = 1
+        args = {p.name: None for p in params}
+        feed = []
+        for p in params:
+            if p.same_as(position):
+                feed.append(tvm.runtime.ShapeTuple([past]))
+            elif p.same_as(mask):
+                feed.append(tvm.runtime.tensor(am))
+            else:
+                feed.append(tvm.runtime.tensor(np.zeros((2, seq), str(p.ty.dtype))))
+        del args
+        got = vm["main"](*feed).numpy()
+        want = expected_mask(am, past, seq, site.masked, site.dtype)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            return f"it differs from causal + padding at seq {seq}, past {past}"
+    return None
+
+
+def _mask_kernel(mask_dtype: str, dtype: str, masked: float) -> tirx.PrimFunc:
+    """out[b, 0, i, j] = 0 where j <= past + i and mask[b, j] != 0, else `masked`."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def decoder_mask(mask_h: T.handle, past: T.int64, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, total, seq, length = T.int64(), T.int64(), T.int64(), T.int64()
+        am = T.match_buffer(mask_h, (batch, total), mask_dtype)
+        out = T.match_buffer(out_h, (batch, T.int64(1), seq, length), dtype)
+        for b, i, j in T.grid(batch, seq, length):
+            with T.sblock("decoder_mask"):
+                vb, vi, vj = T.axis.remap("SSS", [b, i, j])
+                out[vb, T.int64(0), vi, vj] = T.Select(
+                    vj <= past + vi and am[vb, vj] != T.Cast(mask_dtype, 0), T.Cast(dtype, 0), T.Cast(dtype, masked))
+
+    return decoder_mask
+
+
+def one_kernel_decoder_mask(mod: tvm.IRModule, mask_name: str, position_name: str, capacity: int,
+                            seqs: list[int]) -> tuple[tvm.IRModule, list[str]]:
+    """`mod` with each causal + padding mask that `main` builds from its `mask_name` input computed by one kernel,
+    and a line per mask found saying what became of it."""
+    fn = mod["main"]
+    by_name = {p.name: p for p in fn.params}
+    mask, position = by_name.get(mask_name), by_name.get(position_name)
+    if mask is None or position is None or not isinstance(position.ty, relax.ShapeType):
+        return mod, []
+    past = position.ty.values[0]
+    notes, replace = [], {}
+    for site in find_mask_sites(fn, mask):
+        reason = check_mask_site(site, fn, mask, position, capacity, seqs)
+        if reason:
+            notes.append(f"the mask {site.var.name} stays as exported: {reason}")
+            continue
+        replace[site.var] = site
+    if not replace:
+        return mod, notes
+    out = mod.clone()
+    kernels = {}
+    bb = relax.BlockBuilder(out)
+    for var, site in replace.items():
+        key = (str(mask.ty.dtype), site.dtype, site.masked)
+        if key not in kernels:
+            kernels[key] = bb.add_func(_mask_kernel(*key), NAME)
+    new_fn = _Replace(bb.get(), replace, kernels, mask, past).visit_expr(fn)
+    result = bb.get()
+    result["main"] = relax.analysis.remove_all_unused(new_fn)
+    notes.extend(f"the mask {v.name}: one kernel ({len(s.bindings)} ops before; causal + padding from {mask_name} "
+                 f"on every probe up to {capacity} positions)" for v, s in replace.items())
+    return result, notes
+
+
+@relax.expr_functor.mutator
+class _Replace(relax.PyExprMutator):
+    def __init__(self, mod, sites: dict, kernels: dict, mask: relax.Var, past):
+        super().__init__(mod)
+        self.sites, self.kernels, self.mask, self.past = sites, kernels, mask, past
+
+    def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
+        site = self.sites.get(binding.var)
+        if site is None:
+            return super().visit_var_binding_(binding)
+        gv = self.kernels[(str(self.mask.ty.dtype), site.dtype, site.masked)]
+        call = self.builder_.normalize(relax.call_tir(gv, relax.Tuple([self.mask, relax.prim_value(self.past)]),
+                                                      binding.var.ty))
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
