@@ -13,10 +13,11 @@ MIN = float(np.finfo(np.float32).min)
 CAPACITY = 24
 
 
-def _step(window: int | None = None, uses_ids: bool = False) -> tvm.IRModule:
+def _step(window: int | None = None, uses_ids: bool = False, copies: int = 1) -> tvm.IRModule:
     """main(input_ids [batch, seq], attention_mask [batch, past + seq], past_len) -> the additive mask
     [batch, 1, seq, past + seq] as transformers builds it (aranges, a comparison, the padding, a where); `window`:
-    a sliding window as well; `uses_ids`: the ids' padding instead of the attention mask's."""
+    a sliding window as well; `uses_ids`: the ids' padding instead of the attention mask's; `copies`: the mask
+    built that many times (some exports build it anew in every layer), the output their sum."""
     batch, seq, past = (tirx.Var(n, "int64") for n in ("batch", "seq", "past"))
     ids = relax.Var("input_ids", relax.TensorType([batch, seq], "int64"))
     am = relax.Var("attention_mask", relax.TensorType([batch, past + seq], "int64"))
@@ -39,8 +40,13 @@ def _step(window: int | None = None, uses_ids: bool = False) -> tvm.IRModule:
             else:
                 pad = e(relax.op.reshape(e(relax.op.astype(am, "bool")), [batch, 1, 1, past + seq]))
             shown = e(relax.op.broadcast_to(e(relax.op.logical_and(shown, pad)), [batch, 1, seq, past + seq]))
-            mask = e(relax.op.where(shown, relax.const(0.0, "float32"), relax.const(MIN, "float32")))
-            out = bb.emit_output(relax.op.multiply(mask, relax.const(1.0, "float32")))
+            masks = [e(relax.op.where(shown, relax.const(0.0, "float32"), relax.const(MIN, "float32")))]
+            for _ in range(copies - 1):  # the same ops again (new bindings): the last where only
+                again = e(relax.op.broadcast_to(e(relax.op.logical_and(e(relax.op.less_equal(keys, rows)), pad)),
+                                                [batch, 1, seq, past + seq]))
+                masks.append(e(relax.op.where(again, relax.const(0.0, "float32"), relax.const(MIN, "float32"))))
+            out = masks[0] if copies == 1 else e(relax.op.maximum(masks[0], masks[1]))
+            out = bb.emit_output(relax.op.multiply(out, relax.const(1.0, "float32")))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -83,3 +89,14 @@ def test_mask_that_another_input_reaches_is_not_a_site():
     assert not find_mask_sites(fn, fn.params[1])
     new, notes = one_kernel_decoder_mask(mod, "attention_mask", "past_len", CAPACITY, [])
     assert new is mod and not notes
+
+
+def test_masks_built_in_every_layer_are_one_launch():
+    mod = _step(copies=2)
+    new, notes = one_kernel_decoder_mask(mod, "attention_mask", "past_len", CAPACITY, [])
+    assert sum("one kernel" in n for n in notes) == 2 and "one launch" in notes[-1], notes
+    calls = [b for blk in new["main"].body.blocks for b in blk.bindings
+             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+    assert len(calls) == 1
+    am = (np.random.default_rng(5).random((2, 7)) < 0.6).astype("int64")
+    np.testing.assert_array_equal(_run(new, 4, 3, am), expected_mask(am, 3, 4, MIN, "float32"))

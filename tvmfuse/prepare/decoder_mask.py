@@ -180,6 +180,8 @@ def one_kernel_decoder_mask(mod: tvm.IRModule, mask_name: str, position_name: st
     result["main"] = relax.analysis.remove_all_unused(new_fn)
     notes.extend(f"the mask {v.name}: one kernel ({len(s.bindings)} ops before; causal + padding from {mask_name} "
                  f"on every probe up to {capacity} positions)" for v, s in replace.items())
+    if len(replace) > 1:
+        notes.append(f"the {len(replace)} masks are one launch (the same values)")
     return result, notes
 
 
@@ -188,12 +190,18 @@ class _Replace(relax.PyExprMutator):
     def __init__(self, mod, sites: dict, kernels: dict, mask: relax.Var, past):
         super().__init__(mod)
         self.sites, self.kernels, self.mask, self.past = sites, kernels, mask, past
+        self.computed: dict = {}  # one launch for the masks each layer of some exports builds anew
 
     def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
         site = self.sites.get(binding.var)
         if site is None:
             return super().visit_var_binding_(binding)
-        gv = self.kernels[(str(self.mask.ty.dtype), site.dtype, site.masked)]
-        call = self.builder_.normalize(relax.call_tir(gv, relax.Tuple([self.mask, relax.prim_value(self.past)]),
-                                                      binding.var.ty))
+        key = (str(self.mask.ty.dtype), site.dtype, site.masked)
+        same = self.computed.get((key, str(binding.var.ty)))
+        if same is not None:
+            self.set_var_remap(binding.var, same)
+            return
+        call = self.builder_.normalize(relax.call_tir(self.kernels[key], relax.Tuple(
+            [self.mask, relax.prim_value(self.past)]), binding.var.ty))
         self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
+        self.computed[(key, str(binding.var.ty))] = binding.var
