@@ -130,6 +130,7 @@ def _mask_kernel(mask_dtype: str, dtype: str, masked: float) -> tirx.PrimFunc:
         batch, total, seq, length = T.int64(), T.int64(), T.int64(), T.int64()
         am = T.match_buffer(mask_h, (batch, total), mask_dtype)
         out = T.match_buffer(out_h, (batch, T.int64(1), seq, length), dtype)
+        assert length == total, "attention_mask must hold past_len + seq positions"
         for b, i, j in T.grid(batch, seq, length):
             with T.sblock("decoder_mask"):
                 vb, vi, vj = T.axis.remap("SSS", [b, i, j])
