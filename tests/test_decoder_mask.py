@@ -100,3 +100,25 @@ def test_masks_built_in_every_layer_are_one_launch():
     assert len(calls) == 1
     am = (np.random.default_rng(5).random((2, 7)) < 0.6).astype("int64")
     np.testing.assert_array_equal(_run(new, 4, 3, am), expected_mask(am, 3, 4, MIN, "float32"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "gemma"])
+def test_exported_decoders_masks_become_one_launch(arch, tmp_path):
+    """transformers' decoders exported with a cache (torch.onnx, a mask built in every layer): each layer's mask is
+    found, equals causal + padding on the probes, and the step launches one mask kernel."""
+    import hf_export
+
+    from tvmfuse.frontend import import_model, load_onnx
+    from tvmfuse.prepare import prepare_module
+    from tvmfuse.prepare.kv_cache import POSITION, in_place_kv_cache
+
+    path = hf_export.export_with_cache(arch, str(tmp_path))
+    imported = import_model(load_onnx(path), {}, path, str(tmp_path))
+    mod, _ = in_place_kv_cache(prepare_module(imported), CAPACITY, [t.name for t in imported.outputs])
+    new, notes = one_kernel_decoder_mask(mod, "attention_mask", POSITION, CAPACITY, [])
+    assert sum("one kernel" in n for n in notes) >= 1 and not any("stays" in n for n in notes), notes
+    calls = [b.value.args[0].name_hint for blk in new["main"].body.blocks for b in blk.bindings
+             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+    assert calls.count(NAME) == 1
+    assert not [b for blk in new["main"].body.blocks for b in blk.bindings
+                if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.gather_nd"]
