@@ -11,6 +11,8 @@ from tvmfuse.errors import TvmfuseError
 
 #: What `--target cuda` means when the user gives no JSON: the H100 tag (sm_90a), which the H200 shares.
 DEFAULT_CUDA_TAG = "nvidia/nvidia-h100"
+#: The streaming multiprocessors the CUDA kernels' default tiles and splits are sized for (the H200's 132).
+SMS = 132
 
 
 def resolve_target(spec: str) -> tvm.target.Target:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tvmfuse.kernels.attention.common import ceil_div
+from tvmfuse.targets import SMS
 
 VEC = 8  # 16-byte loads of fp16/bf16
 PAST = -3.0e38  # the score of a key at or past L: below NEG, so it never raises a running max and weighs exp2(.) = 0
@@ -47,7 +48,6 @@ def knob_space(s: dict) -> list[dict]:
 
 
 SYMBOLIC_LENGTH = 2048  # the KV length a symbolic one counts as when its splits are chosen
-SMS = 132  # the H200's SMs: the block counts below are per SM of it
 
 
 def default_knobs(s: dict) -> dict:
@@ -78,5 +78,5 @@ def default_knobs(s: dict) -> dict:
         chunk = chunk_of(s, k)
         live, padded = ceil_div(s["seq_k"], chunk), chunk * k["split"]  # splits with keys
         blocks = batch * s["kv_heads"] * live
-        return (blocks < 264 or k["warps"] != 4, abs(blocks - 528), k["split"] - live, padded, -k["unroll"])
+        return (blocks < 2 * SMS or k["warps"] != 4, abs(blocks - 4 * SMS), k["split"] - live, padded, -k["unroll"])
     return min(space, key=key)

@@ -14,6 +14,7 @@ from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
 from tvmfuse.isolation import HOPPER
 from tvmfuse.isolation import record as record_failure
+from tvmfuse.targets import SMS  # one CTA of these tiles each at a time on each (shared memory)
 
 #: microseconds one CTA of each tile spends per 64-deep k-step on the H200, and per tile besides (pipeline fill,
 #: epilogue): fitted to wgmma_run4.json and wgmma_run5.json (bench/results/archive-sessions-5-7.tar.xz; 17 GPT-2 /
@@ -23,7 +24,6 @@ TILE_COSTS = {WgmmaTile(256, 4): 0.83, WgmmaTile(192, 4): 0.70, WgmmaTile(176, 4
               WgmmaTile(128, 4, dual=True): 0.47, WgmmaTile(128, 6, 64, dual=True): 0.35,
               WgmmaTile(64, 8, 64, dual=True): 0.21}
 TILE_FIXED_US = 1.0
-SMS = 132  # the H200's streaming multiprocessors: one CTA of these tiles each at a time (shared memory)
 
 #: analysis outcomes that mean "not a matmul kernel at all" (not logged)
 NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before",
