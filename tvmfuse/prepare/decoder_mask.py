@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
@@ -19,7 +20,6 @@ class MaskSite:
     """The binding of an additive mask [batch, 1, seq, past + seq] and what computes it."""
 
     var: relax.Var
-    value: relax.Call
     bindings: list  # the bindings it is computed by, in order (the where's own last)
     masked: float  # the value a hidden key gets (the where's large negative constant)
     dtype: str
@@ -73,8 +73,7 @@ def find_mask_sites(fn: relax.Function, mask: relax.Var) -> list[MaskSite]:
                     ok = False  # another input (the ids, a cache, a weight) reaches the mask
                     break
         if ok and any(u.same_as(mask) for b in closure.values() for u in relax.analysis.free_vars(b.value)):
-            sites.append(MaskSite(var, binding.value, sorted(closure.values(), key=lambda b: order[b.var]),
-                                  consts[1], str(ty.dtype)))
+            sites.append(MaskSite(var, sorted(closure.values(), key=lambda b: order[b.var]), consts[1], str(ty.dtype)))
     return sites
 
 
@@ -94,16 +93,21 @@ def expected_mask(mask: np.ndarray, past: int, seq: int, masked: float, dtype: s
     return np.where(shown, 0, masked).astype(dtype)
 
 
-def check_mask_site(site: MaskSite, fn: relax.Function, mask: relax.Var, position: relax.Var, capacity: int,
-                    seqs: list[int]) -> str | None:
-    """None when the mask equals `expected_mask` on every probe (batch 2, random masks with zeros, query lengths
-    `seqs` and 1-3, pasts from 0 to the capacity's last), else why not."""
+def _probe_params(fn: relax.Function, mask: relax.Var, position: relax.Var) -> list:
+    """The step's inputs that define a mask's sizes: the ids [batch, seq] (seq), the mask (batch, total), past_len."""
     size_params = [p for p in fn.params if p.same_as(mask) or p.same_as(position)]
     ids = [p for p in fn.params[:int(fn.attrs["num_input"])] if p not in size_params
-           and isinstance(p.ty, relax.TensorType) and p.ty.ndim == 2]  # input_ids [batch, seq]: defines seq
-    params = ids[:1] + size_params
+           and isinstance(p.ty, relax.TensorType) and p.ty.ndim == 2]
+    return ids[:1] + size_params
+
+
+def check_mask_site(probe: relax.Function, site: MaskSite, mask: relax.Var, position: relax.Var, capacity: int,
+                    seqs: list[int]) -> str | None:
+    """None when `probe` (`_probe_function` of the site) equals `expected_mask` on every probe input (batch 2,
+    random masks with zeros, query lengths `seqs` and 1-3, pasts from 0 to the capacity's last), else why not."""
+    params = list(probe.params)
     try:
-        ex = tvm.compile(tvm.IRModule({"main": _probe_function(site, params)}), target="llvm")
+        ex = tvm.compile(tvm.IRModule({"main": probe}), target="llvm")
         vm = relax.VirtualMachine(ex, tvm.cpu())
     except Exception as err:  # pylint: disable=broad-except  (an op the probe cannot build: leave the mask alone)
         return f"its ops do not build on their own ({type(err).__name__})"
@@ -149,24 +153,25 @@ def one_kernel_decoder_mask(mod: tvm.IRModule, mask_name: str, position_name: st
     mask, position = by_name.get(mask_name), by_name.get(position_name)
     if mask is None or position is None or not isinstance(position.ty, relax.ShapeType):
         return mod, []
-    past = position.ty.values[0]
-    notes, replace = [], {}
+    params = _probe_params(fn, mask, position)
+    notes, replace, checked = [], {}, []  # checked: (probe, reason) of each distinct computation (one per layer)
     for site in find_mask_sites(fn, mask):
-        reason = check_mask_site(site, fn, mask, position, capacity, seqs)
+        probe = _probe_function(site, params)
+        reason = next((r for p, r in checked if tvm_ffi.structural_equal(p, probe)), False)
+        if reason is False:
+            reason = check_mask_site(probe, site, mask, position, capacity, seqs)
+            checked.append((probe, reason))
         if reason:
             notes.append(f"the mask {site.var.name} stays as exported: {reason}")
             continue
         replace[site.var] = site
     if not replace:
         return mod, notes
-    out = mod.clone()
-    kernels = {}
-    bb = relax.BlockBuilder(out)
-    for var, site in replace.items():
-        key = (str(mask.ty.dtype), site.dtype, site.masked)
-        if key not in kernels:
-            kernels[key] = bb.add_func(_mask_kernel(*key), NAME)
-    new_fn = _Replace(bb.get(), replace, kernels, mask, past).visit_expr(fn)
+    bb = relax.BlockBuilder(mod.clone())
+    key_of = {var: (str(mask.ty.dtype), site.dtype, site.masked) for var, site in replace.items()}
+    kernels = {key: bb.add_func(_mask_kernel(*key), NAME) for key in dict.fromkeys(key_of.values())}
+    new_fn = _Replace(bb.get(), {var: kernels[key] for var, key in key_of.items()}, mask,
+                      position.ty.values[0]).visit_expr(fn)
     result = bb.get()
     result["main"] = relax.analysis.remove_all_unused(new_fn)
     notes.extend(f"the mask {v.name}: one kernel ({len(s.bindings)} ops before; causal + padding from {mask_name} "
@@ -178,21 +183,20 @@ def one_kernel_decoder_mask(mod: tvm.IRModule, mask_name: str, position_name: st
 
 @relax.expr_functor.mutator
 class _Replace(relax.PyExprMutator):
-    def __init__(self, mod, sites: dict, kernels: dict, mask: relax.Var, past):
+    def __init__(self, mod, kernel_of: dict, mask: relax.Var, past):
         super().__init__(mod)
-        self.sites, self.kernels, self.mask, self.past = sites, kernels, mask, past
+        self.kernel_of, self.mask, self.past = kernel_of, mask, past
         self.computed: dict = {}  # one launch for the masks each layer of some exports builds anew
 
     def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
-        site = self.sites.get(binding.var)
-        if site is None:
+        kernel = self.kernel_of.get(binding.var)
+        if kernel is None:
             return super().visit_var_binding_(binding)
-        key = (str(self.mask.ty.dtype), site.dtype, site.masked)
-        same = self.computed.get((key, str(binding.var.ty)))
-        if same is not None:
-            self.set_var_remap(binding.var, same)
+        key = (kernel.name_hint, str(binding.var.ty))
+        if key in self.computed:
+            self.set_var_remap(binding.var, self.computed[key])
             return
-        call = self.builder_.normalize(relax.call_tir(self.kernels[key], relax.Tuple(
-            [self.mask, relax.prim_value(self.past)]), binding.var.ty))
+        call = self.builder_.normalize(relax.call_tir(kernel, relax.Tuple([self.mask, relax.prim_value(self.past)]),
+                                                      binding.var.ty))
         self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
-        self.computed[(key, str(binding.var.ty))] = binding.var
+        self.computed[key] = binding.var
