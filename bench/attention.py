@@ -27,7 +27,7 @@ CASES = [  # name, template, shapes, knob filter
     ("decode_b1_h32_L2048_d128_fp16_sbhd", "decode", dict(batch=1, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16", k_layout="SBHD", v_layout="SBHD")),
     ("decode_b16_h32_L2048_d128_fp16", "decode", dict(batch=16, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16")),
     ("decode_b16_h32_L2048_d128_fp16_sbhd", "decode", dict(batch=16, heads=32, kv_heads=32, seq_q=1, seq_k=2048, head_dim=128, dtype="float16", k_layout="SBHD", v_layout="SBHD")),
-    # the decode step's kernel as a decoder export has it (generate_run4: 2x these above in the model): a symbolic KV
+    # the decode step's kernel as a decoder export has it (generate_run3: 2x these above in the model): a symbolic KV
     # length (one kernel for every step: "length" is the one measured), the fp32 additive mask [B, 1, 1, L]
     *[(f"decode_b{b}_h32_L2048_d128_fp16_sbhd{tag}", "decode",
        dict(batch=b, heads=32, kv_heads=32, seq_q=1, seq_k="past + 1" if sym else 2048, head_dim=128, dtype="float16",

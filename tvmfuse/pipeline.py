@@ -37,6 +37,7 @@ from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.decoder_mask import one_kernel_decoder_mask
 from tvmfuse.prepare.kv_cache import POSITION, CacheLayout, find_cache_sites, in_place_kv_cache
+from tvmfuse.prepare.names import unique_binding_names
 from tvmfuse.prepare.precision import has_low_lookups
 from tvmfuse.records import SCHEDULES_DIR, TuningDatabase, open_database
 from tvmfuse.spaces import apply_default_schedules, space_for
@@ -151,6 +152,7 @@ def kv_cache_phase(bound: tvm.IRModule, imported: Imported, job: Job, say: Say) 
 
 def fuse_phase(bound: tvm.IRModule, target: tvm.target.Target, settings: Settings | None = None) -> Fused:
     """Match the pattern table, decide with the cost model which candidates to fuse, fuse them (one PrimFunc each)."""
+    bound = unique_binding_names(bound)  # once here: decide and lower then find no name repeated
     return lower(bound, plan=decide(bound, target, settings))
 
 

@@ -20,8 +20,12 @@ def analysis_raises(func) -> bool:
 def is_view(func) -> bool:
     """Whether the build makes `func` a view instead of a launch (a reshape pattern TVM can prove); False where
     TVM's analysis of it raises."""
-    return isinstance(func, tirx.PrimFunc) and not analysis_raises(func) and \
-        bool(relax.analysis.has_reshape_pattern(func))
+    if not isinstance(func, tirx.PrimFunc):
+        return False
+    try:
+        return bool(relax.analysis.has_reshape_pattern(func))
+    except tvm.error.InternalError:
+        return False
 
 
 def _stand_in(func: tirx.PrimFunc) -> tirx.PrimFunc:

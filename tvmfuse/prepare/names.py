@@ -48,8 +48,7 @@ class _Rename(relax.PyExprMutator):
         self.seen.add(new)
         return new
 
-    def _rebind(self, binding, value):
-        var = binding.var
+    def _rebind(self, var):
         name = self._name(var.name)
         if name == var.name:
             return var
@@ -59,8 +58,8 @@ class _Rename(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
         value = self.visit_expr(binding.value)
-        self.builder_.emit_normalized(relax.VarBinding(self._rebind(binding, value), value))
+        self.builder_.emit_normalized(relax.VarBinding(self._rebind(binding.var), value))
 
     def visit_match_cast_(self, binding):  # pylint: disable=arguments-renamed
         value = self.visit_expr(binding.value)
-        self.builder_.emit_normalized(relax.MatchCast(self._rebind(binding, value), value, binding.ty))
+        self.builder_.emit_normalized(relax.MatchCast(self._rebind(binding.var), value, binding.ty))
