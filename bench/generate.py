@@ -43,9 +43,10 @@ from bench.big_model import LLAMA2_7B, SMOKE  # noqa: E402
 PHASES = ("export", "build", "run", "torch")
 FULL_RUN = {"layers": 8, "batches": "1,16", "prompts": "512,2048", "new_tokens": 128, "max_seq": 2176}
 SMOKE_RUN = {"layers": 2, "batches": "1,2", "prompts": "8,16", "new_tokens": 8, "max_seq": 32}
-NOTES = ("ms_per_token: mean wall time of one decode step for the whole batch (tvmfuse: the export's generate, which "
-         "copies each step's last logits to the host and takes the argmax there; torch: the compiled steps back to "
-         "back, argmax on the GPU, one sync at the end); tokens_per_s = batch / step; roofline_ms: the bytes one "
+NOTES = ("ms_per_token: mean wall time of one decode step for the whole batch (tvmfuse: the export's generate, argmax on "
+         "the GPU by the export's greedy sampler, each step's tokens fed to the next where they lie, the host waiting "
+         "for the GPU once every 16 steps; torch: the compiled steps back to back, argmax on the GPU, one sync at the "
+         "end); tokens_per_s = batch / step; roofline_ms: the bytes one "
          "decode step must read at least, the fp16 weights except the input embedding (one row of it per token) plus "
          "the fp16 K and V of every layer at the mean cache length (prompt + new_tokens / 2), over the copy bandwidth "
          "the run phase measured; fraction_of_roofline = roofline_ms / ms_per_token; identical_leading_tokens: per "
@@ -325,8 +326,9 @@ def phase_run(args) -> dict:
 
 
 def profile_rows(model, ids, cache, steps: int = 8) -> dict:
-    """The GPU's own record (CUPTI through torch.profiler) of the prefill and of `steps` decode steps, per call, with
-    the host's wall time per decode step while profiled."""
+    """The GPU's own record (CUPTI through torch.profiler) of the prefill and of `steps` decode steps (the second
+    window of `steps`, run as generate runs them), per call, with the host's wall time per decode step while
+    profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -335,17 +337,17 @@ def profile_rows(model, ids, cache, steps: int = 8) -> dict:
     prof = profile(activities=[ProfilerActivity.CUDA])
     walls = []
 
-    def on_token(i: int, ms: float) -> None:
-        if i == 1:
+    def on_token(i: int, ms: float) -> None:  # called once a window of `steps` steps has run, step by step
+        if i == steps:  # the first window has run, and nothing of the second is queued yet
             torch.cuda.synchronize()
             prof.start()
-        elif 1 < i <= 1 + steps:
+        elif steps < i <= 2 * steps:
             walls.append(ms)
-            if i == 1 + steps:
+            if i == 2 * steps:
                 torch.cuda.synchronize()
                 prof.stop()
 
-    model.generate(ids, steps + 2, cache=cache, on_token=on_token)
+    model.generate(ids, 2 * steps + 1, cache=cache, on_token=on_token, sync_every=steps)
     decode = kernel_summary(prof, steps, top=24)
     decode["wall_ms_per_step"] = round(sum(walls) / len(walls), 4)
     return {"prefill": prefill, "decode": decode}

@@ -77,6 +77,24 @@ def test_greedy_tokens_match_onnxruntime_for_32_steps(kv_model, kv_exports, mode
         assert logits.shape == (BATCH, 1, hf_export.VOCAB)  # one more step by hand, past_len as an int
 
 
+@pytest.mark.parametrize("mode", ["inplace", "onnx"])
+def test_generate_samples_on_the_device_in_windows_or_on_the_host_alike(kv_model, kv_exports, mode):
+    ids = np.random.default_rng(5).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
+    model = load(kv_exports[mode])
+    assert model.manifest["kv_cache"]["greedy"] == "greedy_tokens"
+    want = _onnxruntime_greedy(kv_model, ids, 12)
+    seen = []
+    got = model.generate(ids, 12, sync_every=5, on_token=lambda i, ms: seen.append((i, ms)))
+    np.testing.assert_array_equal(got.tokens, want)
+    assert [i for i, _ in seen] == list(range(1, 12))  # every step reported, in order, in windows of 5, 5 and 1
+    assert len({ms for _, ms in seen[:5]}) == 1 and got.step_ms == [ms for _, ms in seen]
+    np.testing.assert_array_equal(model.generate(ids, 12, sync_every=1).tokens, want)
+    del model.manifest["kv_cache"]["greedy"]  # an export from before the sampler: the host's argmax
+    np.testing.assert_array_equal(model.generate(ids, 12).tokens, want)
+    with pytest.raises(TvmfuseError, match="sync_every >= 1"):
+        model.generate(ids, 4, sync_every=0)
+
+
 def test_a_prompt_padded_to_a_longer_prefill_gives_the_same_tokens(kv_model, kv_exports):
     """The prefill run at more tokens than the prompt (as it is padded to a seq bucket): the last prompt position's
     logits and the cache entries the decode steps read are the prompt's alone, so onnxruntime's greedy tokens; the

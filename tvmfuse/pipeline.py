@@ -32,7 +32,7 @@ from tvmfuse.fuse import verification_dims
 from tvmfuse.isolation import collecting
 from tvmfuse.isolation import current as failures_so_far
 from tvmfuse.jobs import Job
-from tvmfuse.kernels import apply_hopper_kernels, substitute
+from tvmfuse.kernels import GREEDY, add_greedy_tokens, apply_hopper_kernels, substitute
 from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.decoder_mask import one_kernel_decoder_mask
@@ -219,6 +219,8 @@ def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProg
                                                       for k in keep}}
     records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
     final = lowered.with_dispatch(apply_default_schedules(tuned_mod, target))
+    if lowered.past_inputs:  # a decoder step: generate samples on the device
+        final = add_greedy_tokens(final, target)
     executable = compile_module(final, target, cuda_graph=cuda_graph)
     defaults_us = {name: p.default_us for name, p in progress.items()
                    if p.default_us is not None and kinds.get(name) == TUNED}
@@ -400,8 +402,8 @@ def _cache_interface(manifest: dict, lowered: Lowered) -> dict:
         caches = [{"past": p, "present": outputs[1 + i] if 1 + i < len(outputs) else None,
                    "kv_heads": inputs[p]["shape"][1], "head_dim": inputs[p]["shape"][3]}
                   for i, p in enumerate(lowered.past_inputs)]
-        return {"kv_cache": {"mode": "onnx", "caches": caches}}
-    cache = lowered.cache.as_dict()
+        return {"kv_cache": {"mode": "onnx", "caches": caches, "greedy": GREEDY}}
+    cache = {**lowered.cache.as_dict(), "greedy": GREEDY}
     pasts, presents = {s["past"] for s in cache["caches"]}, {s["present"] for s in cache["caches"]}
     past_dim = inputs[cache["caches"][0]["past"]]["shape"][2]
     step_inputs = [t for t in manifest["inputs"] if t["name"] not in pasts]

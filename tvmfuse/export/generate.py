@@ -37,7 +37,7 @@ class Generation:
 
     tokens: np.ndarray
     prefill_ms: float
-    step_ms: list[float] = field(default_factory=list)  # each decode step after the prefill
+    step_ms: list[float] = field(default_factory=list)  # each decode step after the prefill (its window's mean)
     decode: dict = field(default_factory=dict)  # the function decode steps run in, and its CUDA graphs (decode_path)
     prefill: dict = field(default_factory=dict)  # the function the prefill ran in and the length it ran at
 
@@ -143,20 +143,25 @@ def cuda_graph_summary(manifest: dict) -> str:
 
 
 def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, float], None] | None = None,
-             cache: KVCache | None = None, prefill_to: int | None = None) -> Generation:
+             cache: KVCache | None = None, prefill_to: int | None = None, sync_every: int = 16) -> Generation:
     """Greedy decoding on a loaded export (`tvmfuse.load`): `ids` [batch, prompt] int64; returns `new_tokens`
-    tokens per row. `on_token(i, ms)` is called after each decode step; `cache` (in place) is reused after a
-    reset, else created. The prompt is padded to `prefill_to` tokens (default: `prefill_length`, the shortest seq
-    bucket that holds it, whose kernels are the templates and tuned ones; in-place cache only). A prompt plus new
-    tokens that do not fit the cache is a TvmfuseError."""
+    tokens per row. `cache` (in place) is reused after a reset, else created. The prompt is padded to `prefill_to`
+    tokens (default: `prefill_length`, the shortest seq bucket that holds it, whose kernels are the templates and
+    tuned ones; in-place cache only). A prompt plus new tokens that do not fit the cache is a TvmfuseError.
+
+    With the export's greedy sampler (the manifest's kv_cache.greedy) each step's tokens stay on the device as the
+    next step's input, and the host waits for the GPU once every `sync_every` steps, as an inference engine runs
+    ahead of the GPU: it copies those steps' tokens then, gives each of them the window's mean time in `step_ms`
+    and calls `on_token(i, ms)` for each. Without one (an older export) the host takes the argmax of each step's
+    last logits, a wait per step."""
     manifest = model.manifest
     if "kv_cache" not in manifest:
         raise TvmfuseError(f"{model.folder}: not a decoder step with a KV cache (no past K/V inputs were found "
                            "when it was built)")
     ids = np.asarray(ids, dtype=np.int64)
-    if ids.ndim != 2 or ids.shape[1] < 1 or new_tokens < 1:
-        raise TvmfuseError(f"generate needs ids [batch, prompt >= 1] and new tokens >= 1 (got ids {list(ids.shape)}, "
-                           f"{new_tokens} new tokens)")
+    if ids.ndim != 2 or ids.shape[1] < 1 or new_tokens < 1 or sync_every < 1:
+        raise TvmfuseError(f"generate needs ids [batch, prompt >= 1], new tokens >= 1 and sync_every >= 1 (got ids "
+                           f"{list(ids.shape)}, {new_tokens} new tokens, sync_every {sync_every})")
     layout, (ids_name, mask_name) = manifest["kv_cache"], _step_inputs(manifest)
     batch, prompt = ids.shape
     inplace = layout["mode"] == "inplace"
@@ -175,27 +180,27 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
     dev = model.device
     names = [t["name"] for t in manifest["inputs"]]
     dtype = {t["name"]: t["dtype"] for t in manifest["inputs"]}
+    ids_dtype = dtype.get(ids_name, "int64")
+    greedy = model.vm[layout["greedy"]] if layout.get("greedy") and ids_dtype == "int64" else None
     pasts = [tvm.runtime.tensor(cast_array(np.zeros((batch, s["kv_heads"], 0, s["head_dim"]), np.float32),
                                            dtype[s["past"]]), dev)
              for s in layout["caches"]] if not inplace else []
 
-    # the decode steps' inputs live in buffers made once: a step allocates no device memory (a freed TVM tensor is
-    # a cudaFree, which waits for the GPU); the mask is all ones, so any prefix of one buffer of ones is the mask
+    # the decode steps' inputs live in buffers made once (or are the sampler's output): a step allocates no device
+    # memory outside the VM's pool (a freed TVM tensor is a cudaFree, which waits for the GPU); the mask is all
+    # ones, so any prefix of one buffer of ones is the mask
     mask_dtype = dtype.get(mask_name, "int64")
     ones = (tvm.runtime.tensor(np.ones(batch * max(length, prompt + new_tokens - 1), mask_dtype), dev)
             if mask_name else None)
-    next_ids = tvm.runtime.empty((batch, 1), dtype.get(ids_name, "int64"), dev)
+    next_ids = tvm.runtime.empty((batch, 1), ids_dtype, dev) if greedy is None else None
 
-    def step(tokens: np.ndarray, position: int, last: int | None = None) -> np.ndarray:
+    def step(tokens, seq: int, position: int, last: int):
+        """Run the step on `tokens` ([batch, seq] on the device) at `position`; the argmax of position `last`'s
+        logits: [batch, 1] on the device with the sampler, else [batch] on the host."""
         nonlocal pasts
-        if tokens.shape[1] == 1:
-            next_ids.copyfrom(tokens.astype(str(next_ids.dtype)))
-            feed = {ids_name: next_ids}
-        else:
-            feed = {ids_name: tvm.runtime.tensor(tokens, dev)}
+        feed = {ids_name: tokens}
         if mask_name:
-            total = position + tokens.shape[1]
-            feed[mask_name] = ones._create_view((batch, total), mask_dtype)  # pylint: disable=protected-access
+            feed[mask_name] = ones._create_view((batch, position + seq), mask_dtype)  # pylint: disable=protected-access
         if inplace:
             feed[layout["position"]] = tvm.runtime.ShapeTuple([position])
             feed.update(zip(cache.names, cache.tensors))
@@ -207,21 +212,40 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
             presents = {t["name"]: o for t, o in zip(manifest["outputs"], outs)}
             pasts = [presents[s["present"]] for s in layout["caches"]]
         else:
-            cache.length = position + tokens.shape[1] if last is None else position + last + 1
+            cache.length = position + last + 1
+        if greedy is not None:
+            return greedy(outs[0], last)
         return last_position(outs[0], last).argmax(-1).astype(np.int64)
+
+    def fed(token):
+        """The next step's ids: the sampler's output as it is, else the host's argmax copied in."""
+        if greedy is not None:
+            return token
+        next_ids.copyfrom(token[:, None].astype(ids_dtype))
+        return next_ids
+
+    def read(token) -> np.ndarray:
+        return token.numpy()[:, 0] if greedy is not None else token
 
     start = time.perf_counter()
     padded = np.concatenate([ids, np.repeat(ids[:, -1:], length - prompt, axis=1)], axis=1)
-    token = step(padded, 0, last=prompt - 1)  # the prompt's last position, padded or not
-    result = Generation(np.zeros((batch, new_tokens), np.int64), (time.perf_counter() - start) * 1e3,
-                        decode=decode_path(manifest, batch),
+    token = step(tvm.runtime.tensor(padded.astype(ids_dtype), dev), length, 0, last=prompt - 1)
+    result = Generation(np.zeros((batch, new_tokens), np.int64), 0.0, decode=decode_path(manifest, batch),
                         prefill={"function": _function_for(manifest, batch, length), "length": length})
-    result.tokens[:, 0] = token
+    result.tokens[:, 0] = read(token)  # waits for the prefill
+    result.prefill_ms = (time.perf_counter() - start) * 1e3
+    window, start = [], time.perf_counter()
     for i in range(1, new_tokens):
-        start = time.perf_counter()
-        token = step(token[:, None], prompt + i - 1)
-        result.step_ms.append((time.perf_counter() - start) * 1e3)
-        result.tokens[:, i] = token
-        if on_token is not None:
-            on_token(i, result.step_ms[-1])
+        token = step(fed(token), 1, prompt + i - 1, last=0)
+        window.append((i, token))
+        if len(window) < sync_every and i < new_tokens - 1:
+            continue
+        values = [read(t) for _, t in window]  # the first copy waits for the window's steps
+        ms = (time.perf_counter() - start) * 1e3 / len(window)
+        for (j, _), value in zip(window, values):
+            result.tokens[:, j] = value
+            result.step_ms.append(ms)
+            if on_token is not None:
+                on_token(j, ms)
+        window, start = [], time.perf_counter()
     return result

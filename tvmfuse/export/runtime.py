@@ -72,9 +72,9 @@ class LoadedModel:
         return KVCache(self.manifest["kv_cache"], batch, self.device)
 
     def generate(self, ids, new_tokens: int, on_token=None, cache: KVCache | None = None,
-                 prefill_to: int | None = None) -> Generation:
+                 prefill_to: int | None = None, sync_every: int = 16) -> Generation:
         """Greedy decoding: prefill `ids` [batch, prompt], then `new_tokens` tokens per row (export.generate)."""
-        return generate(self, ids, new_tokens, on_token, cache, prefill_to)
+        return generate(self, ids, new_tokens, on_token, cache, prefill_to, sync_every)
 
 
 def load(path: str, device=None) -> LoadedModel:

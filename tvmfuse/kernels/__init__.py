@@ -1,9 +1,12 @@
 """Kernels stage: hand-written kernels in the place of fused ones where search falls short: the attention templates
-(`attention/`, by the template table) and, on sm_90a, the TIRx GEMM and row kernels (`hopper/`)."""
+(`attention/`, by the template table), on sm_90a the TIRx GEMM and row kernels (`hopper/`), and a decoder step's greedy
+sampler (`greedy`)."""
 
+from tvmfuse.kernels.greedy import GREEDY, add_greedy_tokens
 from tvmfuse.kernels.hopper import apply_hopper_kernels, is_hopper
 from tvmfuse.kernels.substitution import lookup, substitute, template_sites, templates
 from tvmfuse.kernels.table import ATTENTION_DECODE, ATTENTION_PREFILL, ATTENTION_STEP, TABLE, TemplateEntry
 
-__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "ATTENTION_STEP", "TABLE", "TemplateEntry", "apply_hopper_kernels", "is_hopper", "lookup",
+__all__ = ["ATTENTION_DECODE", "ATTENTION_PREFILL", "ATTENTION_STEP", "GREEDY", "TABLE", "TemplateEntry",
+           "add_greedy_tokens", "apply_hopper_kernels", "is_hopper", "lookup",
            "substitute", "template_sites", "templates"]
