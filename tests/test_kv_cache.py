@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -223,6 +224,44 @@ def _cache_copies(fused) -> list[str]:
     return copies
 
 
+def test_cache_write_reads_past_exact_casts_and_the_heads_major_transpose_only():
+    """_write_source: a cast to fp32 of a value already in the cache's dtype (exact back) and one transpose of
+    [batch, seq, heads, dim] to heads-major are skipped; a rounding cast and any other permutation are not."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.prepare.kv_cache import _write_source  # pylint: disable=import-outside-toplevel
+
+    def chain(dtype, *ops):
+        """([x, each op's var], {var: value}) of a function applying `ops` in turn to x [2, 3, 4, 8]."""
+        x = relax.Var("x", relax.TensorType([2, 3, 4, 8], dtype))
+        bb, last = relax.BlockBuilder(), x
+        with bb.function("f", [x]):
+            with bb.dataflow():
+                for op in ops:
+                    last = bb.emit(op(last))
+                out = bb.emit_output(last)
+            bb.emit_func_output(out)
+        fn = bb.get()["f"]
+        bindings = [b for blk in fn.body.blocks for b in blk.bindings if not isinstance(b.value, relax.Var)]
+        return [fn.params[0]] + [b.var for b in bindings], {b.var: b.value for b in bindings}
+
+    up = lambda v: relax.op.astype(v, "float32")  # noqa: E731
+    down = lambda v: relax.op.astype(v, "float16")  # noqa: E731
+    heads_major = lambda v: relax.op.permute_dims(v, [0, 2, 1, 3])  # noqa: E731
+    v, bound = chain("float16", heads_major, up)  # V as exported: transpose, then the cast for the fp32 past
+    assert _write_source(v[-1], bound, "float16") == (v[0], True)
+    v, bound = chain("float16", up, heads_major)
+    assert _write_source(v[-1], bound, "float16") == (v[0], True)
+    v, bound = chain("float32", down, up)  # fp32 -> fp16 rounds: only the exact cast back up is skipped
+    assert _write_source(v[-1], bound, "float16") == (v[1], False)
+    v, bound = chain("float32", up)
+    assert _write_source(v[-1], bound, "float16") == (v[-1], False)  # fp32 into an fp16 cache: the write casts
+    v, bound = chain("float16", lambda x: relax.op.permute_dims(x, [0, 1, 3, 2]), up)
+    assert _write_source(v[-1], bound, "float16") == (v[1], False)
+    v, bound = chain("float16", heads_major, heads_major)  # one transpose only: the write has one layout of each
+    assert _write_source(v[-1], bound, "float16") == (v[1], True)
+
+
 def test_inplace_step_has_no_concat_or_copy_of_the_cache(kv_model):
     """In place: each cache is written by the in-place kernel, viewed (no copy) and read only by the attention;
     no kernel concatenates or copies it. The check itself finds the copies of the ONNX-semantics step."""
@@ -243,13 +282,11 @@ def test_inplace_step_has_no_concat_or_copy_of_the_cache(kv_model):
 def test_compiled_step_views_the_cache_it_writes(kv_exports):
     """In the exported VM code each cache register is written by kv_cache_write and then viewed as it is
     (runtime.TVMTensorCreateView on the same register): no kernel or copy between the write and the read."""
-    import re  # pylint: disable=import-outside-toplevel
-
     import tvm  # pylint: disable=import-outside-toplevel
     from tvm import relax  # pylint: disable=import-outside-toplevel
 
     text = relax.VMExecutable(tvm.runtime.load_module(os.path.join(kv_exports["inplace"], "model.so"))).as_text()
-    writes = re.findall(r"call\s+kv_cache_write_float32 in: (%\d+),", text)
+    writes = re.findall(r"call\s+kv_cache_write_float32(?:_seq_major)? in: (%\d+),", text)
     views = re.findall(r"call\s+runtime.TVMTensorCreateView in: (%\d+),", text)
     assert len(writes) == 4 and views == writes
 
@@ -354,8 +391,9 @@ def _steps_match_onnxruntime(path: str, run_step, dtype: str) -> list[int]:
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_inplace_step_keeps_the_cache_in_the_compute_dtype(kv_model, dtype):
     """--dtype fp16/bf16: the caches are fp16/bf16 (the past K/V inputs have symbolic shapes, so the precision pass
-    left their concatenation in fp32), each written through a cast of the step's K/V and read, through a cast,
-    inside the attention kernel, which takes the cache's view in place: no other kernel reads a cache."""
+    left their concatenation in fp32), each written from the step's K/V as they are computed (no cast to fp32 and
+    back; V before its transpose to heads-major) and read, through a cast, inside the attention kernel, which takes
+    the cache's view in place: no other kernel reads a cache."""
     from tvm import relax  # pylint: disable=import-outside-toplevel
 
     want = {"fp16": "float16", "bf16": "bfloat16"}[dtype]
@@ -366,7 +404,12 @@ def test_inplace_step_keeps_the_cache_in_the_compute_dtype(kv_model, dtype):
     assert list(fused.kernel_patterns.values()).count("tvmfuse.attention") == 1  # the two layers share it
     writes = [b.value for blk in main.body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)
               and getattr(b.value.op, "name", "") == "relax.call_tir_inplace"]
-    assert {c.args[0].name_hint for c in writes} == {f"kv_cache_write_{want}"}
+    assert sorted(c.args[0].name_hint for c in writes) == [f"kv_cache_write_{want}"] * 2 + [
+        f"kv_cache_write_{want}_seq_major"] * 2  # K after the rotary (heads-major), V as projected
+    bound = {b.var: b.value for blk in main.body.blocks for b in blk.bindings}
+    moves = re.compile(r"(fused_)?(reshape\d*_)*((transpose|cast)\d*_?)+")  # a transpose or cast kernel, no more
+    producers = [bound[write.args[1].fields[1]].args[0].name_hint for write in writes]
+    assert not [p for p in producers if moves.fullmatch(p)], producers  # each write reads what a kernel computed
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

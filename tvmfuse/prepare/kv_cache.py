@@ -91,8 +91,9 @@ def find_cache_sites(mod: tvm.IRModule) -> list[tuple[relax.Var, relax.Var, rela
     return sorted(sites, key=lambda site: order[site[0]])  # as the past inputs are ordered
 
 
-def _write_kernel(capacity: int, kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
-    """cache[pos + s, b, h, d] = new[b, h, s, d]: the step's K or V written into the cache in place."""
+def _write_kernel(capacity: int, kv_heads: int, head_dim: int, dtype: str, seq_major: bool) -> tirx.PrimFunc:
+    """cache[pos + s, b, h, d] = new[b, h, s, d] (`seq_major`: new[b, s, h, d], the step's K/V before the export's
+    transpose to heads-major): the step's K or V written into the cache in place."""
 
     @T.prim_func(s_tir=True)
     def kv_cache_write(cache_h: T.handle, new_h: T.handle, pos: T.int64):
@@ -106,7 +107,39 @@ def _write_kernel(capacity: int, kv_heads: int, head_dim: int, dtype: str) -> ti
                 vb, vh, vs, vd = T.axis.remap("SSSS", [b, h, s, d])
                 cache[pos + vs, vb, vh, vd] = new[vb, vh, vs, vd]
 
-    return kv_cache_write
+    @T.prim_func(s_tir=True)
+    def kv_cache_write_seq_major(cache_h: T.handle, new_h: T.handle, pos: T.int64):
+        T.func_attr({"op_pattern": 8, "tirx.noalias": True})
+        batch, seq = T.int64(), T.int64()
+        cache = T.match_buffer(cache_h, (T.int64(capacity), batch, T.int64(kv_heads), T.int64(head_dim)), dtype)
+        new = T.match_buffer(new_h, (batch, seq, T.int64(kv_heads), T.int64(head_dim)), dtype)
+        assert pos + seq <= T.int64(capacity), "KV cache overflow: past_len + seq exceeds the cache's capacity"
+        for b, s, h, d in T.grid(batch, seq, T.int64(kv_heads), T.int64(head_dim)):
+            with T.sblock("kv_cache_write"):
+                vb, vs, vh, vd = T.axis.remap("SSSS", [b, s, h, d])
+                cache[pos + vs, vb, vh, vd] = new[vb, vs, vh, vd]
+
+    return kv_cache_write_seq_major if seq_major else kv_cache_write
+
+
+def _write_source(expr, bound: dict, dtype: str) -> tuple:
+    """(what the cache write reads, whether it is seq-major) for the step's K/V `expr`: past its casts to fp32 from
+    the cache's `dtype` (the exported concatenation with an fp32 past; the cast back is exact) and a transpose of
+    [batch, seq, heads, dim] to heads-major, which the write does itself. Each is a launch less a step."""
+    seq_major = False
+    while isinstance(expr, relax.Var):
+        value = bound.get(expr)
+        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+            break
+        source = value.args[0]
+        if value.op.name == "relax.astype" and str(value.ty.dtype) == "float32" and str(source.ty.dtype) == dtype:
+            expr = source
+        elif (value.op.name == "relax.permute_dims" and not seq_major and value.attrs.axes is not None
+              and [int(a) for a in value.attrs.axes] == [0, 2, 1, 3]):
+            expr, seq_major = source, True
+        else:
+            break
+    return expr, seq_major
 
 
 @relax.expr_functor.mutator
@@ -121,12 +154,12 @@ class _InPlace(relax.PyExprMutator):
         self.bound = bound
         self.writers: dict = {}
 
-    def _writer(self, cache: relax.Var) -> relax.GlobalVar:
+    def _writer(self, cache: relax.Var, seq_major: bool) -> relax.GlobalVar:
         _, _, heads, dim = cache.ty.shape.values
-        key = (cache.ty.dtype, int(heads), int(dim))
+        key = (str(cache.ty.dtype), int(heads), int(dim), seq_major)
         if key not in self.writers:
-            self.writers[key] = self.builder_.add_func(_write_kernel(self.capacity, *key[1:], key[0]),
-                                                       f"kv_cache_write_{key[0]}")
+            self.writers[key] = self.builder_.add_func(_write_kernel(self.capacity, key[1], key[2], key[0], seq_major),
+                                                       f"kv_cache_write_{key[0]}" + ("_seq_major" if seq_major else ""))
         return self.writers[key]
 
     def visit_var_binding_(self, binding):
@@ -136,13 +169,14 @@ class _InPlace(relax.PyExprMutator):
             return super().visit_var_binding_(binding)
         past, new = self.sites[binding.var]
         cache = self.caches[past]
-        new = self.visit_expr(new)
+        source, seq_major = _write_source(new, self.bound, str(cache.ty.dtype))
+        new = self.visit_expr(source)
         if new.ty.dtype != cache.ty.dtype:
             new = self.builder_.emit(relax.op.astype(new, cache.ty.dtype))
         written = self.builder_.emit(relax.op.call_tir_inplace(
-            self._writer(cache), relax.Tuple([cache, new, relax.prim_value(self.past_len)]), [0], cache.ty))
+            self._writer(cache, seq_major), relax.Tuple([cache, new, relax.prim_value(self.past_len)]), [0], cache.ty))
         _, batch, heads, dim = cache.ty.shape.values
-        length = self.past_len + new.ty.shape.values[2]
+        length = self.past_len + new.ty.shape.values[1 if seq_major else 2]
         view = self.builder_.emit(relax.op.memory.view(written, relax.ShapeExpr([length, batch, heads, dim])))
         out = relax.op.permute_dims(view, [1, 2, 0, 3])
         if binding.var.ty.dtype != cache.ty.dtype:
