@@ -89,7 +89,8 @@ def test_cpp_example_matches_python_vm_and_onnxruntime(tmp_path):
 
 def test_cpp_generate_matches_python_generate(tmp_path):
     """examples/cpp/generate: the in-place KV cache step driven from C++ (caches allocated once, prefill at
-    past_len 0, then one token a step) gives the tokens of `tvmfuse.load(...).generate`."""
+    past_len 0, then one token a step, the next by the export's greedy_tokens) gives the tokens of
+    `tvmfuse.load(...).generate`."""
     pytest.importorskip("transformers")
     import hf_export  # pylint: disable=import-outside-toplevel
 
@@ -105,6 +106,7 @@ def test_cpp_generate_matches_python_generate(tmp_path):
             str(site["head_dim"]), "--ids", "5,7,11,13", "--new-tokens", "12"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    assert "sampler: greedy_tokens" in done.stderr  # the export's sampler, as tvmfuse's generate uses it
     want = model.generate(np.array([[5, 7, 11, 13]]), 12).tokens[0]
     assert done.stdout.split("tokens")[-1].split() == [str(t) for t in want]
     too_long = subprocess.run(args[:-1] + ["30"], capture_output=True, text=True, timeout=60)

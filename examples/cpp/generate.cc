@@ -6,7 +6,9 @@
 // N, C, H, D come from the manifest's "kv_cache" (its "caches" list, "capacity", each cache's "kv_heads" and
 // "head_dim"); float32 caches (the manifest's kv_cache "dtype"), batch 1, embedded weights. The step is
 // main(input_ids [1, S] int64, attention_mask [1, past_len + S] int64, past_len: Shape, cache_0, ..., cache_N-1)
-// -> logits [1, S, vocab]; each cache is [C, 1, H, D] and is written in place. Prints: tokens t0 t1 ...
+// -> logits [1, S, vocab]; each cache is [C, 1, H, D] and is written in place. The next token is the export's
+// greedy_tokens(logits, position) -> ids [1, 1] int64 (an argmax kernel: on a GPU only the id is copied to the
+// host), or, for an export built before it had one, the host's argmax. Prints: tokens t0 t1 ...
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/container/tensor.h>
@@ -81,6 +83,8 @@ int main(int argc, char** argv) {
     vm->GetFunction("vm_initialization").value()(static_cast<int>(dev.device_type), dev.device_id,
                                                    kPooledAllocator);
     tvm::ffi::Function step = vm->GetFunction("main").value();
+    tvm::ffi::Optional<tvm::ffi::Function> greedy = vm->GetFunction("greedy_tokens");
+    std::cerr << "sampler: " << (greedy.has_value() ? "greedy_tokens (the export's)" : "the host's argmax") << "\n";
     std::vector<tvm::ffi::Tensor> cache;  // created once: zeros, [capacity, batch 1, kv heads, head dim]
     for (int64_t i = 0; i < caches; ++i) cache.push_back(Empty({capacity, 1, heads, dim}, {kDLFloat, 32, 1}, dev));
 
@@ -92,7 +96,11 @@ int main(int argc, char** argv) {
       std::vector<tvm::ffi::AnyView> views(args.begin(), args.end());
       tvm::ffi::Any out;
       step.CallPacked(views.data(), static_cast<int>(views.size()), &out);
-      return LastArgmax(out.cast<tvm::ffi::Tensor>());
+      tvm::ffi::Tensor logits = out.cast<tvm::ffi::Tensor>();
+      if (!greedy.has_value()) return LastArgmax(logits);
+      int64_t last = static_cast<int64_t>(ids.size()) - 1;
+      tvm::ffi::Tensor next = greedy.value()(logits, last).cast<tvm::ffi::Tensor>();  // [1, 1] int64, on dev
+      return static_cast<const int64_t*>(next.data_ptr())[0];
     };
     std::vector<int64_t> tokens{run(prompt, 0)};  // prefill: the whole prompt at past_len 0 fills the caches
     for (int64_t i = 1; i < new_tokens; ++i) {
