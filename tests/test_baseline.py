@@ -175,7 +175,8 @@ def test_cpu_reduction_default_skips_a_symbolic_kernel_ending_in_a_transpose(llv
 
 @pytest.mark.parametrize("target, stock, names", [
     ("cuda", False, ["SmallBatchMatmul", "TensorCoreGemm", "TensorCoreMatmul", "GEMV", "Reduction",
-                     "GeneralReduction", "RowReductionDefault", "VectorizedInjective", "Fallback", "UnsplitInjective"]),
+                     "GeneralReduction", "RowReductionDefault", "VectorizedInjective", "VectorizedRows", "Fallback",
+                     "UnsplitInjective"]),
     ("cuda", True, ["Matmul", "GEMV", "Reduction", "GeneralReduction", "Fallback"]),
     ("llvm", False, ["GEMV", "AlignedCPUReduction"]),
     ("llvm", True, ["GEMV", "Reduction"]),

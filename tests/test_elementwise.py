@@ -140,38 +140,94 @@ def test_gpu_vectorized_lookup_matches_numpy():
     np.testing.assert_array_equal(got, table[ids])
 
 
-def test_a_concatenation_along_a_symbolic_axis_that_fallback_raises_on_gets_the_unsplit_schedule():
-    """The KV concatenation of a batch-16, seq-512 bucket over the symbolic past: every dlight rule raises (TVM's
+def test_a_concatenation_along_a_symbolic_axis_that_fallback_raises_on_gets_a_schedule():
+    """The KV concatenation of a batch-16, seq-512 bucket over the symbolic past: dlight's rules raise (TVM's
     iter-map rewrite cannot prove 32 * past + 16384 divisible when Fallback splits the fused loops; the 2-layer
-    generation build failed so on the H200). The unsplit schedule takes it and nvcc compiles the kernel; a static
+    generation build failed so on the H200). The rows schedule takes it (16-byte vectors along the head dim), and
+    where its rows are not whole vectors (head dim 127) the unsplit one; nvcc compiles both. A static
     concatenation keeps the vectorized schedule."""
     import shutil
 
     from tvm.s_tir import dlight as dl
 
-    from tvmfuse.spaces.defaults import UnsplitInjective
+    from tvmfuse.spaces.defaults import UnsplitInjective, VectorizedRows
 
     past = tirx.Var("past", "int64")
-    mod = _concat((16, 1, past, 128), (16, 1, 512, 128), axis=2)
-    fn = _kernel(mod)
     cuda = resolve_target("cuda")
-    with cuda, pytest.raises(tvm.error.InternalError, match="CanProveDivisible"):
-        dl.gpu.Fallback().apply(fn, cuda, False)
-    rule, _ = default_rule(fn, cuda)
-    assert isinstance(rule, UnsplitInjective)
-    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
-    assert "__launch_bounds__(128)" in src  # the innermost axis (head dim 128) on the threads
-    if shutil.which("nvcc"):
-        with cuda:
-            assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
+    for dim, rule_type, threads in [(128, VectorizedRows, 16), (127, UnsplitInjective, 127)]:
+        mod = _concat((16, 1, past, dim), (16, 1, 512, dim), axis=2)
+        fn = _kernel(mod)
+        with cuda, pytest.raises(tvm.error.InternalError, match="CanProveDivisible"):
+            dl.gpu.Fallback().apply(fn, cuda, False)
+        rule, _ = default_rule(fn, cuda)
+        assert isinstance(rule, rule_type), (dim, type(rule).__name__)
+        (src,) = cuda_sources(compile_module(apply_default_schedules(mod, cuda), cuda))
+        assert f"__launch_bounds__({threads})" in src  # a row (the head dim) across the threads
+        assert ("*(uint4*)" in src) is (rule_type is VectorizedRows)
+        if shutil.which("nvcc"):
+            with cuda:
+                assert len(tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")) > 1000
     static = _kernel(_concat((16, 1, 64, 128), (16, 1, 512, 128), axis=2))
     assert isinstance(default_rule(static, cuda)[0], VectorizedInjective)
 
 
+def _cache_write(seq_major: bool):
+    """The in-place KV cache's write (prepare.kv_cache) at Llama-2-7B's 32 heads of 128, fp16."""
+    from tvmfuse.prepare.kv_cache import _write_kernel  # pylint: disable=import-outside-toplevel
+
+    return _write_kernel(2176, 32, 128, "float16", seq_major)
+
+
+@pytest.mark.parametrize("seq_major", [False, True])
+def test_kv_cache_write_moves_rows_of_16_byte_vectors_one_cta_per_position(seq_major):
+    """[batch, seq] symbolic over a static [heads, head dim] row of 4096: one CTA per (row, position), 512
+    threads of 8 halves (Fallback: one half per thread, 64-bit divisions by seq; ~240 GB/s in the prefill)."""
+    from tvmfuse.spaces.defaults import VectorizedRows  # pylint: disable=import-outside-toplevel
+
+    cuda = resolve_target("cuda")
+    func = _cache_write(seq_major)
+    rule, _ = default_rule(func, cuda)
+    assert isinstance(rule, VectorizedRows), type(rule).__name__
+    mod = apply_default_schedules(tvm.IRModule({"write": func.with_attr("global_symbol", "write")}), cuda)
+    src = tvm.compile(mod, target=cuda).mod.imports[0].inspect_source("cuda")
+    assert "__launch_bounds__(512)" in src and src.count("*(uint4*)") == 2
+
+
+def test_rows_rule_leaves_what_would_misalign_a_vector_or_has_no_static_row():
+    """A read one element off the row's start (at a symbolic row count), an innermost symbolic axis (the decoder
+    mask's keys): not the rows schedule."""
+    from tvmfuse.spaces.defaults import VectorizedRows  # pylint: disable=import-outside-toplevel
+
+    cuda = resolve_target("cuda")
+
+    @T.prim_func(private=True, s_tir=True)
+    def shifted_rows(x_h: T.handle, out_h: T.handle):
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, 4104), "float16")
+        out = T.match_buffer(out_h, (n, 4096), "float16")
+        for i, k in T.grid(n, 4096):
+            with T.sblock("shift"):
+                vi, vk = T.axis.remap("SS", [i, k])
+                out[vi, vk] = x[vi, vk + 1]  # each vector 2 bytes past a 16-byte boundary
+
+    @T.prim_func(private=True, s_tir=True)
+    def keys_innermost(x_h: T.handle, out_h: T.handle):
+        n, m = T.int64(), T.int64()
+        x = T.match_buffer(x_h, (n, m), "float16")
+        out = T.match_buffer(out_h, (n, m), "float16")
+        for i, j in T.grid(n, m):
+            with T.sblock("copy"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                out[vi, vj] = x[vi, vj]
+
+    for func in (shifted_rows, keys_innermost):
+        assert not isinstance(default_rule(func, cuda)[0], VectorizedRows)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not tvm.cuda(0).exist, reason="no GPU")
-def test_gpu_unsplit_schedule_matches_numpy():
-    """On a GPU: the concatenation above at past 37 against numpy."""
+def test_gpu_symbolic_concat_schedule_matches_numpy():
+    """On a GPU: the concatenation above (the rows schedule) at past 37 against numpy."""
     past = tirx.Var("past", "int64")
     mod = _concat((16, 1, past, 128), (16, 1, 512, 128), axis=2)
     cuda = resolve_target("cuda")

@@ -102,9 +102,9 @@ def _write_kernel(capacity: int, kv_heads: int, head_dim: int, dtype: str, seq_m
         cache = T.match_buffer(cache_h, (T.int64(capacity), batch, T.int64(kv_heads), T.int64(head_dim)), dtype)
         new = T.match_buffer(new_h, (batch, T.int64(kv_heads), seq, T.int64(head_dim)), dtype)
         assert pos + seq <= T.int64(capacity), "KV cache overflow: past_len + seq exceeds the cache's capacity"
-        for b, h, s, d in T.grid(batch, T.int64(kv_heads), seq, T.int64(head_dim)):
+        for b, s, h, d in T.grid(batch, seq, T.int64(kv_heads), T.int64(head_dim)):  # cache rows in order
             with T.sblock("kv_cache_write"):
-                vb, vh, vs, vd = T.axis.remap("SSSS", [b, h, s, d])
+                vb, vs, vh, vd = T.axis.remap("SSSS", [b, s, h, d])
                 cache[pos + vs, vb, vh, vd] = new[vb, vh, vs, vd]
 
     @T.prim_func(s_tir=True)

@@ -39,6 +39,16 @@ class VectorizedInjective(dl.ScheduleRule):
         return elementwise.default_schedule(func)
 
 
+class VectorizedRows(dl.ScheduleRule):
+    """tvmfuse's schedule for injective kernels of symbolic rows over a static row (tvmfuse.spaces.elementwise.
+    schedule_rows: the KV-cache writes), 16-byte vectors where dlight's Fallback moves one element per thread."""
+
+    def apply(self, func, target, _tunable):  # pylint: disable=missing-function-docstring
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        return elementwise.rows_schedule(func)
+
+
 class UnsplitInjective(dl.ScheduleRule):
     """tvmfuse's last resort for injective kernels (tvmfuse.spaces.elementwise.schedule_unsplit): no fused loop
     split, for those whose symbolic sizes make dlight's Fallback raise (so that no kernel is left without a
@@ -155,8 +165,8 @@ def _last_block_transposes(func: tirx.PrimFunc) -> bool:
 #: the default-schedule rules in the order they are tried: (rule, targets: "cuda" / "gpu" (any GPU) / "cpu", builds:
 #: "tvmfuse" (tvmfuse's builds only), "stock" (benchmarks' stock TVM only) or "both"). dlight's rules keep the order
 #: TVM's own CUDA pipeline tries them; tvmfuse's small-M and tensor-core matmul schedules go first, its row and
-#: vectorized injective schedules just before dlight's Fallback, and after it the unsplit one for what Fallback
-#: raises on.
+#: vectorized injective schedules (static, then symbolic rows of a static row) just before dlight's Fallback, and
+#: after it the unsplit one for what Fallback raises on.
 DEFAULT_RULES = (
     (SmallBatchMatmul, "cuda", "tvmfuse"),
     (TensorCoreGemm, "cuda", "tvmfuse"),
@@ -167,6 +177,7 @@ DEFAULT_RULES = (
     (dl.gpu.GeneralReduction, "gpu", "both"),
     (RowReductionDefault, "cuda", "tvmfuse"),
     (VectorizedInjective, "cuda", "tvmfuse"),
+    (VectorizedRows, "cuda", "tvmfuse"),
     (dl.gpu.Fallback, "gpu", "both"),
     (UnsplitInjective, "gpu", "tvmfuse"),
     (dl.cpu.GEMV, "cpu", "both"),

@@ -86,6 +86,52 @@ def default_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     return schedule_or_none(func, schedule_vectorized)
 
 
+def schedule_rows(sch: s_tir.Schedule) -> bool:
+    """Schedule in place a one-block injective kernel whose symbolic axes are outer to a static row (the KV-cache
+    write at the past length: [batch, seq] symbolic, [kv heads, head dim] static): one CTA per row of the outer axes,
+    fused unsplit (no divisibility to prove), its threads across the row in 16-byte vectors. False where the row is
+    not whole vectors or there is no symbolic outer axis (`schedule_vectorized` takes static kernels).
+
+    Why: Fallback moved the cache writes one element per thread with 64-bit divisions by the symbolic sizes:
+    ~240 GB/s for the prefill's writes (bench/results/generate_run3.json)."""
+    infos = normalize_prim_func(sch)
+    if not infos or len(infos) != 1 or not infos[0].is_injective():
+        return False
+    block = infos[0].block_rv
+    loops = sch.get_loops(block)
+    static = [isinstance(sch.get(lp).extent, tirx.IntImm) for lp in loops]
+    if all(static) or static[-1] is False:
+        return False
+    first = max(i for i, known in enumerate(static) if not known) + 1  # the static row after the last symbolic axis
+    stmt = sch.get(block)
+    accesses = list(stmt.reads) + list(stmt.writes)
+    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in accesses}
+    if any(d.type_code not in ALLOWED_CODES or d.bits not in (8, 16, 32) or d.lanes != 1 for d in dtypes):
+        return False
+    vec = 128 // max(d.bits for d in dtypes)
+    inner = stmt.iter_vars[-1].var
+    for access in accesses:  # each vector starts on 16 bytes: the innermost index is the innermost axis itself, in
+        last = access.source.shape[-1]  # a row of whole vectors (an offset, a gather's odd rows would misalign it)
+        if not access.region[-1].min.same_as(inner) or not isinstance(last, tirx.IntImm) or int(last) % vec:
+            return False
+    row = math.prod(int(sch.get(lp).extent) for lp in loops[first:])
+    if int(sch.get(loops[-1]).extent) % vec:
+        return False
+    fused = sch.fuse(*loops[first:]) if len(loops) - first > 1 else loops[first]
+    vectors, lanes = sch.split(fused, [None, vec])
+    if row // vec > 1024:
+        _, vectors = sch.split(vectors, [None, 1024])
+    sch.bind(sch.fuse(*loops[:first]) if first > 1 else loops[0], "blockIdx.x")
+    sch.bind(vectors, "threadIdx.x")
+    sch.vectorize(lanes)
+    return True
+
+
+def rows_schedule(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    """`schedule_rows`' schedule, or None where it does not apply."""
+    return schedule_or_none(func, schedule_rows)
+
+
 def schedule_unsplit(sch: s_tir.Schedule) -> bool:
     """Schedule in place an injective kernel whose fused loops TVM cannot split: each block's innermost loop on the
     threads (split by THREADS where it is symbolic or longer), everything outside it fused onto the CTAs, unsplit.
