@@ -134,17 +134,17 @@ def kv_cache_phase(bound: tvm.IRModule, imported: Imported, job: Job, say: Say) 
     sites = find_cache_sites(bound)
     if job.kv_cache == "onnx" or (job.kv_cache is None and not sites):
         return bound, None
+    mask = next((t for t in imported.inputs if "mask" in t.name), None)  # attention_mask [batch, past + seq]
     lengths = {str(p.ty.shape.values[2]) for p, _, _ in sites} | {  # the past dim, and the mask's past + seq
-        d for t in imported.inputs if "mask" in t.name for d in t.shape[-1:] if isinstance(d, str)}
+        d for d in (mask.shape[-1:] if mask else []) if isinstance(d, str)}
     capacity = job.max_seq or max((max(v) for d, v in job.buckets.items() if d in lengths), default=DEFAULT_MAX_SEQ)
     mod, layout = in_place_kv_cache(bound, capacity, [t.name for t in imported.outputs],
                                     parse_dtype(job.dtype, "dtype"))
     say(f"KV cache in place: {len(layout.sites)} caches of {capacity} positions ({layout.dtype}), written at "
         f"past_len, read where they lie (--kv-cache onnx: the exported past -> present copy)")
-    mask = next((t.name for t in imported.inputs if "mask" in t.name), None)
     if mask:
         seqs = sorted({v for values in job.buckets.values() for v in values if 1 < v <= capacity})
-        mod, notes = one_kernel_decoder_mask(mod, mask, POSITION, capacity, seqs)
+        mod, notes = one_kernel_decoder_mask(mod, mask.name, POSITION, capacity, seqs)
         for note in notes:
             say(f"decoder mask: {note}")
     return mod, layout

@@ -63,8 +63,8 @@ def add_greedy_tokens(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRMod
     vocab = int(dims[-1]) if isinstance(dims[-1], tirx.IntImm) else None
     dtype = str(logits_ty.dtype)
     batch, seq = tirx.Var("batch", "int64"), tirx.Var("seq", "int64")
-    logits = relax.Var("logits", relax.TensorType([batch, seq, vocab if vocab is not None else tirx.Var("vocab", "int64")],
-                                                  dtype))
+    width = vocab if vocab is not None else tirx.Var("vocab", "int64")
+    logits = relax.Var("logits", relax.TensorType([batch, seq, width], dtype))
     at = relax.Var("at", tvm.ir.PrimType("int64"))
     bb = relax.BlockBuilder(mod)
     kernel = bb.add_func(greedy_tokens_kernel(dtype, vocab, "gpu" in target.keys), GREEDY + "_argmax")
