@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
 
         def progress(i: int, ms: float) -> None:
             if (i + 1) % every == 0 or i + 1 == args.new_tokens:
-                print(f"  {i + 1}/{args.new_tokens} tokens, last step {ms:.2f} ms", flush=True)
+                print(f"  {i + 1}/{args.new_tokens} tokens, {ms:.2f} ms/token", flush=True)  # its window's mean
 
         out = model.generate(ids, args.new_tokens, on_token=progress)
     except TvmfuseError as err:
