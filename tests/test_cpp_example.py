@@ -87,10 +87,25 @@ def test_cpp_example_matches_python_vm_and_onnxruntime(tmp_path):
 
 
 
+def _cpp_generate(build, export, ids: list[int], new_tokens: int, *extra: str) -> subprocess.CompletedProcess:
+    """examples/cpp/generate on `export` with the numbers of its manifest's kv_cache."""
+    layout = load(str(export)).manifest["kv_cache"]
+    site = layout["caches"][0]
+    args = [str(build / "generate"), str(export / "model.so"), "--caches", str(len(layout["caches"])),
+            "--capacity", str(layout["capacity"]), "--kv-heads", str(site["kv_heads"]), "--head-dim",
+            str(site["head_dim"]), "--ids", ",".join(map(str, ids)), "--new-tokens", str(new_tokens), *extra]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+def _rows(stdout: str) -> list[list[int]]:
+    return [[int(t) for t in line.split()[1:]] for line in stdout.splitlines() if line.startswith("tokens")]
+
+
 def test_cpp_generate_matches_python_generate(tmp_path):
     """examples/cpp/generate: the in-place KV cache step driven from C++ (caches allocated once, prefill at
     past_len 0, then one token a step, the next by the export's greedy_tokens) gives the tokens of
-    `tvmfuse.load(...).generate`."""
+    `tvmfuse.load(...).generate`: an fp32 export with embedded weights, and an fp16 one whose weights are outside
+    the library (the tensor cache, --weights) at batch 2 (fp16 caches)."""
     pytest.importorskip("transformers")
     import hf_export  # pylint: disable=import-outside-toplevel
 
@@ -98,16 +113,29 @@ def test_cpp_generate_matches_python_generate(tmp_path):
     path, out = hf_export.export_with_cache("llama", str(tmp_path)), tmp_path / "out"
     assert main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
                  "--logs", str(out / "logs"), "--max-seq", "24"]) == 0
-    model = load(str(out / "llama_kv-llvm"))
-    layout = model.manifest["kv_cache"]
-    site = layout["caches"][0]
-    args = [str(build / "generate"), str(out / "llama_kv-llvm" / "model.so"), "--caches", str(len(layout["caches"])),
-            "--capacity", str(layout["capacity"]), "--kv-heads", str(site["kv_heads"]), "--head-dim",
-            str(site["head_dim"]), "--ids", "5,7,11,13", "--new-tokens", "12"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    export = out / "llama_kv-llvm"
+    done = _cpp_generate(build, export, [5, 7, 11, 13], 12)
     assert done.returncode == 0, done.stderr
     assert "sampler: greedy_tokens" in done.stderr  # the export's sampler, as tvmfuse's generate uses it
-    want = model.generate(np.array([[5, 7, 11, 13]]), 12).tokens[0]
-    assert done.stdout.split("tokens")[-1].split() == [str(t) for t in want]
-    too_long = subprocess.run(args[:-1] + ["30"], capture_output=True, text=True, timeout=60)
+    want = load(str(export)).generate(np.array([[5, 7, 11, 13]]), 12).tokens
+    assert _rows(done.stdout) == want.tolist()
+    too_long = _cpp_generate(build, export, [5, 7, 11, 13], 30)
     assert too_long.returncode == 2 and too_long.stderr.startswith("error:")
+
+    outside = tmp_path / "outside"  # the same step with its weights as external data: outside the library too
+    os.makedirs(outside)
+    onnx.save_model(onnx.load(path), str(outside / "llama_kv.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="llama_kv.onnx.data", size_threshold=0)
+    out16 = tmp_path / "out16"
+    assert main([str(outside / "llama_kv.onnx"), "--target", "llvm", "--trials", "0", "--schedules", "none",
+                 "--dtype", "fp16", "--out", str(out16), "--logs", str(out16 / "logs"), "--max-seq", "24"]) == 0
+    export = out16 / "llama_kv-llvm"
+    model = load(str(export))
+    assert model.manifest["weights"]["storage"] == "tvm-tensor-cache" and model.manifest["kv_cache"]["dtype"] == "float16"
+    done = _cpp_generate(build, export, [5, 7, 11, 13], 8, "--dtype", "float16", "--batch", "2",
+                         "--weights", str(export / "weights"))
+    assert done.returncode == 0, done.stderr
+    want = model.generate(np.array([[5, 7, 11, 13]] * 2), 8).tokens
+    assert _rows(done.stdout) == want.tolist()
+    bad = _cpp_generate(build, export, [5, 7], 4, "--dtype", "float8")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --dtype float8")

@@ -17,7 +17,7 @@
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 
-#include "host_alloc.h"
+#include "runtime_helpers.h"
 
 #include <cstdint>
 #include <cstdio>
@@ -33,6 +33,7 @@ namespace {
 
 using tvmfuse_example::CPUAlloc;
 using tvmfuse_example::kPooledAllocator;
+using tvmfuse_example::LoadWeights;
 
 std::vector<int64_t> ParseDims(const std::string& text) {
   std::vector<int64_t> dims;
@@ -94,16 +95,6 @@ void PrintTensor(int index, const tvm::ffi::Tensor& t) {
   }
   std::snprintf(buf, sizeof(buf), "\nsum %.9g abs_sum %.9g\n", sum, abs_sum);
   std::cout << buf;
-}
-
-// The export's weights, read by the runtime's tensor cache from `dir` (tensor-cache.json + params_shard_*.bin).
-std::vector<tvm::ffi::Tensor> LoadWeights(const std::string& dir, DLDevice dev) {
-  tvm::ffi::Function::GetGlobalRequired("vm.builtin.tensor_cache.load")(dir, static_cast<int>(dev.device_type),
-                                                                        dev.device_id);
-  auto params = tvm::ffi::Function::GetGlobalRequired("vm.builtin.param_array_from_cache")(std::string("param"), -1)
-                    .cast<tvm::ffi::Array<tvm::ffi::Tensor>>();
-  tvm::ffi::Function::GetGlobalRequired("vm.builtin.tensor_cache.clear")();  // the tensors stay alive in `params`
-  return std::vector<tvm::ffi::Tensor>(params.begin(), params.end());
 }
 
 }  // namespace
