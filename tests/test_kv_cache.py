@@ -427,6 +427,9 @@ def test_low_precision_inplace_step_verifies_and_generates_on_llvm(kv_model, tmp
     ids = np.random.default_rng(8).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
     assert model.generate(ids, 8, cache=cache).tokens.shape == (BATCH, 8)
     assert {str(t.dtype) for t in cache.tensors} == {want} and cache.length == PROMPT + 7
+    fresh = model.kv_cache(BATCH)  # zeros, in the cache's dtype
+    assert [str(t.dtype) for t in fresh.tensors] == [want] * 4 and not any(
+        np.asarray(t.numpy(), np.float32).any() for t in fresh.tensors)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")

@@ -21,9 +21,14 @@ class KVCache:
     def __init__(self, layout: dict, batch: int, device):
         self.capacity, self.dtype, self.batch = int(layout["capacity"]), layout["dtype"], batch
         self.names = [s["cache"] for s in layout["caches"]]
-        self.tensors = [tvm.runtime.tensor(cast_array(np.zeros((self.capacity, batch, s["kv_heads"], s["head_dim"]),
-                                                               np.float32), self.dtype), device)
-                        for s in layout["caches"]]  # zeros (bfloat16 through ml_dtypes)
+        element = cast_array(np.zeros(0, np.float32), self.dtype).dtype  # numpy's (ml_dtypes' bfloat16)
+        zeros: dict = {}  # one host array of zeros per shape, in the cache's dtype, copied to each cache: a 7B
+        self.tensors = []  # model's 64 caches at batch 16 are 1 GB each (through fp32, each took seconds)
+        for s in layout["caches"]:
+            shape = (self.capacity, batch, int(s["kv_heads"]), int(s["head_dim"]))
+            if shape not in zeros:
+                zeros[shape] = np.zeros(shape, element)
+            self.tensors.append(tvm.runtime.tensor(zeros[shape], device))
         self.length = 0
 
     def reset(self) -> None:
