@@ -39,6 +39,16 @@ def _injective_blocks(sch: s_tir.Schedule):
     return [i.block_rv for i in infos], [int(d) for d in doms]
 
 
+def _vector_elements(accesses) -> int | None:
+    """The elements of a 16-byte vector of the widest type `accesses` (buffer regions) touch; None where one is
+    not an 8-, 16- or 32-bit int or float: bool (no CUDA vector type: "Cannot convert type T.boolx16"), 64-bit or
+    vector elements."""
+    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in accesses}
+    if any(d.type_code not in ALLOWED_CODES or d.bits not in (8, 16, 32) or d.lanes != 1 for d in dtypes):
+        return None
+    return 128 // max(d.bits for d in dtypes)
+
+
 def schedule_vectorized(sch: s_tir.Schedule) -> bool:
     """Schedule in place; False if the kernel is not static injective blocks under one loop nest, of 8-, 16- or
     32-bit ints or floats, whose innermost extent splits into 16-byte vectors of the widest type they access. Reads
@@ -57,10 +67,9 @@ def schedule_vectorized(sch: s_tir.Schedule) -> bool:
         reads += list(stmt.reads)
         writes += list(stmt.writes)
     gather = len(moving) < len(reads)
-    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in moving + writes}
-    if any(d.type_code not in ALLOWED_CODES or d.bits not in (8, 16, 32) or d.lanes != 1 for d in dtypes):
-        return False  # bool (no CUDA vector type: "Cannot convert type T.boolx16"), 64-bit or vector elements
-    vec = 128 // max(d.bits for d in dtypes)  # 16 bytes of the widest type accessed
+    vec = _vector_elements(moving + writes)
+    if vec is None:
+        return False
     total = math.prod(doms)
     if doms[-1] % vec != 0 or total < vec * THREADS:
         return False
@@ -105,10 +114,9 @@ def schedule_rows(sch: s_tir.Schedule) -> bool:
     first = max(i for i, known in enumerate(static) if not known) + 1  # the static row after the last symbolic axis
     stmt = sch.get(block)
     accesses = list(stmt.reads) + list(stmt.writes)
-    dtypes = {tvm_ffi.dtype(str(r.source.dtype)) for r in accesses}
-    if any(d.type_code not in ALLOWED_CODES or d.bits not in (8, 16, 32) or d.lanes != 1 for d in dtypes):
+    vec = _vector_elements(accesses)
+    if vec is None:
         return False
-    vec = 128 // max(d.bits for d in dtypes)
     inner = stmt.iter_vars[-1].var
     for access in accesses:  # each vector starts on 16 bytes: the innermost index is the innermost axis itself, in
         last = access.source.shape[-1]  # a row of whole vectors (an offset, a gather's odd rows would misalign it)
