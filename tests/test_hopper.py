@@ -106,6 +106,10 @@ def test_tile_choice_and_shape_checks():
     assert check_wgmma_shape(512, 4096, 4096, WgmmaTile(256, 4)) is None
     assert check_wgmma_shape(2048, 50257, 768, WgmmaTile(128, 4)) is None  # GPT-2's LM head: ragged N
     assert "multiple of 8" in check_wgmma_shape(512, 4096, 4100, WgmmaTile(128, 4))
+    assert "odd number of 128-row tiles" in check_wgmma_shape(384, 512, 512, WgmmaTile(128, 4, cluster=2))
+    assert check_wgmma_shape(250, 512, 512, WgmmaTile(128, 4, cluster=2)) is None  # two row tiles, one ragged
+    assert "even group_m" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, cluster=2, group_m=3))
+    assert "keep one in flight" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, dual=True, inflight=1))
 
 
 def test_the_log_says_why_a_gemm_keeps_its_generic_schedule():
@@ -526,3 +530,59 @@ def test_bf16_fp32_output_matches_numpy_on_the_gpu():
     got = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w)]).numpy()
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, x.astype("float32") @ w.astype("float32").T, atol=1e-3, rtol=1e-3)
+
+
+#: the wgmma kernel's pipelining variants: (tile, what its CUDA source must hold, what it must not)
+WGMMA_VARIANTS = [
+    (WgmmaTile(256, 4, inflight=1), ("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;"),
+     ("multicast",)),
+    (WgmmaTile(256, 4), ("wgmma.wait_group.sync.aligned 0;",), ("aligned 1;", "multicast")),
+    (WgmmaTile(128, 4, dual=True, cluster=2),
+     ("multicast::cluster [", "mapa.shared::cluster.u32", "barrier.cluster.arrive", "fence.mbarrier_init.release.cluster",
+      "%%cluster_ctarank"), ()),
+    (WgmmaTile(176, 4, cluster=2), ("multicast::cluster [", "mbarrier.arrive.shared::cluster.b64 _, [r]"), ()),
+]
+
+
+@pytest.mark.parametrize("tile,wants,lacks", WGMMA_VARIANTS, ids=lambda v: str(v) if isinstance(v, WgmmaTile) else "")
+def test_wgmma_variants_emit_their_pipelining(tile, wants, lacks):
+    """One wgmma group in flight over one accumulator set (`inflight=1`: wait_group 1 in the loop, 0 before the
+    epilogue), none (the default), and clusters of two CTAs multicasting halves of the B tile with remote releases and cluster
+    barriers: each in the CUDA source, and (with nvcc) compiled for sm_90a."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+
+    func = make_wgmma_gemm(512, 1000, 1024, tile, "bias_gelu")
+    ex = tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx")
+    src = ex.mod.imports[0].inspect_source()
+    for text in wants:
+        assert text in src, text
+    for text in lacks:
+        assert text not in src, text
+    if tile.cluster == 2:  # the B map's box is half the tile's columns: each CTA loads its half
+        assert func.script().count(f"b_map, \"float16\", 2, b.data, 1024, 1000, 2048, 64, {tile.bn // 2},") == 1
+    if shutil.which("nvcc"):
+        assert len(_nvcc_fatbin(src, hopper_target())) > 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [v[0] for v in WGMMA_VARIANTS] + [WgmmaTile(128, 4, cluster=2),
+                                                                  WgmmaTile(64, 8, 64, dual=True, cluster=2)],
+                         ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_variants_match_numpy_on_the_gpu(tile, dtype):
+    """Each pipelining variant, ragged N (1000) and 16 k-tiles (every stage reused), against numpy."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+
+    m, n, k = 512, 1000, 1024
+    lib = tvm.compile(tvm.IRModule({"main": make_wgmma_gemm(m, n, k, tile, "bias_gelu", dtype)}),
+                      target=hopper_target(), tir_pipeline="tirx")
+    rng = np.random.default_rng(3)
+    np_dtype = BF16 if dtype == "bfloat16" else "float16"
+    x = rng.standard_normal((m, k)).astype(np_dtype)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np_dtype)
+    b = (rng.standard_normal(n) * 0.1).astype(np_dtype)
+    dev = tvm.cuda(0)
+    out = tvm.runtime.empty((m, n), dtype, dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
+    want = _bf16_gelu_reference(x, w, b)
+    np.testing.assert_allclose(out.numpy().astype("float32"), want, atol=2e-2, rtol=2e-2)

@@ -10,6 +10,12 @@ from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile
 
 # keeps the compiler from moving accumulator registers across an in-flight wgmma (CUTLASS's warpgroup_fence_operand)
 FENCE_SRC = '__device__ __forceinline__ void tvmfuse_fence_acc(float& r) { asm volatile("" : "+f"(r) :: "memory"); }'
+#: arrive on the mbarrier at `bar`'s offset in cluster CTA `cta`'s shared memory, at the default .release.cta as
+#: CUTLASS's ClusterBarrier::arrive does (with .release.cluster the clustered kernels ran 1.3-3.7x slower on the H200)
+REMOTE_ARRIVE_SRC = ('__device__ __forceinline__ void tvmfuse_arrive_cluster(void* bar, int cta) { unsigned a = '
+                     '(unsigned)__cvta_generic_to_shared(bar); asm volatile("{ .reg .b32 r; mapa.shared::cluster.u32 '
+                     'r, %0, %1; mbarrier.arrive.shared::cluster.b64 _, [r]; }" :: "r"(a), "r"(cta) '
+                     ': "memory"); }')
 BAR_SRC = ('__device__ __forceinline__ void tvmfuse_bar_sync(int id, int n) '
            '{ asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }')
 #: (helper name, source) per 16-bit output dtype: two neighbouring outputs, rounded from fp32, in one 4-byte store
@@ -44,6 +50,9 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         raise ValueError(f"operands {a.dtype} x {b.dtype} (both float16 or both bfloat16)")
     ab = OPERAND_PTX[dt]
     bm, bn, bk, stages, cons = tile.bm, tile.bn, tile.bk, tile.stages, tile.consumers
+    inflight = 1 if tile.dual else tile.inflight  # wgmma groups left in flight after each k-tile's is issued
+    cluster = tile.cluster
+    half = bn // cluster  # B rows each CTA of a cluster loads (and multicasts to both)
     k_tiles = -(-k // bk)
     tiles_n, tiles_m = -(-n // bn), -(-m // bm)
     group = min(tile.group_m, tiles_m)
@@ -52,7 +61,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     stage_bytes = (a_stage + b_stage) * 2
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{ab}.{ab}"
     tma = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-    a_args, b_args = _tma_args(k, m, bm), _tma_args(k, n, bn)
+    a_args, b_args = _tma_args(k, m, bm), _tma_args(k, n, half)
+    multicast = tma + ".multicast::cluster"
     A, B = a, b
 
     out_dtype = str(out.dtype)
@@ -73,7 +83,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
 
     # fmt: off
     @T.macro
-    def k_step(acc, st, kt, As, Bs, full, empty, desc_a, desc_b, cw, tx):
+    def k_step(acc, st, kt, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank):
         """k-tile kt into accumulator set st; releases the stage of the k-tile whose group is done."""
         T.cuda.mbarrier_wait(T.address_of(full[kt % stages]), (kt // stages) % 2)
         for i in T.unroll(acc_n):
@@ -84,14 +94,18 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, kk * 16]), 1, 64, 3)
             T.ptx[mma](*[acc[st * acc_n + i] for i in range(acc_n)], desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
         T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(sets - 1)
-        for i in T.unroll(acc_n):
-            T.cuda.func_call("tvmfuse_fence_acc", acc[(sets - 1 - st) * acc_n + i], source_code=FENCE_SRC)
+        T.ptx.wgmma.wait_group.sync.aligned(inflight)
+        if sets == 2:  # the other set's group is done: its registers are the compiler's again
+            for i in T.unroll(acc_n):
+                T.cuda.func_call("tvmfuse_fence_acc", acc[(1 - st) * acc_n + i], source_code=FENCE_SRC)
         # every consumer warp releases a stage once its own group that read it is done: warp 0 alone (one arrival
         # per warpgroup) let the loader overwrite a stage that warps 1-3 were still reading (on the H200: wrong
-        # rows 16-63 of each 64 behind a GELU epilogue); one set: the group just issued; two: the one before
-        if tx % 32 == 0 and kt + 1 >= sets:
-            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(kt + 1 - sets) % stages]))
+        # rows 16-63 of each 64 behind a GELU epilogue); `inflight` 0: the group just issued; 1: the one before
+        if tx % 32 == 0 and kt >= inflight:
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(kt - inflight) % stages]))
+            if cluster == 2:  # the other CTA's loader multicasts into this stage too
+                T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[(kt - inflight) % stages]), 1 - rank,
+                                 source_code=REMOTE_ARRIVE_SRC)
 
     @T.prim_func(check_well_formed=False)
     def gemm():
@@ -104,6 +118,10 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         setup()  # what the epilogue reads declared first (views of 0-d parameters)
         # one grid dimension: with T.cta_id([x, y]) TVM's simplifier took the y extent as x's bound and dropped
         # the column guards of ragged N as always true
+        if cluster == 2:
+            rank = T.cta_id_in_cluster([2])
+        else:
+            rank = T.meta_var(0)
         bid = T.cta_id([tiles_n * tiles_m])
         bx = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
         by = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
@@ -124,9 +142,13 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         if tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(4 * cons))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(4 * cons * cluster))
         T.ptx.fence.proxy.async_.shared__cta()
-        T.cuda.cta_sync()
+        if cluster == 2:  # the other CTA arrives on these barriers and its loads complete on them
+            T.ptx.fence.mbarrier_init.release.cluster()
+            T.cuda.cluster_sync()
+        else:
+            T.cuda.cta_sync()
         if tx < 128:
             if tx == 0:
                 for kt in T.serial(k_tiles):
@@ -134,19 +156,22 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                         T.cuda.mbarrier_wait(T.address_of(empty[kt % stages]), (kt // stages + 1) % 2)
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[kt % stages]), T.uint32(stage_bytes))
                     T.ptx[tma](T.address_of(As[kt % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[kt % stages]))
-                    T.ptx[tma](T.address_of(Bs[kt % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[kt % stages]))
+                    if cluster == 2:  # this CTA's half of the B tile, to the same place in both CTAs
+                        T.ptx[multicast](T.address_of(Bs[kt % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[kt % stages]), T.uint16(3))
+                    else:
+                        T.ptx[tma](T.address_of(Bs[kt % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[kt % stages]))
         else:
             for i in T.unroll(acc_n * sets):
                 acc[i] = T.float32(0)
             for kt2 in T.serial(k_tiles // sets):
-                k_step(acc, 0, kt2 * sets, As, Bs, full, empty, desc_a, desc_b, cw, tx)  # noqa: F821
+                k_step(acc, 0, kt2 * sets, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
                 if sets == 2:
-                    k_step(acc, 1, kt2 * 2 + 1, As, Bs, full, empty, desc_a, desc_b, cw, tx)  # noqa: F821
+                    k_step(acc, 1, kt2 * 2 + 1, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
             if k_tiles % sets == 1:
-                k_step(acc, 0, k_tiles - 1, As, Bs, full, empty, desc_a, desc_b, cw, tx)  # noqa: F821
-            if sets == 2:
+                k_step(acc, 0, k_tiles - 1, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
+            if inflight == 1:
                 T.ptx.wgmma.wait_group.sync.aligned(0)
-                for i in T.unroll(acc_n * 2):
+                for i in T.unroll(acc_n * sets):
                     T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
             if staged:  # every consumer is past its last wgmma: the stage ring holds this tile's rows now
                 T.cuda.func_call("tvmfuse_bar_sync", 1, 128 * cons, source_code=BAR_SRC)
@@ -175,6 +200,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                                 out[place(row, col)] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2), row, col))
                                 if col + 1 < n:
                                     out[place(row, col + 1)] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2 + 1), row, col + 1))
+        if cluster == 2:  # neither CTA exits while the other may still arrive on its barriers
+            T.cuda.cluster_sync()
     # fmt: on
     return tirx.PrimFunc(params, gemm.body).with_attrs({"global_symbol": name, "tirx.noalias": True,
                                                       TIRX_ATTR: "wgmma",

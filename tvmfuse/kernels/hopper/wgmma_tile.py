@@ -16,6 +16,16 @@ class WgmmaTile:
     #: two accumulator sets, even and odd k-tiles: one wgmma group stays in flight while the next is issued, and no
     #: group ever accumulates into registers another in-flight group writes (bn <= 128: twice the registers)
     dual: bool = False
+    #: one accumulator set: leave each k-tile's wgmma group in flight while the next stage is waited for and issued
+    #: (1; PTX orders wgmmas of one shape that accumulate into the same registers), or wait for it first (0). On the
+    #: H200 1 was no faster at 8 Llama / GPT-2 prefill shapes and up to 11% slower (2048x11008 @ 4096: 286.5 vs
+    #: 253.5 µs, bench/results/wgmma_run7.json). Two sets (`dual`) always keep one group in flight
+    inflight: int = 0
+    #: CTAs per cluster: 2 pairs CTAs of neighbouring row tiles and one column tile, each loading half the B (weight)
+    #: tile and multicasting it to both (a quarter to a third fewer bytes from L2 a k-step); needs an even number of
+    #: row tiles and an even `group_m`. On the H200 2 was 3-12% slower than 1 with every tile at the 8 shapes
+    #: (wgmma_run7.json): L2 bandwidth is not what holds these tiles back
+    cluster: int = 1
     #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
     #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
     #: prefill projections 10% faster in all than 1 (4: 8%), the wide ones most: 2048x50257x768 410 -> 334 µs,
@@ -44,6 +54,12 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"K={k} is not a multiple of 8 (TMA needs 16-byte row strides)"
     if tile.bm not in (64, 128) or tile.bn % 16 or not 64 <= tile.bn <= 256 or tile.stages < 2:
         return f"unsupported tile {tile}"
+    if tile.inflight not in (0, 1) or (tile.dual and tile.inflight):
+        return f"unsupported tile {tile}: inflight 0 or 1, and 0 with two accumulator sets (they keep one in flight)"
+    if tile.cluster not in (1, 2) or tile.cluster == 2 and tile.group_m % 2:
+        return f"unsupported tile {tile}: clusters of 1 or 2 CTAs (2: an even group_m)"
+    if tile.cluster == 2 and -(-m // tile.bm) % 2:
+        return f"M={m} makes an odd number of {tile.bm}-row tiles (clusters of 2 pair them)"
     if tile.dual and tile.bn > 128:
         return f"tile {tile}: two accumulator sets of m64n{tile.bn} do not fit the registers"
     if tile.smem_bytes > 200 * 1024:
