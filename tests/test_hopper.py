@@ -541,6 +541,8 @@ WGMMA_VARIANTS = [
      ("multicast::cluster [", "mapa.shared::cluster.u32", "barrier.cluster.arrive", "fence.mbarrier_init.release.cluster",
       "%%cluster_ctarank"), ()),
     (WgmmaTile(176, 4, cluster=2), ("multicast::cluster [", "mbarrier.arrive.shared::cluster.b64 _, [r]"), ()),
+    (WgmmaTile(128, 4, dual=True, stepped_desc=True), ("desc_a_ptr[0] + (uint64_t)6ULL", "desc_b_ptr[0] + (uint64_t)2ULL"),
+     ()),
 ]
 
 

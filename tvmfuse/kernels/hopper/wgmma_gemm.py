@@ -89,10 +89,16 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         for i in T.unroll(acc_n):
             T.cuda.func_call("tvmfuse_fence_acc", acc[st * acc_n + i], source_code=FENCE_SRC)
         T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(bk // 16):
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[kt % stages, cw * 64 * bk + kk * 16]), 1, 64, 3)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, kk * 16]), 1, 64, 3)
-            T.ptx[mma](*[acc[st * acc_n + i] for i in range(acc_n)], desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
+        if not tile.stepped_desc:
+            for kk in T.unroll(bk // 16):
+                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[kt % stages, cw * 64 * bk + kk * 16]), 1, 64, 3)
+                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, kk * 16]), 1, 64, 3)
+                T.ptx[mma](*[acc[st * acc_n + i] for i in range(acc_n)], desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
+        else:  # encoded once; k16 step kk starts 32 bytes further into each 128-byte swizzled row: start address + 2
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[kt % stages, cw * 64 * bk]), 1, 64, 3)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, 0]), 1, 64, 3)
+            for kk in T.unroll(bk // 16):
+                T.ptx[mma](*[acc[st * acc_n + i] for i in range(acc_n)], desc_a + T.uint64(2 * kk), desc_b + T.uint64(2 * kk), T.bool(True), 1, 1, 0, 0)
         T.ptx.wgmma.commit_group.sync.aligned()
         T.ptx.wgmma.wait_group.sync.aligned(inflight)
         if sets == 2:  # the other set's group is done: its registers are the compiler's again

@@ -26,6 +26,10 @@ class WgmmaTile:
     #: row tiles and an even `group_m`. On the H200 2 was 3-12% slower than 1 with every tile at the 8 shapes
     #: (wgmma_run7.json): L2 bandwidth is not what holds these tiles back
     cluster: int = 1
+    #: encode the shared-memory descriptors once a k-tile and step their start address by 32 bytes a k16 step, as
+    #: CUTLASS does (7 instructions between wgmmas in the SASS instead of 17); False: encode each wgmma's from its
+    #: address. Compiled and checked in the CUDA source here, not yet run on a GPU: off until it is
+    stepped_desc: bool = False
     #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
     #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
     #: prefill projections 10% faster in all than 1 (4: 8%), the wide ones most: 2048x50257x768 410 -> 334 µs,
