@@ -53,7 +53,7 @@ def measure_vm(vm, dtypes: list[str], ctx: dict) -> dict:
     return row
 
 
-def gpu_kernels(fn, calls: int = 3, top: int = 16) -> dict:
+def gpu_kernels(fn, calls: int = 3, top: int = 16, name_chars: int = 120) -> dict:
     """The device's own record of what `fn` ran (CUPTI through torch.profiler; sees TVM's launches and the
     kernels inside CUDA graphs): per kernel name, launches and microseconds per call, and the sum against the
     busy span (first start to last end per call), whose difference is the idle time between kernels."""
@@ -65,10 +65,10 @@ def gpu_kernels(fn, calls: int = 3, top: int = 16) -> dict:
         for _ in range(calls):
             fn()
             torch.cuda.synchronize()
-    return kernel_summary(prof, calls, top)
+    return kernel_summary(prof, calls, top, name_chars)
 
 
-def kernel_summary(prof, calls: int, top: int = 16) -> dict:
+def kernel_summary(prof, calls: int, top: int = 16, name_chars: int = 120) -> dict:
     """`gpu_kernels`' summary of a finished torch.profiler run that made `calls` calls."""
     from torch.autograd import DeviceType
     evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
@@ -81,7 +81,7 @@ def kernel_summary(prof, calls: int, top: int = 16) -> dict:
     ranked = sorted(agg.items(), key=lambda kv: -kv[1][1])
     return {"kernels_per_call": round(sum(a[0] for a in agg.values()) / calls, 1), "busy_us": round(busy, 1),
             "span_us": round(span, 1),
-            "top": [{"name": k[:120], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1)}
+            "top": [{"name": k[:name_chars], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1)}
                     for k, v in ranked[:top]]}
 
 

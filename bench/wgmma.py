@@ -7,7 +7,8 @@ at decode shapes; checked against torch (cuBLAS) and timed beside it.
 
 Tiles (wgmma): `bn x stages` or `bm x bn x stages`, then `d` for two accumulator sets, `i1` for one wgmma group in
 flight over one set, `c2` for clusters of two CTAs sharing the B tile, `s` for descriptors encoded once a k-tile and
-stepped, `gG` for groups of G row tiles; (smallm) `n8 x warps x vec x unroll`. Weights of 32 MiB or less stay in the H200's L2
+stepped, `gG` for groups of G row tiles; (smallm) `n8 x warps x vec x unroll`. Each case also records the kernels
+torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of 32 MiB or less stay in the H200's L2
 between timed runs (time_evaluator), so those cases time L2-resident weights, torch's too.
 """
 
@@ -21,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.model_timing import gpu_kernels
 from bench.smallm import copy_bandwidth, inputs, log, torch_time, write_json
 from bench.tcgemm import CASES
 
@@ -174,7 +176,9 @@ def main():
         ref = ref_fn().float()
         case = res["cases"][name] = {"m": m, "k": k, "n": n, "dtype": dt, "epilogue": "bias+gelu" if gelu else "none",
                                      "chosen": _chosen(m, k, n) if opts.kernel == "wgmma" else None,
-                                     "gflop": 2 * m * n * k / 1e9, "torch_us": torch_time(ref_fn), "tiles": []}
+                                     "gflop": 2 * m * n * k / 1e9, "torch_us": torch_time(ref_fn), "tiles": [],
+                                     # which cuBLAS kernel torch ran (its name gives the tile, cluster and schedule)
+                                     "torch_kernels": gpu_kernels(ref_fn, top=3, name_chars=240)["top"]}
         for (jm, jk, jn, _, spec, jdt), (lib, err) in zip(jobs, built):
             if (jm, jk, jn, jdt) != (m, k, n, dt):
                 continue
