@@ -18,13 +18,13 @@ class WgmmaTile:
     dual: bool = False
     #: one accumulator set: leave each k-tile's wgmma group in flight while the next stage is waited for and issued
     #: (1; PTX orders wgmmas of one shape that accumulate into the same registers), or wait for it first (0). On the
-    #: H200 1 was no faster at 8 Llama / GPT-2 prefill shapes and up to 11% slower (2048x11008 @ 4096: 286.5 vs
-    #: 253.5 µs, bench/results/wgmma_run7.json). Two sets (`dual`) always keep one group in flight
+    #: H200, over 16 tile and shape pairs, 1 took from 2.1% less to 13% more time (2048x11008 @ 4096: 286.5 vs
+    #: 253.5 µs; bench/results/wgmma_run7.json). Two sets (`dual`) always keep one group in flight
     inflight: int = 0
     #: CTAs per cluster: 2 pairs CTAs of neighbouring row tiles and one column tile, each loading half the B (weight)
     #: tile and multicasting it to both (a quarter to a third fewer bytes from L2 a k-step); needs an even number of
-    #: row tiles and an even `group_m`. On the H200 2 was 3-12% slower than 1 with every tile at the 8 shapes
-    #: (wgmma_run7.json): L2 bandwidth is not what holds these tiles back
+    #: row tiles and an even `group_m`. On the H200 2 was slower than 1 in all 32 tile and shape pairs measured (by
+    #: 0.7-27%, median 8.8%; bench/results/wgmma_run8.json): L2 bandwidth is not what holds these tiles back
     cluster: int = 1
     #: encode the shared-memory descriptors once a k-tile and step their start address by 32 bytes a k16 step, as
     #: CUTLASS does (7 instructions between wgmmas in the SASS instead of 17); False: encode each wgmma's from its
