@@ -13,7 +13,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: the stages in data-flow order; a module may import its own package, any earlier one and the shared modules
 ORDER = ["frontend", "prepare", "patterns", "decide", "fuse", "kernels", "spaces", "tune", "build", "verify",
          "export", "jobs", "pipeline", "cli"]
-SHARED = {"errors", "targets", "version", "inspect_cache", "isolation", "records"}  # used by every stage; import no stage
+#: used by every stage; import no stage
+SHARED = {"errors", "targets", "version", "inspect_cache", "isolation", "records", "quiet"}
 ENTRY = {"", "__main__"}  # `tvmfuse` itself (tvmfuse.load) and `python -m tvmfuse`: they may import anything
 
 

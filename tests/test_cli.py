@@ -227,3 +227,18 @@ def test_failed_verification_says_the_tolerance_and_how_to_change_it(tmp_path, m
                     f"{applied}: pass --tolerance ATOL,RTOL or set `tolerance` in the jobs file if the model needs "
                     "more)")]
     assert not (tmp_path / "o" / "m-llvm").exists()
+
+
+def test_tvmfuse_load_keeps_tvms_per_constant_log_lines_out_of_stderr(rms_export):
+    """Loading an executable makes TVM log a 'Scope Loaded:' warning per constant (one with the plain runtime, the
+    control); tvmfuse.load filters them out of file descriptor 2 and still works."""
+    _, folder, _ = rms_export
+    plain = ("import tvm; from tvm import relax; "
+             f"relax.VirtualMachine(tvm.runtime.load_module({str(folder / 'model.so')!r}), tvm.cpu())")
+    ours = (f"import numpy as np, tvmfuse; m = tvmfuse.load({str(folder)!r}); "
+            "print(m(x=np.ones((8, 64), 'float32'), r=np.zeros((8, 64), 'float32'))[1].sum())")
+    runs = {name: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+            for name, code in (("plain", plain), ("ours", ours))}
+    assert "Scope Loaded:" in runs["plain"].stderr
+    assert "Scope Loaded:" not in runs["ours"].stderr, runs["ours"].stderr[-500:]
+    assert float(runs["ours"].stdout.strip()) == 8 * 64

@@ -1,10 +1,11 @@
-"""tvmfuse.cli.quiet: TVM's C++ log lines stay out of the command line's stderr unless --verbose; errors pass."""
+"""tvmfuse.quiet: TVM's C++ log lines stay out of the command line's stderr unless --verbose, and out of
+tvmfuse.load's; errors pass."""
 
 import subprocess
 import sys
 import textwrap
 
-from tvmfuse.cli.quiet import is_native_log
+from tvmfuse.quiet import is_native_log
 
 NATIVE = [
     "[23:12:01] /workspace/tvm/src/runtime/vm/executable.cc:137: Warning: Scope Saving: 12 functions",
@@ -29,7 +30,7 @@ def _run(enabled: bool) -> str:
     """A child that writes every line above straight to file descriptor 2 (as C++ does) inside the filter."""
     code = textwrap.dedent(f"""
         import os, sys
-        from tvmfuse.cli.quiet import quiet_native_logs
+        from tvmfuse.quiet import quiet_native_logs
         with quiet_native_logs({enabled}):
             for line in {NATIVE + KEPT!r}:
                 os.write(2, (line + "\\n").encode())

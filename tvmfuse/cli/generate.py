@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from tvmfuse.cli.quiet import quiet_native_logs
+from tvmfuse.quiet import quiet_native_logs
 from tvmfuse.errors import TvmfuseError
 
 

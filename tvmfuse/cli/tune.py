@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tvmfuse.cli.quiet import quiet_native_logs
+from tvmfuse.quiet import quiet_native_logs
 from tvmfuse.errors import TvmfuseError
 from tvmfuse.jobs import Job, job_from_path, load_jobs, parse_buckets, parse_shape, parse_tolerance
 from tvmfuse.prepare.dtypes import check_io_dtype, parse_dtype

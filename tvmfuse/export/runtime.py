@@ -14,6 +14,7 @@ from tvmfuse.export.digest import sha256_of
 from tvmfuse.export.generate import Generation, KVCache, generate
 from tvmfuse.export.library import FORMAT, LIBRARY, MANIFEST
 from tvmfuse.export.weights import load_weights
+from tvmfuse.quiet import quiet_native_logs
 from tvmfuse.targets import device_for
 from tvmfuse.verify.outputs import to_numpy
 
@@ -45,7 +46,8 @@ class LoadedModel:
                                f"tvmfuse reads ({FORMAT}); update tvmfuse")
         stored = self.manifest.get("weights") or {"storage": "embedded"}
         self.weights = load_weights(folder, stored, device) if stored["storage"] != "embedded" else []
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(lib), device)
+        with quiet_native_logs():  # TVM logs a warning line per constant as it loads the executable
+            self.vm = relax.VirtualMachine(tvm.runtime.load_module(lib), device)
         self.input_names = [t["name"] for t in self.manifest["inputs"]]
         self._shape_inputs = {t["name"] for t in self.manifest["inputs"] if t["dtype"] == "shape"}  # past_len
 
@@ -63,7 +65,6 @@ class LoadedModel:
                    else tvm.runtime.tensor(np.asarray(a), self.device) for name, a in zip(self.input_names, args)]
         out = self.vm["main"](*tensors, *self.weights)
         return to_numpy(out)
-
 
     def kv_cache(self, batch: int) -> KVCache:
         """A new in-place KV cache for `batch` rows on this model's device (the export's capacity and dtype)."""
