@@ -94,32 +94,24 @@ def find_cache_sites(mod: tvm.IRModule) -> list[tuple[relax.Var, relax.Var, rela
 def _write_kernel(capacity: int, kv_heads: int, head_dim: int, dtype: str, seq_major: bool) -> tirx.PrimFunc:
     """cache[pos + s, b, h, d] = new[b, h, s, d] (`seq_major`: new[b, s, h, d], the step's K/V before the export's
     transpose to heads-major): the step's K or V written into the cache in place."""
+    heads, dim = T.int64(kv_heads), T.int64(head_dim)
+
+    def new_index(b, s, h, d) -> tuple:  # where position s of head h is in `new`
+        return (b, s, h, d) if seq_major else (b, h, s, d)
 
     @T.prim_func(s_tir=True)
     def kv_cache_write(cache_h: T.handle, new_h: T.handle, pos: T.int64):
         T.func_attr({"op_pattern": 8, "tirx.noalias": True})
         batch, seq = T.int64(), T.int64()
-        cache = T.match_buffer(cache_h, (T.int64(capacity), batch, T.int64(kv_heads), T.int64(head_dim)), dtype)
-        new = T.match_buffer(new_h, (batch, T.int64(kv_heads), seq, T.int64(head_dim)), dtype)
+        cache = T.match_buffer(cache_h, (T.int64(capacity), batch, heads, dim), dtype)
+        new = T.match_buffer(new_h, new_index(batch, seq, heads, dim), dtype)
         assert pos + seq <= T.int64(capacity), "KV cache overflow: past_len + seq exceeds the cache's capacity"
-        for b, s, h, d in T.grid(batch, seq, T.int64(kv_heads), T.int64(head_dim)):  # cache rows in order
+        for b, s, h, d in T.grid(batch, seq, heads, dim):  # cache rows in order
             with T.sblock("kv_cache_write"):
                 vb, vs, vh, vd = T.axis.remap("SSSS", [b, s, h, d])
-                cache[pos + vs, vb, vh, vd] = new[vb, vh, vs, vd]
+                cache[pos + vs, vb, vh, vd] = new[new_index(vb, vs, vh, vd)]
 
-    @T.prim_func(s_tir=True)
-    def kv_cache_write_seq_major(cache_h: T.handle, new_h: T.handle, pos: T.int64):
-        T.func_attr({"op_pattern": 8, "tirx.noalias": True})
-        batch, seq = T.int64(), T.int64()
-        cache = T.match_buffer(cache_h, (T.int64(capacity), batch, T.int64(kv_heads), T.int64(head_dim)), dtype)
-        new = T.match_buffer(new_h, (batch, seq, T.int64(kv_heads), T.int64(head_dim)), dtype)
-        assert pos + seq <= T.int64(capacity), "KV cache overflow: past_len + seq exceeds the cache's capacity"
-        for b, s, h, d in T.grid(batch, seq, T.int64(kv_heads), T.int64(head_dim)):
-            with T.sblock("kv_cache_write"):
-                vb, vs, vh, vd = T.axis.remap("SSSS", [b, s, h, d])
-                cache[pos + vs, vb, vh, vd] = new[vb, vs, vh, vd]
-
-    return kv_cache_write_seq_major if seq_major else kv_cache_write
+    return kv_cache_write
 
 
 def _write_source(expr, bound: dict, dtype: str) -> tuple:
