@@ -110,6 +110,8 @@ def test_tile_choice_and_shape_checks():
     assert check_wgmma_shape(250, 512, 512, WgmmaTile(128, 4, cluster=2)) is None  # two row tiles, one ragged
     assert "even group_m" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, cluster=2, group_m=3))
     assert "keep one in flight" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, dual=True, inflight=1))
+    assert "persistent" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, cluster=2, persistent=True))
+    assert "odd N" in check_wgmma_shape(512, 1001, 512, WgmmaTile(128, 4, persistent=True))
 
 
 def test_the_log_says_why_a_gemm_keeps_its_generic_schedule():
@@ -543,6 +545,7 @@ WGMMA_VARIANTS = [
     (WgmmaTile(176, 4, cluster=2), ("multicast::cluster [", "mbarrier.arrive.shared::cluster.b64 _, [r]"), ()),
     (WgmmaTile(128, 4, dual=True, stepped_desc=True), ("desc_a_ptr[0] + (uint64_t)6ULL", "desc_b_ptr[0] + (uint64_t)2ULL"),
      ()),
+    (WgmmaTile(128, 4, dual=True, persistent=True), ("for (int ti = 0; ti < ",), ("multicast",)),
 ]
 
 
@@ -587,4 +590,46 @@ def test_wgmma_variants_match_numpy_on_the_gpu(tile, dtype):
     out = tvm.runtime.empty((m, n), dtype, dev)
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
     want = _bf16_gelu_reference(x, w, b)
+    np.testing.assert_allclose(out.numpy().astype("float32"), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tile", [WgmmaTile(256, 4, persistent=True), WgmmaTile(128, 4, dual=True, persistent=True),
+                                  WgmmaTile(176, 4, inflight=1, persistent=True)], ids=str)
+def test_persistent_ctas_walk_every_tile_once(tile):
+    """One CTA per SM at most, each walking tiles bid, bid + grid, ... (here 144 to 272 tiles: up to three a CTA),
+    with 11 k-tiles a tile so stage and phase run on across tiles; compiled for sm_90a with nvcc."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+    from tvmfuse.targets import SMS
+
+    m, n, k = 2048, 2100, 704
+    tiles = -(-m // tile.bm) * -(-n // tile.bn)
+    ex = tvm.compile(tvm.IRModule({"main": make_wgmma_gemm(m, n, k, tile, "bias")}), target=hopper_target(),
+                     tir_pipeline="tirx")
+    src = ex.mod.imports[0].inspect_source()
+    grid = min(tiles, SMS)
+    assert f"for (int ti = 0; ti < ((({tiles + grid - 1} - ((int)blockIdx.x))" in src or \
+        f"ti < (({tiles + grid - 1} - ((int)blockIdx.x))" in src, src.split("__global__")[-1][:2000]
+    if shutil.which("nvcc"):
+        assert len(_nvcc_fatbin(src, hopper_target())) > 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [WgmmaTile(256, 4, persistent=True), WgmmaTile(128, 4, dual=True, persistent=True),
+                                  WgmmaTile(176, 4, inflight=1, persistent=True)], ids=str)
+def test_persistent_ctas_match_numpy_on_the_gpu(tile):
+    """Persistent CTAs (up to three tiles each, 11 k-tiles a tile: stages and phases carried across tiles), ragged
+    N, against numpy."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+
+    m, n, k = 2048, 2100, 704
+    lib = tvm.compile(tvm.IRModule({"main": make_wgmma_gemm(m, n, k, tile, "bias")}), target=hopper_target(),
+                      tir_pipeline="tirx")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((m, k)).astype("float16")
+    w = (rng.standard_normal((n, k)) * 0.05).astype("float16")
+    b = (rng.standard_normal(n) * 0.1).astype("float16")
+    dev = tvm.cuda(0)
+    out = tvm.runtime.empty((m, n), "float16", dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
+    want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
     np.testing.assert_allclose(out.numpy().astype("float32"), want, atol=2e-2, rtol=2e-2)

@@ -7,6 +7,7 @@ from tvm.script import tirx as T
 
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
+from tvmfuse.targets import SMS
 
 # keeps the compiler from moving accumulator registers across an in-flight wgmma (CUTLASS's warpgroup_fence_operand)
 FENCE_SRC = '__device__ __forceinline__ void tvmfuse_fence_acc(float& r) { asm volatile("" : "+f"(r) :: "memory"); }'
@@ -53,9 +54,11 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     inflight = 1 if tile.dual else tile.inflight  # wgmma groups left in flight after each k-tile's is issued
     cluster = tile.cluster
     half = bn // cluster  # B rows each CTA of a cluster loads (and multicasts to both)
+    persistent = tile.persistent
     k_tiles = -(-k // bk)
     tiles_n, tiles_m = -(-n // bn), -(-m // bm)
     group = min(tile.group_m, tiles_m)
+    grid = min(tiles_n * tiles_m, SMS) if persistent else tiles_n * tiles_m  # CTAs: persistent ones, one per SM
     acc_n = bn // 2  # fp32 accumulators per thread for m64 x bn
     a_stage, b_stage = bm * bk, bn * bk  # elements per stage
     stage_bytes = (a_stage + b_stage) * 2
@@ -83,20 +86,21 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
 
     # fmt: off
     @T.macro
-    def k_step(acc, st, kt, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank):
-        """k-tile kt into accumulator set st; releases the stage of the k-tile whose group is done."""
-        T.cuda.mbarrier_wait(T.address_of(full[kt % stages]), (kt // stages) % 2)
+    def k_step(acc, st, kt, g0, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank):
+        """k-tile kt into accumulator set st (g0 + kt: the CTA's k-step count, which picks the stage and its
+        phase); releases the stage of the k-tile whose group is done."""
+        T.cuda.mbarrier_wait(T.address_of(full[(g0 + kt) % stages]), ((g0 + kt) // stages) % 2)
         for i in T.unroll(acc_n):
             T.cuda.func_call("tvmfuse_fence_acc", acc[st * acc_n + i], source_code=FENCE_SRC)
         T.ptx.wgmma.fence.sync.aligned()
         if not tile.stepped_desc:
             for kk in T.unroll(bk // 16):
-                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[kt % stages, cw * 64 * bk + kk * 16]), 1, 64, 3)
-                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, kk * 16]), 1, 64, 3)
+                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[(g0 + kt) % stages, cw * 64 * bk + kk * 16]), 1, 64, 3)
+                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[(g0 + kt) % stages, kk * 16]), 1, 64, 3)
                 T.ptx[mma](*[acc[st * acc_n + i] for i in range(acc_n)], desc_a, desc_b, T.bool(True), 1, 1, 0, 0)
         else:  # encoded once; k16 step kk starts 32 bytes further into each 128-byte swizzled row: start address + 2
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[kt % stages, cw * 64 * bk]), 1, 64, 3)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[kt % stages, 0]), 1, 64, 3)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[(g0 + kt) % stages, cw * 64 * bk]), 1, 64, 3)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[(g0 + kt) % stages, 0]), 1, 64, 3)
             for kk in T.unroll(bk // 16):
                 T.ptx[mma](*[acc[st * acc_n + i] for i in range(acc_n)], desc_a + T.uint64(2 * kk), desc_b + T.uint64(2 * kk), T.bool(True), 1, 1, 0, 0)
         T.ptx.wgmma.commit_group.sync.aligned()
@@ -108,10 +112,68 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         # per warpgroup) let the loader overwrite a stage that warps 1-3 were still reading (on the H200: wrong
         # rows 16-63 of each 64 behind a GELU epilogue); `inflight` 0: the group just issued; 1: the one before
         if tx % 32 == 0 and kt >= inflight:
-            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(kt - inflight) % stages]))
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(g0 + kt - inflight) % stages]))
             if cluster == 2:  # the other CTA's loader multicasts into this stage too
-                T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[(kt - inflight) % stages]), 1 - rank,
+                T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[(g0 + kt - inflight) % stages]), 1 - rank,
                                  source_code=REMOTE_ARRIVE_SRC)
+
+    @T.macro
+    def load_tile(bx, by, g0, As, Bs, full, empty, a_map, b_map, rank):
+        """The loader's k-tiles of output tile (bx, by), from the CTA's k-step g0 on."""
+        for kt in T.serial(k_tiles):
+            if g0 + kt >= stages:
+                T.cuda.mbarrier_wait(T.address_of(empty[(g0 + kt) % stages]), ((g0 + kt) // stages + 1) % 2)
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[(g0 + kt) % stages]), T.uint32(stage_bytes))
+            T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
+            if cluster == 2:  # this CTA's half of the B tile, to the same place in both CTAs
+                T.ptx[multicast](T.address_of(Bs[(g0 + kt) % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
+            else:
+                T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
+
+    @T.macro
+    def compute_tile(bx, by, g0, acc, As, Bs, full, empty, Cs, desc_a, desc_b, cw, tx, lane, warp, rank):
+        """The consumers' output tile (bx, by): its k-tiles from the CTA's k-step g0 on, then the epilogue."""
+        for i in T.unroll(acc_n * sets):
+            acc[i] = T.float32(0)
+        for kt2 in T.serial(k_tiles // sets):
+            k_step(acc, 0, kt2 * sets, g0, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
+            if sets == 2:
+                k_step(acc, 1, kt2 * 2 + 1, g0, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
+        if k_tiles % sets == 1:
+            k_step(acc, 0, k_tiles - 1, g0, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
+        if inflight == 1:
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            for i in T.unroll(acc_n * sets):
+                T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
+            if persistent and tx % 32 == 0:  # the last k-tile's stage, for the loader's next tile
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(g0 + k_tiles - 1) % stages]))
+        if staged:  # every consumer is past its last wgmma: the stage ring holds this tile's rows now
+            T.cuda.func_call("tvmfuse_bar_sync", 1, 128 * cons, source_code=BAR_SRC)
+            for j in T.unroll(bn // 8):
+                for h in T.unroll(2):
+                    for c in T.unroll(2):
+                        r = T.meta_var(cw * 64 + warp * 16 + lane // 4 + h * 8)
+                        col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2 + c)
+                        if by * bm + r < m and col < n:
+                            Cs[r * ld + j * 8 + (lane % 4) * 2 + c] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2 + c), by * bm + r, col))
+            T.cuda.func_call("tvmfuse_bar_sync", 2 + cw, 128, source_code=BAR_SRC)
+            for it in T.serial(bn // 2):  # 64 rows x bn per warpgroup, consecutive lanes on consecutive columns
+                r = T.meta_var(cw * 64 + (it * 128 + tx % 128) // bn)
+                col = T.meta_var(bx * bn + (it * 128 + tx % 128) % bn)
+                if by * bm + r < m and col < n:
+                    out[place(by * bm + r, col)] = Cs[r * ld + (it * 128 + tx % 128) % bn]
+        if not staged:
+            for j in T.unroll(bn // 8):  # the epilogue, from the registers (every group already waited for)
+                for h in T.unroll(2):
+                    row = T.meta_var(by * bm + cw * 64 + warp * 16 + lane // 4 + h * 8)
+                    col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2)
+                    if row < m and col < n:  # TVM drops the guards where the tile divides M and N
+                        if paired:
+                            store(total(acc, j * 4 + h * 2), total(acc, j * 4 + h * 2 + 1), row, col)
+                        else:
+                            out[place(row, col)] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2), row, col))
+                            if col + 1 < n:
+                                out[place(row, col + 1)] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2 + 1), row, col + 1))
 
     @T.prim_func(check_well_formed=False)
     def gemm():
@@ -128,7 +190,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
             rank = T.cta_id_in_cluster([2])
         else:
             rank = T.meta_var(0)
-        bid = T.cta_id([tiles_n * tiles_m])
+        bid = T.cta_id([grid])
         bx = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
         by = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
         tx = T.thread_id([128 * (1 + cons)])
@@ -157,55 +219,21 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
             T.cuda.cta_sync()
         if tx < 128:
             if tx == 0:
-                for kt in T.serial(k_tiles):
-                    if kt >= stages:
-                        T.cuda.mbarrier_wait(T.address_of(empty[kt % stages]), (kt // stages + 1) % 2)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[kt % stages]), T.uint32(stage_bytes))
-                    T.ptx[tma](T.address_of(As[kt % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[kt % stages]))
-                    if cluster == 2:  # this CTA's half of the B tile, to the same place in both CTAs
-                        T.ptx[multicast](T.address_of(Bs[kt % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[kt % stages]), T.uint16(3))
-                    else:
-                        T.ptx[tma](T.address_of(Bs[kt % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[kt % stages]))
+                if persistent:  # tiles bid, bid + grid, ...: the loader runs on into the next tile's k-tiles
+                    for ti in T.serial((tiles_n * tiles_m - bid + grid - 1) // grid):
+                        load_tile(tile_of(bid + ti * grid, tiles_m, tiles_n, group, T.min)[0],
+                                  tile_of(bid + ti * grid, tiles_m, tiles_n, group, T.min)[1], ti * k_tiles, As, Bs,
+                                  full, empty, a_map, b_map, rank)
+                else:
+                    load_tile(bx, by, 0, As, Bs, full, empty, a_map, b_map, rank)
         else:
-            for i in T.unroll(acc_n * sets):
-                acc[i] = T.float32(0)
-            for kt2 in T.serial(k_tiles // sets):
-                k_step(acc, 0, kt2 * sets, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
-                if sets == 2:
-                    k_step(acc, 1, kt2 * 2 + 1, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
-            if k_tiles % sets == 1:
-                k_step(acc, 0, k_tiles - 1, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank)  # noqa: F821
-            if inflight == 1:
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                for i in T.unroll(acc_n * sets):
-                    T.cuda.func_call("tvmfuse_fence_acc", acc[i], source_code=FENCE_SRC)
-            if staged:  # every consumer is past its last wgmma: the stage ring holds this tile's rows now
-                T.cuda.func_call("tvmfuse_bar_sync", 1, 128 * cons, source_code=BAR_SRC)
-                for j in T.unroll(bn // 8):
-                    for h in T.unroll(2):
-                        for c in T.unroll(2):
-                            r = T.meta_var(cw * 64 + warp * 16 + lane // 4 + h * 8)
-                            col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2 + c)
-                            if by * bm + r < m and col < n:
-                                Cs[r * ld + j * 8 + (lane % 4) * 2 + c] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2 + c), by * bm + r, col))
-                T.cuda.func_call("tvmfuse_bar_sync", 2 + cw, 128, source_code=BAR_SRC)
-                for it in T.serial(bn // 2):  # 64 rows x bn per warpgroup, consecutive lanes on consecutive columns
-                    r = T.meta_var(cw * 64 + (it * 128 + tx % 128) // bn)
-                    col = T.meta_var(bx * bn + (it * 128 + tx % 128) % bn)
-                    if by * bm + r < m and col < n:
-                        out[place(by * bm + r, col)] = Cs[r * ld + (it * 128 + tx % 128) % bn]
-            if not staged:
-                for j in T.unroll(bn // 8):  # the epilogue, from the registers (every group already waited for)
-                    for h in T.unroll(2):
-                        row = T.meta_var(by * bm + cw * 64 + warp * 16 + lane // 4 + h * 8)
-                        col = T.meta_var(bx * bn + j * 8 + (lane % 4) * 2)
-                        if row < m and col < n:  # TVM drops the guards where the tile divides M and N
-                            if paired:
-                                store(total(acc, j * 4 + h * 2), total(acc, j * 4 + h * 2 + 1), row, col)
-                            else:
-                                out[place(row, col)] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2), row, col))
-                                if col + 1 < n:
-                                    out[place(row, col + 1)] = T.Cast(out_dtype, finish(total(acc, j * 4 + h * 2 + 1), row, col + 1))
+            if persistent:
+                for ti in T.serial((tiles_n * tiles_m - bid + grid - 1) // grid):
+                    compute_tile(tile_of(bid + ti * grid, tiles_m, tiles_n, group, T.min)[0],
+                                 tile_of(bid + ti * grid, tiles_m, tiles_n, group, T.min)[1], ti * k_tiles, acc, As,
+                                 Bs, full, empty, Cs, desc_a, desc_b, cw, tx, lane, warp, rank)
+            else:
+                compute_tile(bx, by, 0, acc, As, Bs, full, empty, Cs, desc_a, desc_b, cw, tx, lane, warp, rank)
         if cluster == 2:  # neither CTA exits while the other may still arrive on its barriers
             T.cuda.cluster_sync()
     # fmt: on

@@ -30,6 +30,10 @@ class WgmmaTile:
     #: CUTLASS does (7 instructions between wgmmas in the SASS instead of 17); False: encode each wgmma's from its
     #: address. Compiled and checked in the CUDA source here, not yet run on a GPU: off until it is
     stepped_desc: bool = False
+    #: one CTA per SM (at most), each walking output tiles bid, bid + grid, ...: the loader goes on into the next
+    #: tile's k-tiles while the consumers run this one's epilogue, and no CTA is launched per tile. Compiled and
+    #: checked in the CUDA source here, not yet run on a GPU: off until it is
+    persistent: bool = False
     #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
     #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
     #: prefill projections 10% faster in all than 1 (4: 8%), the wide ones most: 2048x50257x768 410 -> 334 µs,
@@ -62,6 +66,9 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"unsupported tile {tile}: inflight 0 or 1, and 0 with two accumulator sets (they keep one in flight)"
     if tile.cluster not in (1, 2) or tile.cluster == 2 and tile.group_m % 2:
         return f"unsupported tile {tile}: clusters of 1 or 2 CTAs (2: an even group_m)"
+    if tile.persistent and (tile.cluster != 1 or n % 2):
+        return (f"tile {tile}: persistent CTAs take no clusters, nor an odd N (its epilogue stages rows in the ring "
+                "the loader refills)")
     if tile.cluster == 2 and -(-m // tile.bm) % 2:
         return f"M={m} makes an odd number of {tile.bm}-row tiles (clusters of 2 pair them)"
     if tile.dual and tile.bn > 128:
