@@ -74,7 +74,8 @@ def _tile(kernel, spec):
 def tile_spec(t) -> str:
     """The spec of a WgmmaTile (the inverse of _tile)."""
     return (f"{t.bm}x{t.bn}x{t.stages}" + ("d" if t.dual else "") + ("" if t.inflight == 0 else f"i{t.inflight}")
-            + ("" if t.cluster == 1 else f"c{t.cluster}") + ("s" if t.stepped_desc else "") + ("p" if t.persistent else "") + f"g{t.group_m}")
+            + ("" if t.cluster == 1 else f"c{t.cluster}") + ("s" if t.stepped_desc else "")
+            + ("p" if t.persistent else "") + f"g{t.group_m}")
 
 
 def _chosen(m, k, n):
