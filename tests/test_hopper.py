@@ -546,6 +546,7 @@ WGMMA_VARIANTS = [
     (WgmmaTile(128, 4, dual=True, stepped_desc=True), ("desc_a_ptr[0] + (uint64_t)6ULL", "desc_b_ptr[0] + (uint64_t)2ULL"),
      ()),
     (WgmmaTile(128, 4, dual=True, persistent=True), ("for (int ti = 0; ti < ",), ("multicast",)),
+    (WgmmaTile(256, 4, setmaxnreg=True), ("setmaxnreg.dec.sync.aligned.u32", "setmaxnreg.inc.sync.aligned.u32"), ()),
 ]
 
 

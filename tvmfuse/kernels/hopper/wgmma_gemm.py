@@ -26,6 +26,10 @@ PAIR_STORES = {
     "bfloat16": ("tvmfuse_store_bf162", "__device__ __forceinline__ void tvmfuse_store_bf162(nv_bfloat16* p, float a, "
                  "float b) { *reinterpret_cast<nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b); }")}
 
+#: registers per thread with `WgmmaTile.setmaxnreg`: the loading warpgroup drops to LOADER_REGS and the computing ones
+#: rise to CONSUMER_REGS (CUTLASS's split: 128 x 40 + 256 x 232 of the SM's 65536)
+LOADER_REGS, CONSUMER_REGS = 40, 232
+
 #: attribute marking a PrimFunc written in TIRx (compiled by TVM's tirx pipeline, never scheduled); its value names
 #: the kernel ("wgmma", "mma_smallm") for the manifest
 TIRX_ATTR = "tvmfuse.tirx"
@@ -218,6 +222,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         else:
             T.cuda.cta_sync()
         if tx < 128:
+            if tile.setmaxnreg:  # the loading warpgroup gives registers back for the consumers' accumulators
+                T.ptx["setmaxnreg.dec.sync.aligned.u32"](LOADER_REGS)
             if tx == 0:
                 if persistent:  # tiles bid, bid + grid, ...: the loader runs on into the next tile's k-tiles
                     for ti in T.serial((tiles_n * tiles_m - bid + grid - 1) // grid):
@@ -227,6 +233,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                 else:
                     load_tile(bx, by, 0, As, Bs, full, empty, a_map, b_map, rank)
         else:
+            if tile.setmaxnreg:
+                T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
             if persistent:
                 for ti in T.serial((tiles_n * tiles_m - bid + grid - 1) // grid):
                     compute_tile(tile_of(bid + ti * grid, tiles_m, tiles_n, group, T.min)[0],

@@ -34,6 +34,10 @@ class WgmmaTile:
     #: tile's k-tiles while the consumers run this one's epilogue, and no CTA is launched per tile. Compiled and
     #: checked in the CUDA source here, not yet run on a GPU: off until it is
     persistent: bool = False
+    #: the loading warpgroup gives registers to the computing ones (`setmaxnreg`, 40 and 232 a thread) where
+    #: ptxas otherwise holds every thread to 65536 / 384 = 170. Compiled and checked in the CUDA source here, not yet
+    #: run on a GPU: off until it is
+    setmaxnreg: bool = False
     #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
     #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
     #: prefill projections 10% faster in all than 1 (4: 8%), the wide ones most: 2048x50257x768 410 -> 334 µs,
