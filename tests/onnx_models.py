@@ -78,3 +78,26 @@ def projection(rows=1, k=64, n=96, leak: bool = False, shared: bool = False) -> 
         outputs.append(_f32("y2", [1, rows, n]))
     inputs = [_f32("x", [1, rows, k])] + ([_f32("x2", [1, rows, k])] if shared else [])
     return _model(nodes, inputs, outputs, [_const("w", w)])
+
+
+def sibling_projections(rows=128, k=64, n=64, bias: bool = True, tied: bool = False, widths=None) -> onnx.ModelProto:
+    """Three linear layers of one input x (BERT's Q, K, V: x @ W_i (+ b_i)), put side by side into one output
+    y = [q, k * k, v + 1]; `tied`: a second output reads K's weight again (x2 @ W_k); `widths`: each projection's N."""
+    rng = np.random.default_rng(5)
+    widths = widths or (n, n, n)
+    nodes, inits = [], []
+    for name, width in zip("qkv", widths):
+        inits.append(_const(f"w_{name}", rng.standard_normal((k, width)).astype("float32") / np.sqrt(k)))
+        nodes.append(helper.make_node("MatMul", ["x", f"w_{name}"], [f"{name}_mm" if bias else name]))
+        if bias:
+            inits.append(_const(f"b_{name}", rng.standard_normal(width).astype("float32") * 0.1))
+            nodes.append(helper.make_node("Add", [f"{name}_mm", f"b_{name}"], [name]))
+    nodes += [helper.make_node("Mul", ["k", "k"], ["kk"]), helper.make_node("Add", ["v", "one"], ["v1"]),
+              helper.make_node("Concat", ["q", "kk", "v1"], ["y"], axis=-1)]
+    inits.append(_const("one", np.ones(1, "float32")))
+    inputs, outputs = [_f32("x", [1, rows, k])], [_f32("y", [1, rows, sum(widths)])]
+    if tied:
+        nodes.append(helper.make_node("MatMul", ["x2", "w_k"], ["y2"]))
+        inputs.append(_f32("x2", [1, rows, k]))
+        outputs.append(_f32("y2", [1, rows, widths[1]]))
+    return _model(nodes, inputs, outputs, inits)

@@ -13,6 +13,7 @@ import json
 import os
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,7 +33,7 @@ from tvmfuse.fuse import verification_dims
 from tvmfuse.isolation import collecting
 from tvmfuse.isolation import current as failures_so_far
 from tvmfuse.jobs import Job
-from tvmfuse.kernels import GREEDY, add_greedy_tokens, apply_hopper_kernels, substitute
+from tvmfuse.kernels import GREEDY, add_greedy_tokens, apply_hopper_kernels, is_hopper, sibling_merge_pays, substitute
 from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.decoder_mask import one_kernel_decoder_mask
@@ -344,7 +345,12 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
     if imported.symbolic_dims:
         log(f"symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them get default "
             "schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
-    bound = prepare_module(imported, job.dtype, job.io_dtype, job.low_lookups, one_copy=outside)
+    merged: list = []
+    bound = prepare_module(imported, job.dtype, job.io_dtype, job.low_lookups, one_copy=outside,
+                           merge_pays=_merge_rule(target, job.dtype), merged=merged)
+    for (m, n, k, count), times in Counter(merged).items():
+        log(f"sibling projections: {times} group(s) of {count} x {m}x{n}x{k} GEMMs (one input, weights of one width) "
+            f"merged into one {m}x{n * count}x{k} GEMM and a split each")
     past_inputs = [p.name for p, _, _ in find_cache_sites(bound)]
     bound, cache = kv_cache_phase(bound, imported, job, log)
     fused = fuse_phase(bound, target)
@@ -390,6 +396,12 @@ def plan_model(path: str, target: str, settings: Settings, shapes: dict | None =
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
+
+def _merge_rule(target, dtype: str):
+    """The rule for merging sibling projections (`prepare.siblings`): the wgmma kernel's estimate on sm_90a in fp16
+    and bf16 (the dtypes it takes), none elsewhere (nothing measured there)."""
+    return sibling_merge_pays if is_hopper(target) and parse_dtype(dtype, "dtype") != "float32" else None
+
 
 def _cache_interface(manifest: dict, lowered: Lowered) -> dict:
     """The manifest's `kv_cache` (how generate drives the step) and, in place, the step's own inputs and

@@ -8,6 +8,7 @@ from tvm import relax
 
 from tvmfuse.prepare.layout import transpose_weights
 from tvmfuse.prepare.precision import to_compute_dtype
+from tvmfuse.prepare.siblings import MergeRule, merge_sibling_matmuls
 
 
 def bind_params(mod: tvm.IRModule, params: list | None) -> tvm.IRModule:
@@ -28,14 +29,18 @@ def bind_params(mod: tvm.IRModule, params: list | None) -> tvm.IRModule:
 
 
 def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None,
-                   low_lookups: bool = True, one_copy: bool = False) -> tvm.IRModule:
+                   low_lookups: bool = True, one_copy: bool = False, merge_pays: MergeRule | None = None,
+                   merged: list | None = None) -> tvm.IRModule:
     """The imported model as decide and fuse see it: weights bound as constants, precision (fp16/bf16 kernels),
-    then the weight layout (constant weights [N, K], read through a permute the kernel absorbs). `one_copy` (big
-    models): `imported.params` is emptied once bound and the layout transposes in place (no second copy)."""
+    sibling projections merged where `merge_pays` says so (`siblings.merge_sibling_matmuls`; `merged` gets each
+    group), then the weight layout (constant weights [N, K], read through a permute the kernel absorbs).
+    `one_copy` (big models): `imported.params` is emptied once bound and the layout transposes in place (no second
+    copy)."""
     bound = bind_params(imported.mod, imported.params)
     if one_copy:
         imported.params = []  # the module's constants are the one copy of the weights from here on
-    return transpose_weights(to_compute_dtype(bound, dtype, io_dtype, low_lookups), in_place=one_copy)
+    computing = merge_sibling_matmuls(to_compute_dtype(bound, dtype, io_dtype, low_lookups), merge_pays, merged)
+    return transpose_weights(computing, in_place=one_copy)
 
 
 __all__ = ["bind_params", "prepare_module"]

@@ -24,6 +24,7 @@ TILE_COSTS = {WgmmaTile(256, 4): 0.83, WgmmaTile(192, 4): 0.70, WgmmaTile(176, 4
               WgmmaTile(128, 4, dual=True): 0.47, WgmmaTile(128, 6, 64, dual=True): 0.35,
               WgmmaTile(64, 8, 64, dual=True): 0.21}
 TILE_FIXED_US = 1.0
+SPLIT_BYTES_PER_US = 3.3e6  # a copy kernel's bytes per µs on the H200 (copy bandwidth 3.3-4.3 TB/s in the bench runs)
 
 #: analysis outcomes that mean "not a matmul kernel at all" (not logged)
 NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before",
@@ -46,6 +47,21 @@ def choose_tile(m: int, n: int, k: int) -> WgmmaTile | None:
     """The tile of TILE_COSTS with the lowest estimate (wave quantization included); None when none fits."""
     fits = [t for t in TILE_COSTS if check_wgmma_shape(m, n, k, t) is None]
     return min(fits, key=lambda t: estimate_us(m, n, k, t)) if fits else None
+
+
+def sibling_merge_pays(m: int, n: int, k: int, count: int) -> bool:
+    """Whether `count` sibling m x n x k GEMMs (one input, weights of one width) run faster as one m x (count n) x k
+    GEMM and the split after it: the wgmma kernel takes both (m > 64), and `estimate_us` of the merged GEMM plus the
+    split's copy (`SPLIT_BYTES_PER_US` each way, and a launch) is below the siblings' one after the other. BERT-base's
+    Q, K and V at 512 rows: 3 x 3.5 µs against 6.6 + 2.4 (measured apart, wgmma_run6.json: 3 x 4.9-6.2 against 8.8);
+    at 2048 rows, and Llama-2-7B's at 512 (each fills its wave already), the merge would not pay."""
+    if m <= MAX_M:  # decode rows: the GEMV and small-M kernels, bandwidth-bound either way
+        return False
+    one, merged = choose_tile(m, n, k), choose_tile(m, n * count, k)
+    if one is None or merged is None:
+        return False
+    split_us = 2 * m * n * count * 2 / SPLIT_BYTES_PER_US + TILE_FIXED_US  # 16-bit parts read and written
+    return estimate_us(m, n * count, k, merged) + split_us < count * estimate_us(m, n, k, one)
 
 
 def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
