@@ -102,3 +102,27 @@ def test_a_cuda_build_merges_the_siblings_into_one_wgmma_gemm_and_a_split(tmp_pa
     gemms = [k for k in kernels if k["pattern"].startswith("tvmfuse.matmul")]
     assert len(gemms) == 1 and gemms[0]["schedule"] == "wgmma (TIRx kernel)", kernels
     assert len([k for k in kernels if k["name"].startswith("fused_split")]) == 1, kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_cuda_build_with_merged_siblings_verifies_against_onnxruntime(dtype, tmp_path, capsys):
+    """On the GPU the same job merges, verifies against onnxruntime at the dtype's tolerance and exports; the
+    export's outputs match onnxruntime's."""
+    import onnx
+    import onnxruntime as ort
+
+    import tvmfuse
+    from tvmfuse.cli.tune import main
+
+    model = onnx_models.sibling_projections(rows=512, k=256, n=256)
+    onnx.save(model, tmp_path / "qkv.onnx")
+    code = main(["--target", "cuda", "--trials", "0", "--dtype", dtype, "--out", str(tmp_path / "o"),
+                 "--logs", str(tmp_path / "l"), str(tmp_path / "qkv.onnx")])
+    out = capsys.readouterr().out
+    assert code == 0 and "sibling projections: 1 group(s)" in out, out
+    x = np.random.default_rng(0).standard_normal((1, 512, 256)).astype("float32")
+    (got,) = tvmfuse.load(str(tmp_path / "o" / "qkv-cuda-sm_90a"))(x=x)
+    (want,) = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    tol = 2e-2 if dtype == "fp16" else 8e-2
+    np.testing.assert_allclose(got.astype("float32"), want, atol=tol, rtol=tol)
