@@ -1,4 +1,5 @@
-"""Random-weight GPT-2, BERT and a Llama layer, wrapped for ONNX export at decode (with a KV cache) and prefill shapes."""
+"""Random-weight GPT-2, BERT and a Llama layer (Llama-2-7B's shapes, or Llama-3-8B's with grouped-query attention),
+wrapped for ONNX export at decode (with a KV cache) and prefill shapes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ NOTES = {
             "no KV cache in BERT: its decode rows are sequence 1 without past (the closest the export allows)",
     "llama": "LlamaForCausalLM with 1 decoder layer (hidden 4096, intermediate 11008, 32 heads, 32 KV heads), "
              "vocab 256: embedding + 1 layer + norm + small head",
+    "llama3": "LlamaForCausalLM with 1 decoder layer of Llama-3-8B's shapes (hidden 4096, intermediate 14336, 32 "
+              "heads, 8 KV heads: grouped-query attention), vocab 256",
 }
 
 
@@ -30,13 +33,14 @@ def config(name: str, smoke: bool):
         return tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
                              vocab_size=128, max_position_embeddings=64) if smoke \
             else tf.BertConfig(max_position_embeddings=2048)
-    if name == "llama":
-        size = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+    if name in ("llama", "llama3"):
+        gqa = name == "llama3"
+        size = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2 if gqa else 4,
                     max_position_embeddings=64) if smoke else \
-            dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-                 max_position_embeddings=4096)
+            dict(hidden_size=4096, intermediate_size=14336 if gqa else 11008, num_attention_heads=32,
+                 num_key_value_heads=8 if gqa else 32, max_position_embeddings=4096)
         return tf.LlamaConfig(num_hidden_layers=1, vocab_size=256, **size)
-    raise ValueError(f"unknown model {name!r} (gpt2, bert, llama)")
+    raise ValueError(f"unknown model {name!r} (gpt2, bert, llama, llama3)")
 
 
 def build(name: str, smoke: bool, seed: int = 0):
@@ -45,7 +49,8 @@ def build(name: str, smoke: bool, seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
-    cls = {"gpt2": tf.GPT2LMHeadModel, "bert": tf.BertModel, "llama": tf.LlamaForCausalLM}[name]
+    cls = {"gpt2": tf.GPT2LMHeadModel, "bert": tf.BertModel, "llama": tf.LlamaForCausalLM,
+           "llama3": tf.LlamaForCausalLM}[name]
     cfg = config(name, smoke)
     try:
         cfg._attn_implementation = "sdpa"  # pylint: disable=protected-access  (what a user gets by default)

@@ -66,3 +66,17 @@ def test_bad_dtypes_is_one_clear_error(tmp_path):
         models.main(["--smoke", "--dtypes", "int8", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="name each of fp32, fp16, bf16 at most once"):
         models.main(["--smoke", "--dtypes", "bf16,bfloat16", "--out", str(tmp_path)])
+
+
+def test_smoke_llama3_has_grouped_query_attention(tmp_path):
+    """--models llama3: a Llama layer with fewer KV heads than query heads (Llama-3-8B's 32 / 8 at full size), built
+    by the product and checked against torch."""
+    from bench import hf_models
+
+    assert hf_models.config("llama3", False).num_key_value_heads == 8
+    out = tmp_path / "out"
+    models.main(["--smoke", "--models", "llama3", "--cases", "prefill_512", "--jobs", "0", "--contenders", "tvmfuse",
+                 "--out", str(out), "--work", str(tmp_path / "work")])
+    (row,) = json.loads((out / "models.json").read_text())["rows"]
+    assert "error" not in row and row["within_tol"] and row["run_job_ok"], row
+    assert row["patterns"].get("tvmfuse.attention") == 1
