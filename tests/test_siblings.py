@@ -126,3 +126,24 @@ def test_a_cuda_build_with_merged_siblings_verifies_against_onnxruntime(dtype, t
     (want,) = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
     tol = 2e-2 if dtype == "fp16" else 8e-2
     np.testing.assert_allclose(got.astype("float32"), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_a_gqa_decoders_k_and_v_merge_and_it_keeps_onnxruntimes_numbers(exporter, tmp_path):
+    """A tiny Llama with grouped-query attention (Q 64 wide, K and V 32 each), its shapes fixed, every group merged:
+    in each layer K and V as a pair (Q, wider, stays apart), their parts reaching the rotary embedding and the
+    attention through the split, and gate and up (256 each), their parts reaching SiLU and the product; the build
+    on llvm gives onnxruntime's outputs."""
+    import hf_export
+    import onnx
+
+    path = hf_export.export("llama", exporter, str(tmp_path), ids_only=True)
+    model = onnx.load(path)
+    imp = import_model(model, {"input_ids": [2, 7]})
+    merged = []
+    bound = prepare_module(imp, merge_pays=ALWAYS, merged=merged)
+    assert sorted((n, count) for _, n, _, count in merged) == [(32, 2), (32, 2), (256, 2), (256, 2)], merged
+    fused = lower(bound)
+    assert "tvmfuse.attention" in set(fused.kernel_patterns.values())
+    check = check_against_ort(model, imp, fused, resolve_target("llvm"))
+    assert check.ok, check
