@@ -44,12 +44,13 @@ SMALL_CASES = [  # name, M, K, N, bias + GELU: the issue-5 GEMV, Llama and GPT-2
 ]
 
 
-PREFILL_CASES = [  # the GPT-2 and Llama prefill projections (M = 512, 2048), as the models run them
+PREFILL_CASES = [  # the GPT-2, BERT, Llama-2-7B and Llama-3-8B prefill projections (M = 512, 2048), as run
     (f"m{m}_k{k}_n{n}" + ("_bias_gelu" if g else ""), m, k, n, g)
     for m in (512, 2048)
     for k, n, g in ((768, 2304, False), (768, 768, False), (768, 3072, True), (3072, 768, False), (768, 50257, False),
-                    (4096, 4096, False), (4096, 11008, False), (11008, 4096, False), (4096, 256, False))
-    if not (m == 2048 and n == 256)]
+                    (4096, 4096, False), (4096, 11008, False), (11008, 4096, False), (4096, 256, False),
+                    (4096, 1024, False), (4096, 2048, False), (4096, 14336, False), (14336, 4096, False))
+    if not (m == 2048 and n == 256)]  # Llama-3-8B: K and V 1024 wide each (2048 merged), gate / up 14336
 PREFILL_TILES = ("128x256x4", "128x192x4", "128x176x4", "128x160x4", "128x144x4", "128x128x4", "64x256x4",
                  "64x192x4", "64x128x6", "64x64x8", "128x64x6")  # bm x bn x stages
 
