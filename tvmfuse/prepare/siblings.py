@@ -35,9 +35,11 @@ class _Chain:
     def out(self) -> relax.Var:
         return self.vars[-1]
 
-    def key(self, x: relax.Var) -> tuple:
+    def key(self, source) -> tuple:
+        """What siblings share: the input's source (`_source`), the weight's shape and dtype, the sums' dtype, the
+        cast's, and whether a bias is added."""
         cast = str(self.cast.ty.dtype) if self.cast is not None else None
-        return (x, tuple(self.weight.value.shape), str(self.weight.value.dtype), str(self.matmul.ty.dtype), cast,
+        return (source, tuple(self.weight.value.shape), str(self.weight.value.dtype), str(self.matmul.ty.dtype), cast,
                 self.bias is not None)
 
 
@@ -72,7 +74,7 @@ def _rows(x: relax.Var) -> int | None:
 
 
 def _chains(fn: relax.Function) -> dict:
-    """x -> its sibling chains grouped by `_Chain.key`, in binding order."""
+    """`_Chain.key` -> the chains of two or more siblings that share it, in binding order."""
     bindings = [b for blk in fn.body.blocks for b in blk.bindings]
     value = {b.var: b.value for b in bindings}
     users: dict = {}
@@ -114,9 +116,10 @@ def _chains(fn: relax.Function) -> dict:
 def _source(x: relax.Var, value: dict):
     """What x is, for grouping: (y, shape) where x = reshape(y, shape) (the importer flattens each 3-D matmul's input
     on its own: three reshapes of one tensor), else x itself."""
-    bound = value.get(x)
-    if isinstance(bound, relax.Call) and bound.op.same_as(RESHAPE) and isinstance(bound.args[0], relax.Var):
-        return bound.args[0], tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in x.ty.shape.values)
+    bound, dims = value.get(x), getattr(getattr(x.ty, "shape", None), "values", None)
+    if isinstance(bound, relax.Call) and bound.op.same_as(RESHAPE) and isinstance(bound.args[0], relax.Var) \
+            and dims is not None:
+        return bound.args[0], tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in dims)
     return x
 
 
@@ -127,8 +130,6 @@ class _Merger(relax.PyExprMutator):
         self.pays, self.merged = pays, merged
         self.first: dict = {}  # the first sibling's matmul var -> its group
         self.skip: set = set()  # every sibling's chain bindings
-        self.parts: dict = {}  # a sibling chain's last var -> its part index, filled as the group is emitted
-        self.groups: dict = {}
 
     def visit_function_(self, fn):  # pylint: disable=arguments-renamed
         for group in _chains(fn).values():
