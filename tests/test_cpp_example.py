@@ -57,6 +57,9 @@ def _parse(stdout: str) -> list[dict]:
 def test_cpp_example_matches_python_vm_and_onnxruntime(tmp_path):
     build = build_runner(tmp_path)
     assert subprocess.run([str(build / "run_model")], capture_output=True, timeout=30).returncode == 2  # usage
+    bad = subprocess.run([str(build / "run_model"), "m.so", "--device", "tpu"], capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2 and bad.stderr == "error: --device tpu: cpu or cuda\n", bad.stderr
 
     model = onnx_models.rms_norm_residual(rows=4, hidden=32)  # two inputs, two outputs (a tuple)
     onnx.save(model, tmp_path / "rms.onnx")
@@ -139,3 +142,37 @@ def test_cpp_generate_matches_python_generate(tmp_path):
     assert _rows(done.stdout) == want.tolist()
     bad = _cpp_generate(build, export, [5, 7], 4, "--dtype", "float8")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --dtype float8")
+
+
+@pytest.mark.gpu
+def test_cpp_examples_run_a_cuda_export_on_the_gpu(tmp_path):
+    """--device cuda: run_model copies its inputs to the GPU and the outputs back, and generate keeps its caches
+    there, reading each step's ids on the host: the same outputs as tvmfuse.load on the same export (an fp16 decoder
+    step, its caches fp16)."""
+    pytest.importorskip("transformers")
+    import hf_export  # pylint: disable=import-outside-toplevel
+
+    build = build_runner(tmp_path)
+    model = onnx_models.rms_norm_residual(rows=4, hidden=32)
+    onnx.save(model, tmp_path / "rms.onnx")
+    assert main([str(tmp_path / "rms.onnx"), "--target", "cuda", "--trials", "0", "--out", str(tmp_path / "out"),
+                 "--logs", str(tmp_path / "logs"), "--schedules", "none"]) == 0
+    export = next((tmp_path / "out").glob("rms-cuda*"))
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 32)).astype("<f4"), "r": np.ones((4, 32), "<f4")}
+    args = [str(build / "run_model"), str(export / "model.so"), "--device", "cuda"]
+    for name, array in feeds.items():
+        array.tofile(tmp_path / f"{name}.bin")
+        args += [str(tmp_path / f"{name}.bin"), ",".join(map(str, array.shape))]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for cpp, want in zip(_parse(run.stdout), load(str(export))(**feeds)):
+        np.testing.assert_allclose(cpp["first"], want.ravel()[:8], rtol=1e-5, atol=1e-5)
+
+    path, out = hf_export.export_with_cache("llama", str(tmp_path)), tmp_path / "gen"
+    assert main([path, "--target", "cuda", "--trials", "0", "--schedules", "none", "--dtype", "fp16",
+                 "--out", str(out), "--logs", str(out / "logs"), "--max-seq", "24"]) == 0
+    export = next(out.glob("llama_kv-cuda*"))
+    done = _cpp_generate(build, export, [5, 7, 11, 13], 8, "--dtype", "float16", "--batch", "2", "--device", "cuda")
+    assert done.returncode == 0, done.stderr
+    want = load(str(export)).generate(np.array([[5, 7, 11, 13]] * 2), 8).tokens
+    assert _rows(done.stdout) == want.tolist()

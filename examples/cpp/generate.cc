@@ -2,12 +2,13 @@
 // C++ runtime alone: allocate the caches once, prefill the prompt at past_len 0, then one token a step.
 //
 //   generate MODEL.so --caches N --capacity C --kv-heads H --head-dim D --ids 1,2,3 --new-tokens T
-//            [--dtype float32|float16|bfloat16] [--batch B] [--weights DIR]
+//            [--dtype float32|float16|bfloat16] [--batch B] [--weights DIR] [--device cpu|cuda]
 //
 // N, C, H, D and --dtype come from the manifest's "kv_cache" (its "caches" list, "capacity", each cache's
 // "kv_heads" and "head_dim", and "dtype": the caches' dtype, float32 by default); --batch runs B rows of the same
 // prompt; --weights DIR is the export's weights/ folder where the manifest's "weights" are a "tvm-tensor-cache"
-// (they follow the caches in `main`'s arguments). CPU. The step is
+// (they follow the caches in `main`'s arguments); --device: where the export runs, its manifest's target (cpu, the
+// default, for llvm; cuda). The step is
 // main(input_ids [B, S] int64, attention_mask [B, past_len + S] int64, past_len: Shape, cache_0, ..., cache_N-1,
 // weights...) -> logits [B, S, vocab]; each cache is [C, B, H, D] and is written in place. The next tokens are the
 // export's greedy_tokens(logits, position) -> ids [B, 1] int64 (an argmax kernel; its output is the next step's
@@ -34,24 +35,29 @@
 namespace {
 
 using tvmfuse_example::CPUAlloc;
-using tvmfuse_example::kPooledAllocator;
+using tvmfuse_example::LoadDeviceRuntime;
 using tvmfuse_example::LoadWeights;
+using tvmfuse_example::ParseDevice;
+using tvmfuse_example::StartVM;
+using tvmfuse_example::ToDevice;
+using tvmfuse_example::ToHost;
 
-tvm::ffi::Tensor Empty(const std::vector<int64_t>& shape, DLDataType dtype, DLDevice dev) {
+// Zeros of `shape` and `dtype` on the host.
+tvm::ffi::Tensor HostZeros(const std::vector<int64_t>& shape, DLDataType dtype) {
   tvm::ffi::Tensor t = tvm::ffi::Tensor::FromNDAlloc(CPUAlloc(), tvm::ffi::ShapeView(shape.data(), shape.size()),
-                                                     dtype, dev);
+                                                     dtype, DLDevice{kDLCPU, 0});
   std::memset(t.data_ptr(), 0, tvm::ffi::GetDataSize(t));  // zeros, in every float dtype too
   return t;
 }
 
-// [rows, values.size()] int64: `values` in every row.
+// [rows, values.size()] int64 on `dev`: `values` in every row.
 tvm::ffi::Tensor Rows(const std::vector<int64_t>& values, int64_t rows, DLDevice dev) {
   int64_t width = static_cast<int64_t>(values.size());
-  tvm::ffi::Tensor t = Empty({rows, width}, DLDataType{kDLInt, 64, 1}, dev);
+  tvm::ffi::Tensor t = HostZeros({rows, width}, DLDataType{kDLInt, 64, 1});
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(static_cast<int64_t*>(t.data_ptr()) + r * width, values.data(), width * sizeof(int64_t));
   }
-  return t;
+  return ToDevice(t, dev);
 }
 
 DLDataType CacheDtype(const std::string& name) {
@@ -61,30 +67,32 @@ DLDataType CacheDtype(const std::string& name) {
   throw std::invalid_argument("--dtype " + name + ": float32, float16 or bfloat16 (the manifest's kv_cache dtype)");
 }
 
-// Each row's argmax at position `at` of logits [B, S, V] (float32, CPU), as [B, 1] int64.
-tvm::ffi::Tensor HostArgmax(const tvm::ffi::Tensor& logits, int64_t at, DLDevice dev) {
+// Each row's argmax at position `at` of logits [B, S, V] (float32), on the host, as [B, 1] int64 on `dev`.
+tvm::ffi::Tensor HostArgmax(const tvm::ffi::Tensor& device_logits, int64_t at, DLDevice dev) {
+  tvm::ffi::Tensor logits = ToHost(device_logits);
   DLDataType dt = logits.dtype();
   if (dt.code != kDLFloat || dt.bits != 32) throw std::runtime_error("the logits are not float32 (and no sampler)");
   int64_t batch = logits.shape()[0], seq = logits.shape()[1], vocab = logits.shape()[2];
-  tvm::ffi::Tensor next = Empty({batch, 1}, DLDataType{kDLInt, 64, 1}, dev);
+  tvm::ffi::Tensor next = HostZeros({batch, 1}, DLDataType{kDLInt, 64, 1});
   for (int64_t b = 0; b < batch; ++b) {
     const float* row = static_cast<const float*>(logits.data_ptr()) + (b * seq + at) * vocab;
     int64_t best = 0;
     for (int64_t v = 1; v < vocab; ++v) best = row[v] > row[best] ? v : best;
     static_cast<int64_t*>(next.data_ptr())[b] = best;
   }
-  return next;
+  return ToDevice(next, dev);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::map<std::string, std::string> opt{{"--dtype", "float32"}, {"--batch", "1"}};
+  std::map<std::string, std::string> opt{{"--dtype", "float32"}, {"--batch", "1"}, {"--device", "cpu"}};
   for (int i = 2; i + 1 < argc; i += 2) opt[argv[i]] = argv[i + 1];
   for (const char* key : {"--caches", "--capacity", "--kv-heads", "--head-dim", "--ids", "--new-tokens"}) {
     if (argc < 2 || !opt.count(key)) {
       std::cerr << "usage: " << argv[0] << " MODEL.so --caches N --capacity C --kv-heads H --head-dim D "
-                << "--ids 1,2,3 --new-tokens T [--dtype float32|float16|bfloat16] [--batch B] [--weights DIR]\n";
+                << "--ids 1,2,3 --new-tokens T [--dtype float32|float16|bfloat16] [--batch B] [--weights DIR] "
+                << "[--device cpu|cuda]\n";
       return 2;
     }
   }
@@ -102,16 +110,18 @@ int main(int argc, char** argv) {
                 << " positions; the cache holds " << capacity << " (and --batch, --new-tokens must be >= 1)\n";
       return 2;
     }
-    DLDevice dev{kDLCPU, 0};
+    DLDevice dev = ParseDevice(opt["--device"]);
+    LoadDeviceRuntime(dev);
     tvm::ffi::Module lib = tvm::ffi::Module::LoadFromFile(argv[1]);
     tvm::ffi::Module vm = lib->GetFunction("vm_load_executable").value()().cast<tvm::ffi::Module>();
-    vm->GetFunction("vm_initialization").value()(static_cast<int>(dev.device_type), dev.device_id,
-                                                   kPooledAllocator);
+    StartVM(vm, dev);
     tvm::ffi::Function step = vm->GetFunction("main").value();
     tvm::ffi::Optional<tvm::ffi::Function> greedy = vm->GetFunction("greedy_tokens");
     std::cerr << "sampler: " << (greedy.has_value() ? "greedy_tokens (the export's)" : "the host's argmax") << "\n";
     std::vector<tvm::ffi::Tensor> cache;  // created once: zeros, [capacity, batch, kv heads, head dim]
-    for (int64_t i = 0; i < caches; ++i) cache.push_back(Empty({capacity, batch, heads, dim}, dtype, dev));
+    for (int64_t i = 0; i < caches; ++i) {
+      cache.push_back(ToDevice(HostZeros({capacity, batch, heads, dim}, dtype), dev));
+    }
     std::vector<tvm::ffi::Tensor> weights;
     if (opt.count("--weights")) weights = LoadWeights(opt["--weights"], dev);
 
@@ -132,7 +142,8 @@ int main(int argc, char** argv) {
     std::vector<std::vector<int64_t>> tokens(batch);
     tvm::ffi::Tensor next = run(Rows(prompt, batch, dev), 0);  // prefill: the prompt at past_len 0 fills the caches
     for (int64_t i = 0; i < new_tokens; ++i) {
-      for (int64_t b = 0; b < batch; ++b) tokens[b].push_back(static_cast<const int64_t*>(next.data_ptr())[b]);
+      tvm::ffi::Tensor ids = ToHost(next);  // the step's ids, read on the host (waits for the device)
+      for (int64_t b = 0; b < batch; ++b) tokens[b].push_back(static_cast<const int64_t*>(ids.data_ptr())[b]);
       if (i + 1 < new_tokens) next = run(next, length + i);  // the ids [batch, 1] as the step returned them
     }
     for (const std::vector<int64_t>& row : tokens) {

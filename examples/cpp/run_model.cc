@@ -1,7 +1,9 @@
-// Load a tvmfuse export (model.so) with the TVM C++ runtime, run its Relax VM `main` on CPU, print outputs.
+// Load a tvmfuse export (model.so) with the TVM C++ runtime, run its Relax VM `main`, print outputs.
 //
-//   run_model MODEL.so [--weights DIR] INPUT.bin DIMS [INPUT.bin DIMS ...]
+//   run_model MODEL.so [--device cpu|cuda] [--weights DIR] INPUT.bin DIMS [INPUT.bin DIMS ...]
 //
+// --device: where the export runs, its manifest's target (cpu, the default, for llvm; cuda): the inputs are copied
+// there and the outputs back.
 // --weights DIR: an export whose weights are outside the library (manifest "weights": "tvm-tensor-cache"; DIR is
 // its weights/ folder): the TVM runtime's tensor cache loads them (vm.builtin.tensor_cache.load) and they are
 // passed to `main` after the inputs, in the order param_0, param_1, ... (check their sha256 against the
@@ -32,8 +34,12 @@
 namespace {
 
 using tvmfuse_example::CPUAlloc;
-using tvmfuse_example::kPooledAllocator;
+using tvmfuse_example::LoadDeviceRuntime;
 using tvmfuse_example::LoadWeights;
+using tvmfuse_example::ParseDevice;
+using tvmfuse_example::StartVM;
+using tvmfuse_example::ToDevice;
+using tvmfuse_example::ToHost;
 
 std::vector<int64_t> ParseDims(const std::string& text) {
   std::vector<int64_t> dims;
@@ -59,13 +65,14 @@ tvm::ffi::Tensor ReadInput(const std::string& path, const std::vector<int64_t>& 
                              std::to_string(count * sizeof(float)) + " (float32)");
   }
   tvm::ffi::Tensor tensor = tvm::ffi::Tensor::FromNDAlloc(
-      CPUAlloc(), tvm::ffi::ShapeView(dims.data(), dims.size()), DLDataType{kDLFloat, 32, 1}, dev);
+      CPUAlloc(), tvm::ffi::ShapeView(dims.data(), dims.size()), DLDataType{kDLFloat, 32, 1}, DLDevice{kDLCPU, 0});
   f.seekg(0);
   f.read(static_cast<char*>(tensor.data_ptr()), size);  // little-endian float32, as the file is
-  return tensor;
+  return ToDevice(tensor, dev);
 }
 
-void PrintTensor(int index, const tvm::ffi::Tensor& t) {
+void PrintTensor(int index, const tvm::ffi::Tensor& device_tensor) {
+  tvm::ffi::Tensor t = ToHost(device_tensor);
   DLDataType dt = t.dtype();
   if (dt.code != kDLFloat || dt.bits != 32 || dt.lanes != 1) {
     throw std::runtime_error("output " + std::to_string(index) + " is not float32");
@@ -100,24 +107,24 @@ void PrintTensor(int index, const tvm::ffi::Tensor& t) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int first = 2;  // the first input argument
-  std::string weights_dir;
-  if (argc >= 4 && std::string(argv[2]) == "--weights") {
-    weights_dir = argv[3];
-    first = 4;
+  int first = 2;  // the first input argument, after the options
+  std::string weights_dir, device = "cpu";
+  while (first + 1 < argc && (std::string(argv[first]) == "--weights" || std::string(argv[first]) == "--device")) {
+    (std::string(argv[first]) == "--weights" ? weights_dir : device) = argv[first + 1];
+    first += 2;
   }
   if (argc < 2 || (argc - first) % 2 != 0) {
-    std::cerr << "usage: " << argv[0]
-              << " MODEL.so [--weights DIR] [INPUT.bin DIMS]...   (DIMS like 4,32; float32 files)\n";
+    std::cerr << "usage: " << argv[0] << " MODEL.so [--device cpu|cuda] [--weights DIR] [INPUT.bin DIMS]...   "
+              << "(DIMS like 4,32; float32 files)\n";
     return 2;
   }
   try {
-    DLDevice dev{kDLCPU, 0};
+    DLDevice dev = ParseDevice(device);
+    LoadDeviceRuntime(dev);
     tvm::ffi::Module lib = tvm::ffi::Module::LoadFromFile(argv[1]);
-    // The Relax VM: the executable inside the library, initialised for the device, then `main`.
+    // The Relax VM: the executable inside the library, started on the device, then `main`.
     tvm::ffi::Module vm = lib->GetFunction("vm_load_executable").value()().cast<tvm::ffi::Module>();
-    vm->GetFunction("vm_initialization").value()(static_cast<int>(dev.device_type), dev.device_id,
-                                                   kPooledAllocator);
+    StartVM(vm, dev);
     std::vector<tvm::ffi::Any> inputs;
     for (int i = first; i + 1 < argc; i += 2) inputs.emplace_back(ReadInput(argv[i], ParseDims(argv[i + 1]), dev));
     if (!weights_dir.empty()) {
@@ -132,6 +139,9 @@ int main(int argc, char** argv) {
       auto outputs = result.cast<tvm::ffi::Array<tvm::ffi::Tensor>>();
       for (size_t i = 0; i < outputs.size(); ++i) PrintTensor(static_cast<int>(i), outputs[i]);
     }
+  } catch (const std::invalid_argument& err) {  // a bad option value
+    std::cerr << "error: " << err.what() << "\n";
+    return 2;
   } catch (const std::exception& err) {
     std::cerr << "error: " << err.what() << "\n";
     return 1;
