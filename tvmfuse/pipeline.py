@@ -167,7 +167,7 @@ def kernels_phase(fused: Fused, target: tvm.target.Target, database: TuningDatab
     tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc, on_progress=on_progress,
                    say=log, make_check=VariantCheck)  # wrong knob sets, one line each
     outcomes: list = []
-    fused.mod = substitute(fused.mod, fused.kernel_patterns, target="cuda", log=outcomes, database=database)
+    fused.mod = substitute(fused.mod, fused.kernel_patterns, target=target, log=outcomes, database=database)
     for kernel, outcome in outcomes:
         log(f"{kernel}: {outcome}")
     fused.mod = apply_hopper_kernels(fused.mod, target, log)

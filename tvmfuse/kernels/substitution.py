@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tvm
 from tvm import relax, tirx
 
@@ -12,7 +13,7 @@ from tvmfuse.kernels.attention.common import Template, normalize
 from tvmfuse.isolation import TEMPLATE, reason, record
 from tvmfuse.kernels.table import TABLE
 from tvmfuse.prepare.opmath import exact_scalar
-from tvmfuse.records.knobs import best_knobs, failed_knobs
+from tvmfuse.records.knobs import best_knobs, failed_knobs, target_kind
 
 def templates(pattern_name: str) -> list[Template]:
     """The templates of a pattern, in the table's order."""
@@ -26,11 +27,12 @@ def lookup(pattern_name: str, shapes: dict) -> Template | None:
 
 
 def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
-                   target: str = "cuda", log: list | None = None) -> list[tuple]:
+                   target: "str | tvm.target.Target" = "cuda", log: list | None = None) -> list[tuple]:
     """(global var, kernel name, template, shapes, argument order) for each PrimFunc named in `patterns`
     ({primfunc: pattern}) whose argument roles, shapes and softmax scale are understood and that a registered
     template accepts. `info` ({primfunc: candidate info}) may give `scale`, `causal`; `log` collects
-    (primfunc, outcome) pairs, also for the kernels no template takes."""
+    (primfunc, outcome) pairs, also for the kernels no template takes. `target`: its kind's name, or the Target
+    (a CUDA target's arch then reaches the templates' checks as shapes["arch"])."""
     log = log if log is not None else []
     calls, sites = call_sites(mod), []
     for gv, fn in mod.functions.items():
@@ -63,7 +65,11 @@ def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, 
         shapes["scale"] = scale
         if shapes.get("mask") == "additive" and _all_zero(call, roles["order"].index("mask")):
             shapes["mask"] = "none"  # exporters write a constant zero mask where none was given: adding it is a no-op
-        shapes["target"] = "llvm" if str(target) == "llvm" else "cuda"
+        if shapes.get("mask") == "additive" and _causal_constant(call, roles["order"].index("mask"), shapes):
+            shapes.update(mask="none", causal=True)  # a static decoder's folded mask: the templates skip its tiles
+        shapes["target"] = target_kind(target)
+        if _arch(target):
+            shapes["arch"] = _arch(target)
         tmpl = lookup(pattern, shapes)
         if tmpl is None:
             reasons = "; ".join(f"{t.name}: {t.check(shapes)}" for t in templates(pattern))
@@ -74,7 +80,8 @@ def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, 
 
 
 def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict] | None = None,
-               knobs: dict[str, dict] | None = None, target: str = "cuda", log: list | None = None,
+               knobs: dict[str, dict] | None = None, target: "str | tvm.target.Target" = "cuda",
+               log: list | None = None,
                database=None) -> tvm.IRModule:
     """Replace each kernel a template takes (`template_sites`) by the template; everything else is left
     untouched. Knobs: `knobs` ({primfunc: knobs}) if given, else the best measured in `database`
@@ -92,7 +99,7 @@ def substitute(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, dict
                 continue
             why = f", measured knobs {chosen} ({us:.1f} us)" if chosen is not None else ", default knobs (none measured)"
         try:
-            rewrite[gv] = (name, tmpl(shapes, chosen, target).with_attr("global_symbol", name), perm)
+            rewrite[gv] = (name, tmpl(shapes, chosen, target_kind(target)).with_attr("global_symbol", name), perm)
         except Exception as err:  # noqa: BLE001  (a template that fails on a kernel: the generic kernel stays)
             record(name, TEMPLATE, f"{tmpl.name}: {reason(err)}")
             log.append((name, f"generic: template {tmpl.name} failed ({reason(err)})"))
@@ -120,6 +127,31 @@ def constant_value(arg):
     """The numpy value of a constant call argument, else None."""
     value = getattr(arg, "value", None)
     return value.numpy() if value is not None and hasattr(value, "numpy") else None
+
+
+def _arch(target) -> str:
+    """A CUDA target's arch (sm_90a, ...), or '' (a target given by its kind's name alone)."""
+    return str(target.attrs.get("arch", "")) if isinstance(target, tvm.target.Target) and target.kind.name == "cuda" \
+        else ""
+
+
+#: a mask value at or below this takes a key out of the softmax: exp(-1e4 + any score) is 0 in fp32
+MASKED_OUT = -1.0e4
+
+
+def _causal_constant(call, index: int, shapes: dict) -> bool:
+    """Whether the call's argument `index` is a constant [1, 1, S, S] mask that is causal: 0 on and below the
+    diagonal, masked out (MASKED_OUT or below, -inf included) above it. Static exports of decoders fold the causal
+    mask their graph builds into such a constant; no row of it is fully masked, so causal attention without it
+    computes what the graph does."""
+    value = constant_value(list(call.args[1].fields)[index])
+    if value is None or value.ndim != 4 or value.shape[:2] != (1, 1) or value.shape[2] != value.shape[3]:
+        return False
+    if shapes.get("seq_q") != shapes.get("seq_k") or str(value.shape[2]) != str(shapes.get("seq_q")):
+        return False
+    grid = value[0, 0].astype("float32")
+    above = np.triu(np.ones(grid.shape, dtype=bool), 1)
+    return bool((grid[~above] == 0).all() and (grid[above] <= MASKED_OUT).all())
 
 
 def _all_zero(call, index: int) -> bool:

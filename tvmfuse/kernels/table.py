@@ -10,6 +10,7 @@ from typing import Callable
 from tvmfuse.kernels.attention.common import Template
 from tvmfuse.kernels.attention.decode import TEMPLATE as ATTENTION_DECODE
 from tvmfuse.kernels.attention.prefill import TEMPLATE as ATTENTION_PREFILL
+from tvmfuse.kernels.attention.prefill_wgmma import TEMPLATE as ATTENTION_PREFILL_WGMMA
 from tvmfuse.kernels.attention.roles import attention_roles
 from tvmfuse.kernels.attention.step import TEMPLATE as ATTENTION_STEP
 
@@ -25,7 +26,9 @@ class TemplateEntry:
 
 
 #: pattern name -> its row: attention's role analysis; decode (one query row), then the step (a symbolic query
-#: length: decode or prefill at run time), then prefill
+#: length: decode or prefill at run time), then prefill: on sm_90a the wgmma template, else (and wherever it refuses
+#: the shapes) the mma.sync one
 TABLE = {
-    "tvmfuse.attention": TemplateEntry(attention_roles, (ATTENTION_DECODE, ATTENTION_STEP, ATTENTION_PREFILL)),
+    "tvmfuse.attention": TemplateEntry(attention_roles, (ATTENTION_DECODE, ATTENTION_STEP, ATTENTION_PREFILL_WGMMA,
+                                                         ATTENTION_PREFILL)),
 }

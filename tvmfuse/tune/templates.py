@@ -49,7 +49,7 @@ def tune_templates(mod: tvm.IRModule, patterns: dict[str, str], target: tvm.targ
     failed, not timed, and `say` gets one line for it."""
     progress: dict[str, TaskProgress] = {}
     say = say or (lambda _line: None)
-    for gv, name, tmpl, shapes, perm in template_sites(mod, patterns, info, target_kind(target)):
+    for gv, name, tmpl, shapes, perm in template_sites(mod, patterns, info, target):
         if trials > 0 and symbolic(normalize(shapes)):
             say(f"{name}: {tmpl.name} knobs not measured (symbolic sizes: no inputs to time it on); default knobs")
             continue

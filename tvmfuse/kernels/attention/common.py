@@ -56,8 +56,9 @@ class Template:
         return fn.with_attr("tvmfuse.template", self.key(s, target)).with_attr("tvmfuse.knobs", knob_key(knobs))
 
     def key(self, shapes: dict, target: str = "cuda") -> str:
-        """The template and its shapes, as stored on every variant: records of one kernel share it."""
-        s = {k: v for k, v in normalize(shapes).items() if k != "target"}
+        """The template and its shapes, as stored on every variant: records of one kernel share it (the target's kind
+        and arch, which `template_sites` adds to the shapes for the checks, are not part of it)."""
+        s = {k: v for k, v in normalize(shapes).items() if k not in ("target", "arch")}
         return json.dumps({"template": self.name, "target": "llvm" if str(target) == "llvm" else "cuda",
                            "shapes": s}, sort_keys=True, default=str)
 

@@ -1,0 +1,289 @@
+"""tvmfuse.kernels.attention.prefill_wgmma and prefill_wgmma_kernel: the Hopper prefill attention template (TMA,
+wgmma, P in registers), its checks and knob space, its CUDA source, and the sites it takes in exported models."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import ml_dtypes  # noqa: F401  (numpy's "bfloat16" dtype)
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvmfuse.kernels import ATTENTION_PREFILL, ATTENTION_PREFILL_WGMMA, template_sites
+from tvmfuse.kernels.attention.common import normalize
+from tvmfuse.kernels.attention.prefill_wgmma import MAX_SMEM, default_knobs, knob_space, smem_bytes
+from tvmfuse.kernels.attention.prefill_wgmma_kernel import tma_map
+from tvmfuse.kernels.hopper.gemm_bench import hopper_target
+from tvmfuse.kernels.substitution import _causal_constant
+
+BASE = dict(batch=1, heads=4, kv_heads=2, seq_q=256, seq_k=256, head_dim=128, dtype="float16", causal=True,
+            arch="sm_90a")
+
+
+def _ref(q, k, v, causal):
+    """softmax(Q K^T / sqrt(d)) V on [B,H,S,D] arrays in fp32 (K and V heads repeated for GQA)."""
+    kk, vv = (np.repeat(x, q.shape[1] // x.shape[1], 1).astype("f4") for x in (k, v))
+    s = q.astype("f4") @ kk.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ vv
+
+
+def _source(s: dict, knobs: dict | None = None) -> str:
+    fn = ATTENTION_PREFILL_WGMMA(s, knobs)
+    ex = tvm.compile(tvm.IRModule({"main": fn}), target=hopper_target(), tir_pipeline="tirx")
+    return ex.mod.imports[0].inspect_source()
+
+
+def _nvcc(src: str) -> bytes:
+    with hopper_target():
+        return tvm.support.nvcc.compile_cuda(src, "fatbin", compiler="nvcc")
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(arch="sm_90"), "needs sm_90a"),
+    (dict(arch=None), "needs sm_90a"),
+    (dict(dtype="float32"), "fp16/bf16"),
+    (dict(q_dtype="float32"), "fp16/bf16 Q, K and V of one dtype"),
+    (dict(head_dim=96), "head_dim 96 is not 64 or 128"),
+    (dict(causal=False, mask="additive", mask_shape=(1, 1, 256, 256)), "an additive mask"),
+    (dict(seq_q="seq", seq_k="seq"), "symbolic sizes"),
+    (dict(kv_heads=3), "must divide"),
+    (dict(seq_k=300), "causal needs seq_q == seq_k"),
+    (dict(seq_q=32, seq_k=32), "below one 64-row tile"),
+])
+def test_check_says_why_it_refuses(change, reason):
+    """Every shape it refuses gets a reason (the mma.sync template, tried next, takes them); fp16 and bf16 with
+    GQA, head dims 64 and 128 and each stored layout pass."""
+    s = {k: v for k, v in dict(BASE, **change).items() if v is not None}
+    assert reason in (ATTENTION_PREFILL_WGMMA.check(s) or ""), ATTENTION_PREFILL_WGMMA.check(s)
+    for ok in (BASE, dict(BASE, dtype="bfloat16", head_dim=64, causal=False, seq_k=1000),
+               dict(BASE, q_layout="BSHD", k_layout="SBHD", v_layout="BSHD", out_layout="BSHD")):
+        assert ATTENTION_PREFILL_WGMMA.check(ok) is None
+
+
+def test_knob_space_fits_shared_memory_and_the_default_is_fa3s_tile():
+    """Every knob set fits MAX_SMEM and the register rule; head dim 128 defaults to two consumers x 128 keys x 2
+    stages (160 KB), head dim 64 too; three stages of 176 keys at head dim 128 do not fit."""
+    for d in (64, 128):
+        s = normalize(dict(BASE, head_dim=d))
+        space = knob_space(s)
+        assert space and all(smem_bytes(s, k) <= MAX_SMEM for k in space)
+        assert default_knobs(s) == {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 1} == space[0]
+    s = normalize(BASE)
+    assert smem_bytes(s, default_knobs(s)) == 160 * 1024
+    assert {"consumers": 2, "block_n": 176, "stages": 3, "setmaxnreg": 1, "overlap": 1} not in knob_space(s)
+
+
+def test_tma_maps_address_each_layout_in_place():
+    """4-D maps, innermost first, byte strides; boxes of 64 head-dim elements x the tile's rows along the sequence
+    axis of each layout; coordinates in the same order."""
+    args, at = tma_map("BHSD", 2, 8, 512, 128, 128)
+    assert args[:4] == [128, 512, 8, 2] and args[4:7] == [256, 256 * 512, 256 * 512 * 8] and args[7:11] == [64, 128, 1, 1]
+    assert at("b", "h", "s", 64) == [64, "s", "h", "b"]
+    args, at = tma_map("BSHD", 2, 8, 512, 128, 64)
+    assert args[:4] == [128, 8, 512, 2] and args[7:11] == [64, 1, 64, 1] and at("b", "h", "s", 0) == [0, "h", "s", "b"]
+    args, at = tma_map("SBHD", 2, 8, 512, 64, 128)
+    assert args[:4] == [64, 8, 2, 512] and args[7:11] == [64, 1, 1, 128] and at("b", "h", "s", 0) == [0, "h", "b", "s"]
+    assert args[-4:] == [0, 3, 3, 0]  # 128-byte swizzle: the layout the wgmma descriptors name
+
+
+KERNELS = [  # shapes, knobs, (TMA panels per tile, masked softmax emitted)
+    (BASE, None, 2, True),
+    (dict(BASE, causal=False), None, 2, False),  # static, tiles divide: no score is tested
+    (dict(BASE, causal=False, seq_k=200, head_dim=64, dtype="bfloat16"), {"consumers": 1, "block_n": 64, "stages": 3,
+                                                                          "setmaxnreg": 0, "overlap": 0}, 1, True),
+    (dict(BASE, q_layout="BSHD", k_layout="BSHD", v_layout="BSHD", out_layout="BSHD", heads=8, kv_heads=8),
+     {"consumers": 2, "block_n": 176, "stages": 2, "setmaxnreg": 1, "overlap": 1}, 2, True),
+]
+
+
+@pytest.mark.parametrize("s,knobs,panels,masked", KERNELS, ids=["causal", "plain", "ragged_bf16", "bshd_176"])
+def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked):
+    """Q, K and V arrive by 4-D TMA (one copy per 64-wide panel each); S = Q K^T is the shared-memory form of wgmma
+    whose first k-step overwrites S; P V takes P from registers (four 32-bit A registers) and V transposed
+    (MN-major); the masked softmax exists only where a tile can cross the diagonal or run past L; with two
+    consumers the loader gives its registers up; overlapped, tile j's S is waited for while tile j - 1's P V may still
+    run (wait_group 1). nvcc compiles it for sm_90a."""
+    s = normalize(s)
+    knobs = knobs or default_knobs(s)
+    src = _source(s, knobs)
+    ab = "bf16" if s["dtype"] == "bfloat16" else "f16"
+    bn, d = knobs["block_n"], s["head_dim"]
+    assert src.count("cp_async_bulk_tensor_g2s_cluster_async_bulk_tensor_4d_shared__cluster_global_mbarrier__complete"
+                     "_tx__bytes(tvm_builtin_cuda_cvta") == 3 * panels
+    ss = f"wgmma_{ab}_ss_mma_async_sync_aligned_m64n{bn}k16_f32_{ab}_{ab}_1_1_0_0("
+    rs = f"wgmma_{ab}_rs_mma_async_sync_aligned_m64n{d}k16_f32_{ab}_{ab}_1_1_1("
+    copies = 2 if knobs["overlap"] else 1  # overlapped: S issued before the loop and in it, P V in it and after it
+    assert src.count(ss) == copies * d // 16 + 1 and src.count(rs) == copies * bn // 16 + 1  # + the helper
+    assert src.count(", (bool)0);") == copies  # the first of the d // 16 k-steps of S
+    assert src.count("tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_1();") == (1 if knobs["overlap"] else 0)
+    pack = "tvmfuse_pack_bf162(" if ab == "bf16" else "tvmfuse_pack_half2("
+    assert src.count(pack) >= bn // 4
+    assert (src.count("-0x1.93e5939a08ceap+99f") > 2) == masked  # a score the row must not see -> NEG (2: m's start)
+    assert ("setmaxnreg_inc_sync_aligned_u32_232" in src) == bool(knobs["setmaxnreg"])
+    assert f"__launch_bounds__({128 * (1 + knobs['consumers'])})" in src
+    if shutil.which("nvcc"):
+        assert len(_nvcc(src)) > 1000
+
+
+def test_causal_constant_is_recognised_only_when_exactly_causal():
+    """A folded [1, 1, S, S] mask with 0 on and below the diagonal and -inf (or finfo.min) above is causal; a 0
+    above, a -inf below, a batch axis, a non-square mask or other sizes are not."""
+    n = 8
+    causal = np.triu(np.full((n, n), -np.inf, "float32"), 1)[None, None]
+
+    def call(array):
+        return relax.Call(relax.ExternFunc("f"), [relax.ExternFunc("g"), relax.Tuple([relax.const(array)])])
+
+    shapes = {"seq_q": n, "seq_k": n}
+    assert _causal_constant(call(causal), 0, shapes)
+    assert _causal_constant(call(np.maximum(causal, np.finfo("float32").min)), 0, shapes)
+    assert _causal_constant(call(np.maximum(causal, -65504).astype("float16")), 0, shapes)
+    for bad in (np.where(np.isinf(causal), -1.0, 0.0).astype("float32"),  # -1 above: not masked out
+                np.where(np.eye(n, dtype=bool), -np.inf, causal).astype("float32"),  # the diagonal masked
+                np.concatenate([causal, causal]),  # a batch axis
+                causal[..., :-1]):
+        assert not _causal_constant(call(bad), 0, shapes)
+    assert not _causal_constant(call(causal), 0, {"seq_q": n, "seq_k": n + 1})
+
+
+@pytest.fixture(scope="module")
+def decoder_exports(tmp_path_factory):
+    """bench/hf_models.py's static prefill exports (seq 128) of a tiny GPT-2 (2 heads of 64) and a tiny GQA Llama
+    (2 heads of 64 over 1 KV head)."""
+    pytest.importorskip("transformers")
+    import torch
+    import transformers as tf
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import hf_models as hm  # pylint: disable=import-outside-toplevel
+
+    folder, paths = tmp_path_factory.mktemp("wgmma_att"), {}
+    torch.manual_seed(0)
+    for name, model in (
+            ("gpt2", tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=128, n_layer=1, n_head=2, n_positions=128,
+                                                      vocab_size=128))),
+            ("llama", tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                                         num_attention_heads=2, num_key_value_heads=1,
+                                                         vocab_size=128, max_position_embeddings=128)))):
+        paths[name] = str(folder / f"{name}.onnx")
+        hm.export(hm.wrap(model.eval(), "prefill_512"), hm.inputs(name, model, {"batch": 1, "seq": 128, "kv_len": 0}),
+                  paths[name])
+    return paths
+
+
+def _fused(path: str, target):
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.frontend.importer import import_model, load_onnx
+    from tvmfuse.fuse.fusion import lower
+    from tvmfuse.prepare import prepare_module
+
+    bound = prepare_module(import_model(load_onnx(path), {}), "fp16")
+    return lower(bound, plan=decide(bound, target))
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_static_decoders_attention_is_causal_and_takes_the_wgmma_template_on_sm_90a(decoder_exports, model):
+    """The exports' folded causal mask becomes causal attention without a mask parameter; on an sm_90a target the
+    wgmma template takes the kernel, on an sm_90 one (and with the kind's name alone) the mma.sync template."""
+    from tvmfuse.targets import resolve_target
+
+    fused = _fused(decoder_exports[model], resolve_target("cuda"))
+    sites = template_sites(fused.mod, fused.kernel_patterns, target=hopper_target())
+    assert [(site[2].name, site[3]["causal"], site[3]["mask"]) for site in sites] == [
+        ("attention_prefill_wgmma", True, "none")]
+    assert len(sites[0][4]) == 3  # q, k, v: the mask is no argument any more
+    if model == "llama":
+        assert (sites[0][3]["heads"], sites[0][3]["kv_heads"]) == (2, 1)
+    sm90 = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    for target in (sm90, "cuda"):
+        (site,) = template_sites(fused.mod, fused.kernel_patterns, target=target)
+        assert site[2] is ATTENTION_PREFILL and site[3]["causal"]
+
+
+def test_cli_export_runs_the_wgmma_attention_kernel(decoder_exports, tmp_path, capsys):
+    """`tune.py --target cuda --trials 0` on the GPT-2 export: the manifest names the attention kernel's schedule
+    as the TIRx kernel and the log says which template took it (verification needs a GPU: skipped here, run on
+    it by the GPU test below)."""
+    import json
+
+    from tvmfuse.cli.tune import main
+
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a GPU (the job would verify and time on it: the GPU test below)")
+    rc = main(["--target", "cuda", "--trials", "0", "--dtype", "fp16", "--out", str(tmp_path / "o"), "--logs",
+               str(tmp_path / "l"), decoder_exports["gpt2"]])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "template attention_prefill_wgmma, default knobs" in out
+    (manifest,) = list((tmp_path / "o").glob("*/manifest.json"))
+    kinds = {k["pattern"]: k["schedule"] for k in json.loads(manifest.read_text())["kernels"]}
+    assert kinds["tvmfuse.attention"] == "wgmma_attention (TIRx kernel)"
+
+
+GPU_SHAPES = [
+    dict(BASE),
+    dict(BASE, causal=False, seq_k=200),  # ragged L: TMA's zero rows weigh nothing
+    dict(BASE, head_dim=64, heads=8, kv_heads=8, causal=False, seq_q=192, seq_k=320),  # ragged query tiles
+    dict(BASE, q_layout="BSHD", k_layout="BSHD", v_layout="BSHD", out_layout="BSHD", seq_q=384, seq_k=384),
+]
+
+
+def _each_knob_value(s: dict) -> list[dict]:
+    """The default knob set, and for every other value of every knob the set of the space closest to the default
+    with it: each value runs on the GPU without building all of the space (up to 40 sets)."""
+    space, base = knob_space(s), default_knobs(s)
+    chosen = [base]
+    for key in base:
+        for value in sorted({k[key] for k in space} - {base[key]}):
+            best = min((k for k in space if k[key] == value), key=lambda k: sum(k[x] != base[x] for x in base))
+            chosen += [best] if best not in chosen else []
+    return chosen
+
+
+def _stored(x, layout):
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3) if layout == "BSHD" else x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", range(len(GPU_SHAPES)), ids=["causal", "ragged_k", "d64_ragged_q", "bshd"])
+def test_every_knob_set_matches_numpy_on_the_gpu(shape, dtype):
+    """The default knob set and every other value of each knob (`_each_knob_value`) against fp32 numpy: causal and not, GQA, ragged sizes,
+    BSHD in place."""
+    s = normalize(dict(GPU_SHAPES[shape], dtype=dtype))
+    rng, dev = np.random.default_rng(shape), tvm.cuda(0)
+    B, H, HKV, SQ, L, D = (s[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim"))
+    q, k, v = (rng.standard_normal(sh).astype(dtype) for sh in ((B, H, SQ, D), (B, HKV, L, D), (B, HKV, L, D)))
+    want = _ref(q, k, v, s["causal"])
+    args = [tvm.runtime.tensor(_stored(x, s[f"{r}_layout"]), dev) for r, x in (("q", q), ("k", k), ("v", v))]
+    tol = 2e-2 if dtype == "bfloat16" else 4e-3
+    for knobs in _each_knob_value(s):
+        lib = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL_WGMMA(s, knobs)}), target=hopper_target(),
+                          tir_pipeline="tirx")
+        out = tvm.runtime.tensor(np.full(_stored(want, s["out_layout"]).shape, np.nan, dtype), dev)
+        lib["main"](*args, out)
+        got = out.numpy().astype("f4")
+        got = got.transpose(0, 2, 1, 3) if s["out_layout"] == "BSHD" else got
+        assert np.abs(got - want).max() < tol, knobs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_exported_decoders_verify_against_onnxruntime_on_the_gpu(decoder_exports, model, tmp_path):
+    """The product path on the H200: the export with the wgmma attention kernel verifies against onnxruntime."""
+    from tvmfuse.jobs import Job
+    from tvmfuse.pipeline import run_job
+    from tvmfuse.targets import resolve_target
+
+    said = []
+    result = run_job(Job(model, decoder_exports[model], trials=0, dtype="fp16"), resolve_target("cuda"),
+                     str(tmp_path / "out"), str(tmp_path / "logs"), say=said.append, schedules=None)
+    assert result.ok and result.verification.startswith("ok"), (result.error, result.verification, said[-20:])
+    assert any("template attention_prefill_wgmma" in line for line in said), said

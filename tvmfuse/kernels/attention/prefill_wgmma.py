@@ -1,0 +1,67 @@
+"""Hopper prefill attention template (sm_90a): TMA loads, wgmma GEMMs, the online softmax in registers
+(`prefill_wgmma_kernel.py`); its shape check, knob space and default knobs. The table tries it before the mma.sync
+prefill template, which keeps every shape this one refuses."""
+
+from __future__ import annotations
+
+from tvmfuse.kernels.attention.common import Template, q_dtype, symbolic
+from tvmfuse.kernels.attention.prefill_wgmma_kernel import PANEL, wgmma_attention
+
+MAX_SMEM = 220 * 1024  # bytes a knob set may take (the H200 gives a CTA up to 227 KB)
+
+
+def smem_bytes(s: dict, knobs: dict) -> int:
+    """Shared memory: the Q tile (64 rows a consumer) and `stages` K and V tiles of block_n rows, 2-byte elements."""
+    return 2 * s["head_dim"] * (64 * knobs["consumers"] + 2 * knobs["stages"] * knobs["block_n"])
+
+
+def check(s: dict) -> str | None:
+    if s.get("arch") != "sm_90a":
+        return "needs sm_90a (TMA and wgmma)"
+    if s["dtype"] not in ("float16", "bfloat16") or q_dtype(s) != s["dtype"]:
+        return f"fp16/bf16 Q, K and V of one dtype only (TMA copies them as stored; got {q_dtype(s)} x {s['dtype']})"
+    if s["head_dim"] not in (PANEL, 2 * PANEL):
+        return f"head_dim {s['head_dim']} is not 64 or 128"
+    if s["mask"] == "additive":
+        return "an additive mask (the mma.sync template votes on its tiles)"
+    if symbolic(s):
+        return "symbolic sizes (static shapes only)"
+    if s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:
+        return "K and V heads must divide query heads"
+    if s["causal"] and s["seq_q"] != s["seq_k"]:
+        return "causal needs seq_q == seq_k"
+    if s["seq_q"] < 64:
+        return f"seq_q={s['seq_q']} is below one 64-row tile"
+    if not knob_space(s):
+        return f"no knob set fits head_dim {s['head_dim']} in {MAX_SMEM} bytes of shared memory"
+    return None
+
+
+def knob_space(s: dict) -> list[dict]:
+    """consumers (computing warpgroups, 64 query rows each: 1 or 2), block_n (keys a tile: 64, 128, 176; wgmma's N
+    and the S accumulators a thread holds, block_n / 2), stages (K/V tiles in flight: 2 or 3), setmaxnreg (with two
+    consumers: the loading warpgroup gives its registers to them, 40 and 232 a thread), overlap (1: tile j's S = Q K^T
+    is issued with tile j - 1's P V, and j's softmax runs while P V does, FlashAttention-3's intra-warpgroup
+    pipelining; 0: each tile's GEMMs and softmax in turn)."""
+    space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov}
+             for ov in (1, 0) for c in (2, 1) for n in (128, 64, 176) for st in (2, 3)
+             for r in ((1, 0) if c == 2 else (0,))]
+    return [k for k in space if smem_bytes(s, k) <= MAX_SMEM
+            and k["block_n"] // 2 + s["head_dim"] // 2 <= 192]  # S and O accumulators: registers a thread
+
+
+def default_knobs(s: dict) -> dict:
+    """Two consumers (128 query rows a CTA), 128 keys a tile, two stages, the GEMMs overlapped with the softmax:
+    FlashAttention-3's tile for head dim 128; the first valid knob set where that does not fit."""
+    space = knob_space(s)
+    return (space or [{"consumers": 1, "block_n": 64, "stages": 2, "setmaxnreg": 0, "overlap": 0}])[0]
+
+
+def build(s: dict, knobs: dict, target: str = "cuda"):
+    """The CUDA kernel (the template has no CPU variant: check refuses every target but sm_90a)."""
+    if target == "llvm":
+        raise ValueError("attention_prefill_wgmma has no CPU variant")
+    return wgmma_attention(s, knobs)
+
+
+TEMPLATE = Template("attention_prefill_wgmma", build, check, knob_space, default_knobs)

@@ -1,0 +1,297 @@
+"""Hopper prefill attention kernel (sm_90a) in TIRx: Q, K and V tiles by TMA into a shared-memory ring guarded by
+mbarriers, S = Q K^T and O += P V on wgmma with fp32 accumulators, the online softmax in registers.
+
+One CTA: a loading warpgroup (one thread issues every TMA copy) and `consumers` computing warpgroups of 64 query rows
+each, which read the same K/V stages. S comes from shared memory by descriptors (Q and K both K-major, 128-byte
+swizzled as TMA writes them); P stays in registers, where the fp32 accumulator layout of S is the A-fragment layout of
+the next wgmma (FlashAttention-3's identity), so only V is read from shared memory for P V, as an MN-major operand
+(`trans_b`). Causal tiles past the diagonal are never loaded; only the tiles that cross it (and the last, ragged one)
+test each score."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, tshape
+from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
+from tvmfuse.kernels.hopper.wgmma_gemm import CONSUMER_REGS, FENCE_SRC, LOADER_REGS, PAIR_STORES, TIRX_ATTR
+
+#: keeps the compiler from reusing a P fragment register while the wgmma that reads it is in flight
+FENCE_U32_SRC = ('__device__ __forceinline__ void tvmfuse_fence_u32(unsigned& r) '
+                 '{ asm volatile("" : "+r"(r) :: "memory"); }')
+#: (helper, source) per dtype: two fp32 probabilities rounded into one 32-bit A-fragment register, the first in the
+#: low half (the lower column, as wgmma reads it)
+PACKS = {
+    "float16": ("tvmfuse_pack_half2", "__device__ __forceinline__ unsigned tvmfuse_pack_half2(float a, float b) "
+                "{ __half2 h = __floats2half2_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }"),
+    "bfloat16": ("tvmfuse_pack_bf162", "__device__ __forceinline__ unsigned tvmfuse_pack_bf162(float a, float b) "
+                 "{ __nv_bfloat162 h = __floats2bfloat162_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }")}
+TMA_4D = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+PANEL = 64  # elements of head dim per 128-byte swizzled shared-memory row (one TMA box, one wgmma K-major atom)
+
+
+def tma_map(layout: str, batch: int, heads: int, seq: int, dim: int, rows: int):
+    """The 4-D tensor map of a [B, H, S, D] tensor stored in `layout` (dims innermost first): the arguments of
+    `runtime.cuTensorMapEncodeTiled` after the pointer (box: 64 elements of D x `rows` positions, 128-byte swizzle,
+    zeros past the ends), and coords(b, h, pos, d0) -> the box's coordinates."""
+    order = {"BHSD": "dshb", "BSHD": "dhsb", "SBHD": "dhbs"}[layout]
+    size = {"d": dim, "s": seq, "h": heads, "b": batch}
+    dims = [size[x] for x in order]
+    strides, run = [], 2
+    for extent in dims[:-1]:
+        run *= extent
+        strides.append(run)
+    box = [PANEL if x == "d" else rows if x == "s" else 1 for x in order]
+    args = [*dims, *strides, *box, 1, 1, 1, 1, 0, 3, 3, 0]  # no interleave, 128B swizzle, 256B L2 promotion, zero fill
+
+    def coords(b, h, pos, d0):
+        return [{"d": d0, "s": pos, "h": h, "b": b}[x] for x in order]
+
+    return args, coords
+
+
+def wgmma_attention(s: dict, knobs: dict):
+    """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
+    stages, setmaxnreg, overlap)."""
+    B, H, HKV, HV = s["batch"], s["heads"], s["kv_heads"], s["v_heads"]
+    SQ, L, D, dt, causal = s["seq_q"], s["seq_k"], s["head_dim"], s["dtype"], s["causal"]
+    G, GV = H // HKV, H // HV
+    C, BN, S, regs = knobs["consumers"], knobs["block_n"], knobs["stages"], bool(knobs.get("setmaxnreg", 0))
+    overlap = bool(knobs.get("overlap", 0))
+    BM, P = 64 * C, D // PANEL
+    QT, KT = ceil_div(SQ, BM), ceil_div(L, BN)
+    qs = float(s["scale"] * LOG2E)
+    ab = OPERAND_PTX[dt]
+    s_n, o_n = BN // 2, D // 2  # fp32 accumulators a thread holds: S (m64 x BN), O (m64 x D)
+    q_elems, kv_elems = BM * D, BN * D
+    mma_s = f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"
+    mma_o = f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"
+    pack, pack_src = PACKS[dt]
+    store, store_src = PAIR_STORES[dt]
+    lq, lk, lv, lo = s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
+    Q, K, V, O = (tirx.decl_buffer(tshape(lay, B, heads, n, D), dt, nm, data_alignment=16) for nm, lay, heads, n in
+                  (("q", lq, H, SQ), ("k", lk, HKV, L), ("v", lv, HV, L), ("out", lo, H, SQ)))
+    q_args, q_at = tma_map(lq, B, H, SQ, D, BM)
+    k_args, k_at = tma_map(lk, B, HKV, L, D, BN)
+    v_args, v_at = tma_map(lv, B, HV, L, D, BN)
+
+    def kv_tiles(qt):
+        """K/V tiles query tile qt reads: up to its last row's diagonal when causal, else all."""
+        return T.min(ceil_div((qt + 1) * BM, BN), KT) if causal else KT
+
+    def needs_mask(qt, jt):
+        """Whether tile jt has a score query tile qt must not see: it crosses the diagonal, or runs past L."""
+        cross = (jt + 1) * BN - 1 > qt * BM if causal else False
+        ragged = jt == KT - 1 if L % BN else False
+        return T.Or(cross, ragged) if causal and L % BN else cross if causal else ragged
+
+    def seen(row, col):
+        shown = col <= row if causal else None
+        inside = col < L if L % BN else None
+        both = [c for c in (shown, inside) if c is not None]
+        return both[0] if len(both) == 1 else T.And(both[0], both[1])
+
+    # fmt: off
+    @T.macro
+    def logits(sacc, st, qt, jt, cw, warp, lane, masked):
+        """S of tile jt -> base-2 probabilities in place (masked: the scores the rows must not see at NEG first),
+        the running max and the row sums rescaled; st: m0 m1 l0 l1 mx0 mx1 alpha0 alpha1 (rows lane / 4, + 8)."""
+        for i in T.unroll(2):
+            st[4 + i] = st[i]
+        for j in T.unroll(BN // 8):
+            for i in T.unroll(2):
+                for c in T.unroll(2):
+                    if masked:
+                        sacc[j * 4 + i * 2 + c] = T.Select(
+                            seen(qt * BM + cw * 64 + warp * 16 + lane // 4 + i * 8, jt * BN + j * 8 + lane % 4 * 2 + c),
+                            sacc[j * 4 + i * 2 + c] * T.float32(qs), T.float32(NEG))
+                    else:
+                        sacc[j * 4 + i * 2 + c] = sacc[j * 4 + i * 2 + c] * T.float32(qs)
+                    st[4 + i] = T.max(st[4 + i], sacc[j * 4 + i * 2 + c])
+        for i in T.unroll(2):
+            st[4 + i] = T.cuda.warp_max(st[4 + i], width=4)
+            st[6 + i] = T.exp2(st[i] - st[4 + i])
+            st[i] = st[4 + i]
+            st[2 + i] = st[2 + i] * st[6 + i]
+        for j in T.unroll(BN // 8):
+            for i in T.unroll(2):
+                for c in T.unroll(2):
+                    sacc[j * 4 + i * 2 + c] = T.exp2(sacc[j * 4 + i * 2 + c] - st[i])
+                    st[2 + i] = st[2 + i] + sacc[j * 4 + i * 2 + c]
+
+    @T.macro
+    def rescale_and_pack(sacc, o, st, pa):
+        """O times each row's alpha (its sum so far at the new max), and the probabilities as A fragments."""
+        for n in T.unroll(D // 8):
+            for i in T.unroll(2):
+                for c in T.unroll(2):
+                    o[n * 4 + i * 2 + c] = o[n * 4 + i * 2 + c] * st[6 + i]
+        for r in T.unroll(BN // 4):
+            pa[r] = T.cuda.func_call(pack, sacc[2 * r], sacc[2 * r + 1], source_code=pack_src, return_type="uint32")
+
+    @T.macro
+    def softmax(sacc, o, st, pa, qt, jt, cw, warp, lane):
+        """`logits` of tile jt, masked only where it crosses the diagonal or runs past L."""
+        if needs_mask(qt, jt):
+            logits(sacc, st, qt, jt, cw, warp, lane, True)
+        else:
+            logits(sacc, st, qt, jt, cw, warp, lane, False)
+
+    @T.macro
+    def fence(sacc, o, pa):
+        """The registers wgmma reads or writes, pinned: the compiler moves none of them across an in-flight group."""
+        for i in T.unroll(s_n):
+            T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
+        for i in T.unroll(o_n):
+            T.cuda.func_call("tvmfuse_fence_acc", o[i], source_code=FENCE_SRC)
+        for r in T.unroll(BN // 4):
+            T.cuda.func_call("tvmfuse_fence_u32", pa[r], source_code=FENCE_U32_SRC)
+
+    @T.macro
+    def issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw):
+        """S = Q K^T of tile jt (its K stage full), committed as one wgmma group: K-major Q and K, 16 of head dim a
+        step, 4 steps a 64-wide panel; the first step overwrites S."""
+        T.cuda.mbarrier_wait(T.address_of(k_full[jt % S]), jt // S % 2)
+        for kk in T.unroll(D // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_q), T.address_of(Qs[kk // 4 * BM * PANEL + cw * 64 * PANEL + kk % 4 * 16]), 1, 64, 3)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_k), T.address_of(Ks[jt % S, kk // 4 * BN * PANEL + kk % 4 * 16]), 1, 64, 3)
+            T.ptx[mma_s](*[sacc[i] for i in range(s_n)], desc_q, desc_k, kk > 0, 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def issue_pv(o, pa, Vs, v_full, desc_v, jt):
+        """O += P V of tile jt (its V stage full), committed as one wgmma group: P from registers, V MN-major, 16
+        keys (rows) a step, its 64-wide panels BN rows apart."""
+        T.cuda.mbarrier_wait(T.address_of(v_full[jt % S]), jt // S % 2)
+        for kk in T.unroll(BN // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_v), T.address_of(Vs[jt % S, kk * 16 * PANEL]), BN * PANEL * 2 // 16, 64, 3)
+            T.ptx[mma_o](*[o[i] for i in range(o_n)], pa[kk * 4], pa[kk * 4 + 1], pa[kk * 4 + 2], pa[kk * 4 + 3], desc_v, T.bool(True), 1, 1, 1)
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def release(empty, jt, lane):
+        """Every warp past its reads of tile jt's stage (lane 0 of each arrives): the loader may refill it."""
+        if lane == 0:
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[jt % S]))
+
+    @T.prim_func(check_well_formed=False)
+    def attention():
+        q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", q_map, dt, 4, Q.data, *q_args)
+        k_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", k_map, dt, 4, K.data, *k_args)
+        v_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", v_map, dt, 4, V.data, *v_args)
+
+        T.device_entry()
+        bid = T.cta_id([QT * B * H])
+        tx = T.thread_id([128 * (1 + C)])
+        arena = T.alloc_buffer((q_elems + 2 * S * kv_elems,), dt, scope="shared.dyn", align=1024)
+        Qs = T.decl_buffer((q_elems,), dt, data=arena.data, scope="shared.dyn")  # [panel, BM rows, 64]
+        Ks = T.decl_buffer((S, kv_elems), dt, data=arena.data, elem_offset=q_elems, scope="shared.dyn")
+        Vs = T.decl_buffer((S, kv_elems), dt, data=arena.data, elem_offset=q_elems + S * kv_elems, scope="shared.dyn")
+        q_full = T.alloc_shared((1,), "uint64")
+        k_full = T.alloc_shared((S,), "uint64")
+        v_full = T.alloc_shared((S,), "uint64")
+        empty = T.alloc_shared((S,), "uint64")
+        sacc = T.alloc_local((s_n,), "float32")
+        o = T.alloc_local((o_n,), "float32")
+        pa = T.alloc_local((BN // 4,), "uint32")
+        st = T.alloc_local((8,), "float32")
+        desc_q: T.uint64
+        desc_k: T.uint64
+        desc_v: T.uint64
+        qt = T.meta_var(QT - 1 - bid // (B * H))  # the longest causal rows first
+        b = T.meta_var(bid % (B * H) // H)
+        hd = T.meta_var(bid % H)
+        cw = T.meta_var(tx // 128 - 1)
+        warp = T.meta_var(tx % 128 // 32)
+        lane = T.meta_var(tx % 32)
+
+        if tx == 0:
+            T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[0]), T.uint32(1))
+            for i in T.unroll(S):
+                T.ptx.mbarrier.init.shared.b64(T.address_of(k_full[i]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(v_full[i]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[i]), T.uint32(4 * C))
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+        if tx < 128:
+            if regs:
+                T.ptx["setmaxnreg.dec.sync.aligned.u32"](LOADER_REGS)
+            if tx == 0:
+                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(q_elems * 2))
+                for p in T.unroll(P):
+                    T.ptx[TMA_4D](T.address_of(Qs[p * BM * PANEL]), T.address_of(q_map), *q_at(b, hd, qt * BM, p * PANEL), T.address_of(q_full[0]))
+                for jt in T.serial(kv_tiles(qt)):
+                    if jt >= S:
+                        T.cuda.mbarrier_wait(T.address_of(empty[jt % S]), (jt // S + 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(k_full[jt % S]), T.uint32(kv_elems * 2))
+                    for p in T.unroll(P):
+                        T.ptx[TMA_4D](T.address_of(Ks[jt % S, p * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, p * PANEL), T.address_of(k_full[jt % S]))
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(v_full[jt % S]), T.uint32(kv_elems * 2))
+                    for p in T.unroll(P):
+                        T.ptx[TMA_4D](T.address_of(Vs[jt % S, p * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, p * PANEL), T.address_of(v_full[jt % S]))
+        else:
+            if regs:
+                T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+            for i in T.unroll(o_n):
+                o[i] = T.float32(0)
+            for i in T.unroll(2):
+                st[i] = T.float32(NEG)
+                st[2 + i] = T.float32(0)
+            T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
+            if overlap:  # P V of tile jt - 1 runs on the tensor cores while the softmax of tile jt runs beside it
+                T.ptx.wgmma.fence.sync.aligned()
+                issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, 0, cw)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence(sacc, o, pa)
+                softmax(sacc, o, st, pa, qt, 0, cw, warp, lane)
+                rescale_and_pack(sacc, o, st, pa)
+                for jt in T.serial(1, kv_tiles(qt)):
+                    fence(sacc, o, pa)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw)
+                    issue_pv(o, pa, Vs, v_full, desc_v, jt - 1)
+                    T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
+                    for i in T.unroll(s_n):
+                        T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
+                    softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence(sacc, o, pa)
+                    release(empty, jt - 1, lane)
+                    rescale_and_pack(sacc, o, st, pa)
+                fence(sacc, o, pa)
+                T.ptx.wgmma.fence.sync.aligned()
+                issue_pv(o, pa, Vs, v_full, desc_v, kv_tiles(qt) - 1)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence(sacc, o, pa)
+                release(empty, kv_tiles(qt) - 1, lane)
+            else:  # each tile's S, softmax and P V in turn
+                for jt in T.serial(kv_tiles(qt)):
+                    fence(sacc, o, pa)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence(sacc, o, pa)
+                    softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
+                    rescale_and_pack(sacc, o, st, pa)
+                    fence(sacc, o, pa)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_pv(o, pa, Vs, v_full, desc_v, jt)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence(sacc, o, pa)
+                    release(empty, jt, lane)
+            for i in T.unroll(2):
+                st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
+            for n in T.unroll(D // 8):
+                for i in T.unroll(2):
+                    row = T.meta_var(qt * BM + cw * 64 + warp * 16 + lane // 4 + i * 8)
+                    if row < SQ:  # TVM drops the guard where the tiles divide seq_q
+                        T.cuda.func_call(store, T.address_of(O[at(lo, b, hd, row, n * 8 + lane % 4 * 2)]),
+                                         o[n * 4 + i * 2] / st[2 + i], o[n * 4 + i * 2 + 1] / st[2 + i],
+                                         source_code=store_src)
+    # fmt: on
+    return tirx.PrimFunc([Q, K, V, O], attention.body).with_attrs(
+        {"global_symbol": "main", "tirx.noalias": True, TIRX_ATTR: "wgmma_attention", "tirx.is_scheduled": True})
