@@ -13,6 +13,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORK = os.environ.get("TVMFUSE_BENCH_WORK", "/tmp/tvmfuse_attention_bench")  # the wgmma variants' libraries
 os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 CASES = [  # name, template, shapes, knob filter
@@ -37,6 +38,14 @@ CASES = [  # name, template, shapes, knob filter
       for b in (1, 16) for tag, sym, mask in (("_mask32", False, True), ("_symL", True, False),
                                               ("_symL_mask32", True, True))],
 ]
+# the Hopper template (attention_prefill_wgmma, sm_90a) at issue 25's shapes: causal and not, 2048 and 8192 tokens,
+# 32 heads of 128 and a GQA case with 8 KV heads, fp16 and bf16; the mma.sync template at 2048 beside it
+WGMMA_CASES = [
+    (f"prefill_wgmma_b1_h32{'kv8' if kv == 8 else ''}_s{n}_d128{'_causal' if causal else ''}_{tag}", "prefill_wgmma",
+     dict(batch=1, heads=32, kv_heads=kv, seq_q=n, seq_k=n, head_dim=128, dtype=dt, causal=causal))
+    for dt, tag in (("float16", "fp16"), ("bfloat16", "bf16")) for n in (2048, 8192) for causal in (True, False)
+    for kv in (32, 8) if kv == 32 or (causal and n == 8192)]
+CASES += WGMMA_CASES
 DECODE_SPLITS = {1: (16, 32), 16: (4, 8)}  # the decode knob sets measured: every warps/unroll at these splits
 LIKE = {"prefill_b1_h32_s2048_d128_causal_bf16": "prefill_b1_h32_s2048_d128_causal_fp16"}  # measure its 6 best
 
@@ -93,6 +102,26 @@ def build_all(fns, target):
     return [(r.artifact_path, r.error_msg) for r in built]
 
 
+def build_tirx(fns, target, folder):
+    """Build TIRx variants (tvm.compile's tirx pipeline; nvcc runs in parallel threads), each exported to a library
+    in `folder`: [(path or None, error or None)]."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tvm
+
+    def one(i_fn):
+        i, fn = i_fn
+        try:
+            path = os.path.join(folder, f"variant_{i}.so")
+            tvm.compile(tvm.IRModule({"main": fn}), target=target, tir_pipeline="tirx").export_library(path)
+            return path, None
+        except Exception as err:  # noqa: BLE001
+            return None, f"{type(err).__name__}: {str(err)[-600:]}"
+    os.makedirs(folder, exist_ok=True)
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+        return list(pool.map(one, enumerate(fns)))
+
+
 def tvm_run(artifact, tensors, out, dev):
     """Load a built variant, run it on torch tensors (shared through DLPack), time it with TVM's evaluator."""
     import tvm
@@ -130,8 +159,11 @@ def generic_path(s, tensors, dev, target):
 
 def run_case(name, kind, s, dev, target, res, generic, report=None):
     import torch
-    from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL
-    tmpl = ATTENTION_PREFILL if kind == "prefill" else ATTENTION_DECODE
+    from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, ATTENTION_PREFILL_WGMMA
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
+    tmpl = {"prefill": ATTENTION_PREFILL, "prefill_wgmma": ATTENTION_PREFILL_WGMMA}.get(kind, ATTENTION_DECODE)
+    if kind == "prefill_wgmma":
+        s, target = dict(s, arch="sm_90a"), hopper_target()
     res.update(shapes={k: v for k, v in s.items()}, template=tmpl.name)
     reason = tmpl.check(s)
     if reason:
@@ -159,7 +191,12 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
         knob_list = [kn for kn in knob_list if kn["split"] in DECODE_SPLITS.get(B, ())]
         knob_list += [res["default_knobs"]] if res["default_knobs"] not in knob_list else []
     t0 = time.time()
-    built = build_all([tmpl(s, kn) for kn in knob_list], target)
+    if kind == "prefill_wgmma":
+        res["default_knobs"] = tmpl.default_knobs(s)  # the product's pick, measured first
+        knob_list = [res["default_knobs"]] + [kn for kn in knob_list if kn != res["default_knobs"]]
+        built = build_tirx([tmpl(s, kn) for kn in knob_list], target, os.path.join(WORK, name))
+    else:
+        built = build_all([tmpl(s, kn) for kn in knob_list], target)
     res["build_seconds"] = round(time.time() - t0, 1)
     log(f"  built {len(knob_list)} variants in {res['build_seconds']} s")
     res["trials"] = []

@@ -287,3 +287,17 @@ def test_exported_decoders_verify_against_onnxruntime_on_the_gpu(decoder_exports
                      str(tmp_path / "out"), str(tmp_path / "logs"), say=said.append, schedules=None)
     assert result.ok and result.verification.startswith("ok"), (result.error, result.verification, said[-20:])
     assert any("template attention_prefill_wgmma" in line for line in said), said
+
+
+def test_the_benchmark_cases_are_the_issues_shapes_and_the_template_takes_each():
+    """bench/attention.py's wgmma cases: causal and not at 2048 and 8192 tokens, 32 heads of 128, a GQA case with 8
+    KV heads, fp16 and bf16; the template's check passes every one on sm_90a."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench.attention import WGMMA_CASES  # pylint: disable=import-outside-toplevel
+
+    seen = {(s["seq_q"], s["causal"], s["kv_heads"], s["dtype"]) for _, _, s in WGMMA_CASES}
+    for dtype in ("float16", "bfloat16"):
+        assert {(n, c, 32, dtype) for n in (2048, 8192) for c in (True, False)} | {(8192, True, 8, dtype)} <= seen
+    for _, kind, s in WGMMA_CASES:
+        assert kind == "prefill_wgmma" and s["head_dim"] == 128 and s["heads"] == 32
+        assert ATTENTION_PREFILL_WGMMA.check(dict(s, arch="sm_90a")) is None
