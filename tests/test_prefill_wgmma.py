@@ -74,17 +74,19 @@ def test_knob_space_fits_shared_memory_and_the_default_is_fa3s_tile():
         s = normalize(dict(BASE, head_dim=d))
         space = knob_space(s)
         assert space and all(smem_bytes(s, k) <= MAX_SMEM for k in space)
-        assert default_knobs(s) == {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 1} == space[0]
+        fa3 = {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 1, "pingpong": 0}
+        assert default_knobs(s) == fa3 == space[0]
     s = normalize(BASE)
     assert smem_bytes(s, default_knobs(s)) == 160 * 1024
-    assert {"consumers": 2, "block_n": 176, "stages": 3, "setmaxnreg": 1, "overlap": 1} not in knob_space(s)
+    assert dict(fa3, block_n=176, stages=3) not in knob_space(s)
 
 
 def test_tma_maps_address_each_layout_in_place():
     """4-D maps, innermost first, byte strides; boxes of 64 head-dim elements x the tile's rows along the sequence
     axis of each layout; coordinates in the same order."""
     args, at = tma_map("BHSD", 2, 8, 512, 128, 128)
-    assert args[:4] == [128, 512, 8, 2] and args[4:7] == [256, 256 * 512, 256 * 512 * 8] and args[7:11] == [64, 128, 1, 1]
+    assert args[:4] == [128, 512, 8, 2] and args[4:7] == [256, 256 * 512, 256 * 512 * 8]
+    assert args[7:11] == [64, 128, 1, 1]
     assert at("b", "h", "s", 64) == [64, "s", "h", "b"]
     args, at = tma_map("BSHD", 2, 8, 512, 128, 64)
     assert args[:4] == [128, 8, 512, 2] and args[7:11] == [64, 1, 64, 1] and at("b", "h", "s", 0) == [0, "h", "s", "b"]
@@ -96,10 +98,10 @@ def test_tma_maps_address_each_layout_in_place():
 KERNELS = [  # shapes, knobs, (TMA panels per tile, masked softmax emitted)
     (BASE, None, 2, True),
     (dict(BASE, causal=False), None, 2, False),  # static, tiles divide: no score is tested
-    (dict(BASE, causal=False, seq_k=200, head_dim=64, dtype="bfloat16"), {"consumers": 1, "block_n": 64, "stages": 3,
-                                                                          "setmaxnreg": 0, "overlap": 0}, 1, True),
+    (dict(BASE, causal=False, seq_k=200, head_dim=64, dtype="bfloat16"),  # ragged L, one consumer, in turn
+     {"consumers": 1, "block_n": 64, "stages": 3, "setmaxnreg": 0, "overlap": 0, "pingpong": 0}, 1, True),
     (dict(BASE, q_layout="BSHD", k_layout="BSHD", v_layout="BSHD", out_layout="BSHD", heads=8, kv_heads=8),
-     {"consumers": 2, "block_n": 176, "stages": 2, "setmaxnreg": 1, "overlap": 1}, 2, True),
+     {"consumers": 2, "block_n": 176, "stages": 2, "setmaxnreg": 1, "overlap": 1, "pingpong": 1}, 2, True),
 ]
 
 
@@ -123,6 +125,9 @@ def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked
     assert src.count(ss) == copies * d // 16 + 1 and src.count(rs) == copies * bn // 16 + 1  # + the helper
     assert src.count(", (bool)0);") == copies  # the first of the d // 16 k-steps of S
     assert src.count("tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_1();") == (1 if knobs["overlap"] else 0)
+    # ping-pong: a turn taken before each of the 3 issue points, and consumer 1 lets consumer 0 go first
+    assert src.count("tvmfuse_bar_sync(") == (4 if knobs["pingpong"] else 0)  # + the helper
+    assert ("tvmfuse_bar_arrive(1, 256)" in src) == bool(knobs["pingpong"])
     pack = "tvmfuse_pack_bf162(" if ab == "bf16" else "tvmfuse_pack_half2("
     assert src.count(pack) >= bn // 4
     assert (src.count("-0x1.93e5939a08ceap+99f") > 2) == masked  # a score the row must not see -> NEG (2: m's start)
@@ -255,8 +260,8 @@ def _stored(x, layout):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", range(len(GPU_SHAPES)), ids=["causal", "ragged_k", "d64_ragged_q", "bshd"])
 def test_every_knob_set_matches_numpy_on_the_gpu(shape, dtype):
-    """The default knob set and every other value of each knob (`_each_knob_value`) against fp32 numpy: causal and not, GQA, ragged sizes,
-    BSHD in place."""
+    """The default knob set and every other value of each knob (`_each_knob_value`) against fp32 numpy: causal and
+    not, GQA, ragged sizes, BSHD in place."""
     s = normalize(dict(GPU_SHAPES[shape], dtype=dtype))
     rng, dev = np.random.default_rng(shape), tvm.cuda(0)
     B, H, HKV, SQ, L, D = (s[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim"))

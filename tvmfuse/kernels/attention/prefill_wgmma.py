@@ -42,10 +42,12 @@ def knob_space(s: dict) -> list[dict]:
     and the S accumulators a thread holds, block_n / 2), stages (K/V tiles in flight: 2 or 3), setmaxnreg (with two
     consumers: the loading warpgroup gives its registers to them, 40 and 232 a thread), overlap (1: tile j's S = Q K^T
     is issued with tile j - 1's P V, and j's softmax runs while P V does, FlashAttention-3's intra-warpgroup
-    pipelining; 0: each tile's GEMMs and softmax in turn)."""
-    space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov}
+    pipelining; 0: each tile's GEMMs and softmax in turn), pingpong (with two overlapped consumers: they take turns
+    issuing their GEMMs by named barriers, so one's softmax runs beside the other's GEMMs, FlashAttention-3's
+    inter-warpgroup schedule)."""
+    space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov, "pingpong": pp}
              for ov in (1, 0) for c in (2, 1) for n in (128, 64, 176) for st in (2, 3)
-             for r in ((1, 0) if c == 2 else (0,))]
+             for r in ((1, 0) if c == 2 else (0,)) for pp in ((0, 1) if c == 2 and ov else (0,))]
     return [k for k in space if smem_bytes(s, k) <= MAX_SMEM
             and k["block_n"] // 2 + s["head_dim"] // 2 <= 192]  # S and O accumulators: registers a thread
 
@@ -54,7 +56,7 @@ def default_knobs(s: dict) -> dict:
     """Two consumers (128 query rows a CTA), 128 keys a tile, two stages, the GEMMs overlapped with the softmax:
     FlashAttention-3's tile for head dim 128; the first valid knob set where that does not fit."""
     space = knob_space(s)
-    return (space or [{"consumers": 1, "block_n": 64, "stages": 2, "setmaxnreg": 0, "overlap": 0}])[0]
+    return (space or [{"consumers": 1, "block_n": 64, "stages": 2, "setmaxnreg": 0, "overlap": 0, "pingpong": 0}])[0]
 
 
 def build(s: dict, knobs: dict, target: str = "cuda"):

@@ -15,7 +15,7 @@ from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, tshape
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
-from tvmfuse.kernels.hopper.wgmma_gemm import CONSUMER_REGS, FENCE_SRC, LOADER_REGS, PAIR_STORES, TIRX_ATTR
+from tvmfuse.kernels.hopper.wgmma_gemm import BAR_SRC, CONSUMER_REGS, FENCE_SRC, LOADER_REGS, PAIR_STORES, TIRX_ATTR
 
 #: keeps the compiler from reusing a P fragment register while the wgmma that reads it is in flight
 FENCE_U32_SRC = ('__device__ __forceinline__ void tvmfuse_fence_u32(unsigned& r) '
@@ -27,6 +27,8 @@ PACKS = {
                 "{ __half2 h = __floats2half2_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }"),
     "bfloat16": ("tvmfuse_pack_bf162", "__device__ __forceinline__ unsigned tvmfuse_pack_bf162(float a, float b) "
                  "{ __nv_bfloat162 h = __floats2bfloat162_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }")}
+ARRIVE_SRC = ('__device__ __forceinline__ void tvmfuse_bar_arrive(int id, int n) '
+              '{ asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory"); }')
 TMA_4D = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
 PANEL = 64  # elements of head dim per 128-byte swizzled shared-memory row (one TMA box, one wgmma K-major atom)
 
@@ -53,12 +55,13 @@ def tma_map(layout: str, batch: int, heads: int, seq: int, dim: int, rows: int):
 
 def wgmma_attention(s: dict, knobs: dict):
     """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
-    stages, setmaxnreg, overlap)."""
+    stages, setmaxnreg, overlap, pingpong)."""
     B, H, HKV, HV = s["batch"], s["heads"], s["kv_heads"], s["v_heads"]
     SQ, L, D, dt, causal = s["seq_q"], s["seq_k"], s["head_dim"], s["dtype"], s["causal"]
     G, GV = H // HKV, H // HV
     C, BN, S, regs = knobs["consumers"], knobs["block_n"], knobs["stages"], bool(knobs.get("setmaxnreg", 0))
     overlap = bool(knobs.get("overlap", 0))
+    pingpong = bool(knobs.get("pingpong", 0)) and C == 2 and overlap
     BM, P = 64 * C, D // PANEL
     QT, KT = ceil_div(SQ, BM), ceil_div(L, BN)
     qs = float(s["scale"] * LOG2E)
@@ -170,6 +173,23 @@ def wgmma_attention(s: dict, knobs: dict):
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
+    def my_turn(cw):
+        """Ping-pong: wait until the other consumer has issued its GEMMs (named barrier 1 + cw, both warpgroups)."""
+        if pingpong:
+            T.cuda.func_call("tvmfuse_bar_sync", 1 + cw, 256, source_code=BAR_SRC)
+
+    @T.macro
+    def their_turn(cw, last):
+        """Ping-pong: this consumer's GEMMs are issued, the other's may go (its barrier); consumer 1's last issue
+        has no turn of consumer 0 after it, so it does not arrive (every barrier ends complete)."""
+        if pingpong:
+            if not last:
+                T.cuda.func_call("tvmfuse_bar_arrive", 2 - cw, 256, source_code=ARRIVE_SRC)
+            else:
+                if cw == 0:
+                    T.cuda.func_call("tvmfuse_bar_arrive", 2, 256, source_code=ARRIVE_SRC)
+
+    @T.macro
     def release(empty, jt, lane):
         """Every warp past its reads of tile jt's stage (lane 0 of each arrives): the loader may refill it."""
         if lane == 0:
@@ -243,17 +263,24 @@ def wgmma_attention(s: dict, knobs: dict):
                 st[2 + i] = T.float32(0)
             T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
             if overlap:  # P V of tile jt - 1 runs on the tensor cores while the softmax of tile jt runs beside it
+                if pingpong:  # consumer 0 issues first; then they take turns, one's softmax beside the other's GEMMs
+                    if cw == 1:
+                        T.cuda.func_call("tvmfuse_bar_arrive", 1, 256, source_code=ARRIVE_SRC)
+                my_turn(cw)
                 T.ptx.wgmma.fence.sync.aligned()
                 issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, 0, cw)
+                their_turn(cw, False)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence(sacc, o, pa)
                 softmax(sacc, o, st, pa, qt, 0, cw, warp, lane)
                 rescale_and_pack(sacc, o, st, pa)
                 for jt in T.serial(1, kv_tiles(qt)):
                     fence(sacc, o, pa)
+                    my_turn(cw)
                     T.ptx.wgmma.fence.sync.aligned()
                     issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw)
                     issue_pv(o, pa, Vs, v_full, desc_v, jt - 1)
+                    their_turn(cw, False)
                     T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
                     for i in T.unroll(s_n):
                         T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
@@ -263,8 +290,10 @@ def wgmma_attention(s: dict, knobs: dict):
                     release(empty, jt - 1, lane)
                     rescale_and_pack(sacc, o, st, pa)
                 fence(sacc, o, pa)
+                my_turn(cw)
                 T.ptx.wgmma.fence.sync.aligned()
                 issue_pv(o, pa, Vs, v_full, desc_v, kv_tiles(qt) - 1)
+                their_turn(cw, True)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence(sacc, o, pa)
                 release(empty, kv_tiles(qt) - 1, lane)
