@@ -37,6 +37,22 @@ def spying(modules: dict, seen: dict):
             setattr(m, n, orig[m, n])
 
 
+@contextlib.contextmanager
+def without_templates(names: tuple[str, ...]):
+    """The template table without the templates `names` (by Template.name) while the block runs: the build falls
+    back to the next template or the generic kernel, as a target without them would (a before/after pair in one
+    run: `bench/models.py --without-templates attention_prefill_wgmma`)."""
+    from tvmfuse.kernels.table import TABLE
+
+    saved = dict(TABLE)
+    for key, entry in saved.items():
+        TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
+    try:
+        yield
+    finally:
+        TABLE.update(saved)
+
+
 def case_dir(name: str, case: str, dtype: str) -> str:
     """The work folder (and job name) of one build: `llama-prefill_512` for fp16 and fp32 (the names before bf16
     rows existed), `llama-prefill_512-bf16` for bf16."""
@@ -95,7 +111,8 @@ def build(name: str, case: str, opts: dict, path: str, exported: dict) -> dict:
     job = Job(case_dir(name, case, opts["dtype"]), path, {}, opts["trials"], opts["dtype"], **extra)
     lines: list[str] = []
     t = time.time()
-    with spying({prepare: ("to_compute_dtype",), pipeline: ("compile_module", "tune")}, {}) as seen:
+    with spying({prepare: ("to_compute_dtype",), pipeline: ("compile_module", "tune")}, {}) as seen, \
+            without_templates(tuple(opts.get("without_templates", ()))):
         result = pipeline.run_job(job, target, os.path.join(folder, "export"), os.path.join(opts["work"], "logs"),
                                   say=lines.append)
     if "compile_module" not in seen:

@@ -222,6 +222,9 @@ def main(argv=None) -> dict:
     p.add_argument("--jobs", type=int, default=None, help="worker processes that export and build ahead of the "
                    "measurements (GPU hidden from them; --trials 0 only); 0: build in this process (default: 4, "
                    "smoke 0)")
+    p.add_argument("--without-templates", default="", metavar="NAMES", help="comma-separated kernel templates "
+                   "the builds leave out (e.g. attention_prefill_wgmma: the mma.sync prefill then, a before/after "
+                   "pair with a run without this option)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)
     if args.chart:
@@ -246,6 +249,7 @@ def main(argv=None) -> dict:
                versions=versions(), smoke=args.smoke, dtypes=[SHORT[d] for d in args.dtypes],
                target=str(target.attrs.get("arch", "llvm")),
                models={m: hm.NOTES[m] for m in args.models.split(",")}, rows=[],
+               without_templates=[n for n in args.without_templates.split(",") if n],
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "
@@ -268,7 +272,8 @@ def main(argv=None) -> dict:
     wanted = args.contenders.split(",")
     opts = {"smoke": args.smoke, "trials": args.trials, "work": args.work,
             "target": "llvm" if args.smoke else "cuda", "default": "tvm_default" in wanted,
-            "graph": not args.smoke and "tvmfuse_cuda_graph" in wanted}
+            "graph": not args.smoke and "tvmfuse_cuda_graph" in wanted,
+            "without_templates": [n for n in args.without_templates.split(",") if n]}
     needs_build = any(c in wanted for c in ("tvmfuse", "tvmfuse_cuda_graph", "tvm_default"))
     workers = args.jobs if args.trials == 0 and needs_build else 0  # tuning measures on the GPU: build here
     pool, futures = None, {}

@@ -80,3 +80,17 @@ def test_smoke_llama3_has_grouped_query_attention(tmp_path):
     (row,) = json.loads((out / "models.json").read_text())["rows"]
     assert "error" not in row and row["within_tol"] and row["run_job_ok"], row
     assert row["patterns"].get("tvmfuse.attention") == 1
+
+
+def test_without_templates_leaves_a_template_out_of_the_table_for_the_build_only():
+    """`--without-templates attention_prefill_wgmma`: the build's table lacks it (the mma.sync prefill comes next);
+    the table is whole again afterwards."""
+    from bench.model_builds import without_templates
+    from tvmfuse.kernels import TABLE
+
+    names = lambda: [t.name for t in TABLE["tvmfuse.attention"].templates]  # noqa: E731
+    whole = names()
+    assert "attention_prefill_wgmma" in whole
+    with without_templates(("attention_prefill_wgmma",)):
+        assert names() == [n for n in whole if n != "attention_prefill_wgmma"]
+    assert names() == whole
