@@ -306,3 +306,25 @@ def test_the_benchmark_cases_are_the_issues_shapes_and_the_template_takes_each()
     for _, kind, s in WGMMA_CASES:
         assert kind == "prefill_wgmma" and s["head_dim"] == 128 and s["heads"] == 32
         assert ATTENTION_PREFILL_WGMMA.check(dict(s, arch="sm_90a")) is None
+
+
+def test_a_dynamic_dynamo_export_takes_it_in_its_batch_and_seq_bucket(tmp_path, monkeypatch, capsys):
+    """A tiny GPT-2 exported by the dynamo exporter with input_ids alone and dynamic batch and sequence (2 heads of
+    64): with --buckets batch=1 --buckets seq=128 the bucket function's causal mask is a folded constant and the wgmma
+    template takes its attention; the symbolic main keeps the step template."""
+    pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript (dev extra)")
+    hf_export = pytest.importorskip("hf_export")
+    from tvmfuse.cli.tune import main
+
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a GPU (the job would verify and time on it)")
+    monkeypatch.setattr(hf_export, "HIDDEN", 128)
+    monkeypatch.setattr(hf_export, "HEADS", 2)
+    path = hf_export.export("gpt2", "dynamo", str(tmp_path), ids_only=True)
+    rc = main(["--target", "cuda", "--trials", "0", "--dtype", "fp16", "--buckets", "batch=1", "--buckets", "seq=128",
+               "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"), path])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = [ln for ln in out.splitlines() if ": template attention" in ln]
+    assert [ln.split("] ", 1)[1].startswith("main_batch1_seq128: ") for ln in lines if "prefill_wgmma" in ln] == [True]
+    assert any("template attention_step" in ln and "main_batch1_seq128" not in ln for ln in lines), lines
