@@ -29,6 +29,10 @@ PACKS = {
                  "{ __nv_bfloat162 h = __floats2bfloat162_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }")}
 ARRIVE_SRC = ('__device__ __forceinline__ void tvmfuse_bar_arrive(int id, int n) '
               '{ asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory"); }')
+#: 2^x by the SFU alone (`ex2.approx.ftz`, relative error 2^-22): exp2f adds range scaling around it, 2 FMULs an
+#: element at each probability
+EX2_SRC = ('__device__ __forceinline__ float tvmfuse_ex2(float x) '
+           '{ float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }')
 TMA_4D = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
 PANEL = 64  # elements of head dim per 128-byte swizzled shared-memory row (one TMA box, one wgmma K-major atom)
 
@@ -95,11 +99,16 @@ def wgmma_attention(s: dict, knobs: dict):
         both = [c for c in (shown, inside) if c is not None]
         return both[0] if len(both) == 1 else T.And(both[0], both[1])
 
+    def ex2(x):
+        return T.cuda.func_call("tvmfuse_ex2", x, source_code=EX2_SRC, return_type="float32")
+
     # fmt: off
     @T.macro
     def logits(sacc, st, qt, jt, cw, warp, lane, masked):
         """S of tile jt -> base-2 probabilities in place (masked: the scores the rows must not see at NEG first),
-        the running max and the row sums rescaled; st: m0 m1 l0 l1 mx0 mx1 alpha0 alpha1 (rows lane / 4, + 8)."""
+        the running max and the row sums rescaled; st: m0 m1 l0 l1 mx0 mx1 alpha0 alpha1 (rows lane / 4, + 8). The
+        max is taken over the unscaled scores (the scale is positive), so each probability is one FFMA and an EX2:
+        exp2(s * scale * log2(e) - max * scale * log2(e))."""
         for i in T.unroll(2):
             st[4 + i] = st[i]
         for j in T.unroll(BN // 8):
@@ -108,19 +117,18 @@ def wgmma_attention(s: dict, knobs: dict):
                     if masked:
                         sacc[j * 4 + i * 2 + c] = T.Select(
                             seen(qt * BM + cw * 64 + warp * 16 + lane // 4 + i * 8, jt * BN + j * 8 + lane % 4 * 2 + c),
-                            sacc[j * 4 + i * 2 + c] * T.float32(qs), T.float32(NEG))
-                    else:
-                        sacc[j * 4 + i * 2 + c] = sacc[j * 4 + i * 2 + c] * T.float32(qs)
+                            sacc[j * 4 + i * 2 + c], T.float32(NEG))
                     st[4 + i] = T.max(st[4 + i], sacc[j * 4 + i * 2 + c])
         for i in T.unroll(2):
             st[4 + i] = T.cuda.warp_max(st[4 + i], width=4)
-            st[6 + i] = T.exp2(st[i] - st[4 + i])
+            st[6 + i] = ex2((st[i] - st[4 + i]) * T.float32(qs))
             st[i] = st[4 + i]
             st[2 + i] = st[2 + i] * st[6 + i]
+            st[4 + i] = st[i] * T.float32(qs)
         for j in T.unroll(BN // 8):
             for i in T.unroll(2):
                 for c in T.unroll(2):
-                    sacc[j * 4 + i * 2 + c] = T.exp2(sacc[j * 4 + i * 2 + c] - st[i])
+                    sacc[j * 4 + i * 2 + c] = ex2(sacc[j * 4 + i * 2 + c] * T.float32(qs) - st[4 + i])
                     st[2 + i] = st[2 + i] + sacc[j * 4 + i * 2 + c]
 
     @T.macro
