@@ -48,6 +48,7 @@ WGMMA_CASES = [
 CASES += WGMMA_CASES
 DECODE_SPLITS = {1: (16, 32), 16: (4, 8)}  # the decode knob sets measured: every warps/unroll at these splits
 LIKE = {"prefill_b1_h32_s2048_d128_causal_bf16": "prefill_b1_h32_s2048_d128_causal_fp16"}  # measure its 6 best
+LIKE.update({name: name.replace("_bf16", "_fp16") for name, _, _ in WGMMA_CASES if name.endswith("_bf16")})
 
 
 def log(*a):
@@ -220,8 +221,10 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
     if good:
         best = min(good, key=lambda t: t["us"])
         res.update(best_knobs=best["knobs"], tvmfuse_us=best["us"], speedup_vs_torch=res["torch_us"] / best["us"])
-        res["tvmfuse_tflops" if kind == "prefill" else "tvmfuse_TBps"] = (flops / best["us"] / 1e6 if kind == "prefill" else bytes_ / best["us"] / 1e6)
-    res["torch_tflops" if kind == "prefill" else "torch_TBps"] = (flops / res["torch_us"] / 1e6 if kind == "prefill" else bytes_ / res["torch_us"] / 1e6)
+        prefill = kind.startswith("prefill")
+        res["tvmfuse_tflops" if prefill else "tvmfuse_TBps"] = (flops if prefill else bytes_) / best["us"] / 1e6
+    prefill = kind.startswith("prefill")
+    res["torch_tflops" if prefill else "torch_TBps"] = (flops if prefill else bytes_) / res["torch_us"] / 1e6
     if generic:
         try:
             res["tvm_generic_us"] = generic_path(s, tensors, dev, target)
