@@ -66,3 +66,30 @@ def test_one_builder_and_runner_per_process_whose_workers_import_no_tensor_intri
         return sorted(m for m in sys.modules if m.startswith(("tvmfuse.spaces", "tvm.s_tir.tensor_intrin")))
 
     assert builder._workers().submit(heavy_modules, fast_build).result() == []  # pylint: disable=protected-access
+
+
+def test_the_tuning_builder_builds_the_wgmma_attention_knob_sets():
+    """`--trials N` on an sm_90a target builds each knob set of the TIRx attention template with the tuning builder:
+    fast_build sends a module of TIRx kernels through the tirx pipeline (the s_tir one refuses its TMA and wgmma
+    calls, and every knob set would be recorded as failed)."""
+    # pylint: disable=import-outside-toplevel
+    import os
+
+    from tvmfuse.kernels import ATTENTION_PREFILL_WGMMA
+    from tvmfuse.kernels.attention.common import normalize
+    from tvmfuse.kernels.hopper import TIRX_ATTR
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
+    from tvmfuse.tune import builder as tuning_builder
+    from tvmfuse.tune.search import make_builder
+    from tvmfuse.tune.templates import candidate_knobs, variant_workload
+
+    assert tuning_builder.TIRX_ATTR == TIRX_ATTR
+    target = hopper_target()
+    shapes = normalize(dict(batch=1, heads=2, kv_heads=2, seq_q=128, seq_k=128, head_dim=64, causal=True,
+                            dtype="float16", arch="sm_90a"))
+    knob_sets = candidate_knobs(ATTENTION_PREFILL_WGMMA, shapes)[:2]
+    mods = [variant_workload(ATTENTION_PREFILL_WGMMA, shapes, k, "attention_0", target) for k in knob_sets]
+    built = make_builder(os.cpu_count() or 1).build([ms.builder.BuilderInput(m, target) for m in mods])
+    assert [b.error_msg for b in built] == [None, None]
+    source = tuning_builder.fast_build(mods[0], target, None).imports[0].inspect_source()
+    assert "wgmma.mma_async" in source and "cp.async.bulk.tensor" in source

@@ -17,13 +17,19 @@ def _register_mma_index_maps() -> None:
             [4 * (ind[0] % 8) + (ind[1] % 8) // 2, 4 * (ind[1] // 8) + (ind[0] // 8) * 2 + ind[1] % 2]))
 
 
+TIRX_ATTR = "tvmfuse.tirx"  # tvmfuse.kernels.hopper.wgmma_gemm.TIRX_ATTR, spelled out: this module imports no tvmfuse
+
+
 def fast_build(mod, target, _params):
-    """f_build that skips importing the tensor intrinsics in every worker (15-30 s each on a 2-core box)."""
+    """f_build that skips importing the tensor intrinsics in every worker (15-30 s each on a 2-core box); a module
+    of TIRx kernels (the knob sets of the Hopper templates, marked TIRX_ATTR) goes through the tirx pipeline."""
     from tvm.driver import build as tvm_build  # pylint: disable=import-outside-toplevel
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # pylint: disable=import-outside-toplevel
 
     import tvm  # pylint: disable=import-outside-toplevel
 
+    if any(TIRX_ATTR in (getattr(f, "attrs", None) or {}) for f in mod.functions.values()):
+        return tvm_build(mod, target=target, pipeline="tirx")
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     if target.kind.name == "cuda":
         _register_mma_index_maps()
