@@ -114,6 +114,8 @@ def build_tirx(fns, target, folder):
         i, fn = i_fn
         try:
             path = os.path.join(folder, f"variant_{i}.so")
+            if os.path.exists(path):  # built by this case's earlier child (restarted after a hung knob set)
+                return path, None
             tvm.compile(tvm.IRModule({"main": fn}), target=target, tir_pipeline="tirx").export_library(path)
             return path, None
         except Exception as err:  # noqa: BLE001
@@ -158,7 +160,18 @@ def generic_path(s, tensors, dev, target):
     return sorted(t.results)[1] * 1e6
 
 
-def run_case(name, kind, s, dev, target, res, generic, report=None):
+def _cuda_broken() -> bool:
+    """Whether a sticky CUDA error (an illegal address, a trap) has broken this process's context."""
+    import torch
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").item()
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda: None):
     import torch
     from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, ATTENTION_PREFILL_WGMMA
     from tvmfuse.kernels.hopper.gemm_bench import hopper_target
@@ -178,6 +191,7 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
     m = (torch.randn(mask_shape, device="cuda") * 2).to(getattr(torch, s.get("mask_dtype", s["dtype"]))) \
         if s.get("mask") == "additive" else None
     ref = torch_side(s, (q, k, v, m.to(tdt) if m is not None else None), res)
+    save()  # a heartbeat for the supervisor between the phases
     stored = {"SBHD": lambda t: t.permute(2, 0, 1, 3)}  # K/V as the template reads them (BHSD: as they are)
     k_in, v_in = (stored.get(s.get(f"{x}_layout", "BHSD"), lambda t: t)(t) for x, t in (("k", k), ("v", v)))
     tensors = [t.contiguous() for t in (q, k_in, v_in) + ((m,) if m is not None else ())]
@@ -200,10 +214,18 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
         built = build_all([tmpl(s, kn) for kn in knob_list], target)
     res["build_seconds"] = round(time.time() - t0, 1)
     log(f"  built {len(knob_list)} variants in {res['build_seconds']} s")
+    before = res.get("trials", [])  # an earlier child's trials of this case (it hung or crashed)
     res["trials"] = []
-    for kn, (artifact, error) in zip(knob_list, built):
-        trial = {"knobs": kn}
+    save()
+    for i, (kn, (artifact, error)) in enumerate(zip(knob_list, built)):
+        trial = dict(before[i]) if i < len(before) and before[i]["knobs"] == kn else {"knobs": kn}
         res["trials"].append(trial)
+        if trial.pop("running", False):
+            trial["error"] = "hung or crashed: the child measuring it ended without a result"
+        if "us" in trial or "error" in trial:
+            continue
+        trial["running"] = True
+        save()  # a child that dies now leaves this trial marked running, and the next child records it
         try:
             if error:
                 raise RuntimeError(f"build failed: {error}")
@@ -217,6 +239,11 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
         except Exception as e:  # noqa: BLE001
             trial["error"] = f"{type(e).__name__}: {str(e)[-800:]}"
             log(f"  {name} {kn}: FAILED {trial['error'][:200]}")
+        trial.pop("running")
+        save()
+        if "error" in trial and _cuda_broken():
+            log("  the CUDA context is broken: this child ends, the next goes on after this knob set")
+            os._exit(3)
     good = [t for t in res["trials"] if t.get("ok")]
     if good:
         best = min(good, key=lambda t: t["us"])
@@ -232,18 +259,77 @@ def run_case(name, kind, s, dev, target, res, generic, report=None):
             res["tvm_generic_error"] = f"{type(e).__name__}: {str(e)[-400:]}"
 
 
+def print_table(report) -> None:
+    """One line a case: the best correct knob set against torch's choice and cuDNN, and how the others ended."""
+    print(f"{'case':48} {'tvmfuse us':>10} {'TFLOP/s':>7} {'torch us':>9} {'cuDNN us':>9} {'vs cuDNN':>8}  ok/wrong/failed")
+    for name, r in report["cases"].items():
+        trials = r.get("trials", [])
+        ok = sum(bool(t.get("ok")) for t in trials)
+        wrong = sum("us" in t and not t.get("ok") for t in trials)
+        cudnn = r.get("torch_backends_us", {}).get("CUDNN_ATTENTION")
+        cudnn = cudnn if isinstance(cudnn, float) else None
+        us = r.get("tvmfuse_us")
+        print(f"{name:48} {us or float('nan'):10.1f} {r.get('tvmfuse_tflops', float('nan')):7.0f} "
+              f"{r.get('torch_us', float('nan')):9.1f} {cudnn or float('nan'):9.1f} "
+              f"{(cudnn / us) if us and cudnn else float('nan'):8.2f}  {ok}/{wrong}/{len(trials) - ok - wrong}"
+              + (f"  error: {r['error'].strip().splitlines()[-1][:80]}" if r.get("error") else ""))
+
+
+HANG_S = 30  # a child whose report has not moved for this long is measuring a hung kernel: killed, and restarted
+
+
+def supervise(args, name) -> None:
+    """Measure one case in child processes: one whose report stops moving for HANG_S (a kernel waiting on an
+    mbarrier phase that never comes) is killed, as is the kernel, and a new child goes on after that knob set,
+    recording it as hung; a child that ends on a sticky CUDA error is followed the same way."""
+    import signal
+    import subprocess
+    cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", name] + \
+        (["--no-generic"] if args.no_generic else [])
+    for attempt in range(60):
+        child = subprocess.Popen(cmd, start_new_session=True)
+        while child.poll() is None:
+            time.sleep(2)
+            if time.time() - os.path.getmtime(args.out) > HANG_S:
+                log(f"  no progress for {HANG_S} s: killing the child (a hung kernel)")
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        with open(args.out) as fh:
+            if "seconds" in json.load(fh)["cases"].get(name, {}):
+                return
+        log(f"  child ended ({child.returncode}) before the case finished: restarting after its last knob set")
+    log("  gave up after 60 children")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
     ap.add_argument("--no-generic", action="store_true")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # a child: measure this case into --out's report
     args = ap.parse_args()
     report = {"cases": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.case and os.path.exists(args.out):
+        with open(args.out) as fh:
+            report = json.load(fh)
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
+        with open(args.out + ".tmp", "w") as fh:
             json.dump(report, fh, indent=1, default=str)
+        os.replace(args.out + ".tmp", args.out)
+    if not args.case:  # the parent: every case in its own children
+        save()
+        for name, _, _ in CASES:
+            if not args.only or any(x in name for x in args.only.split(",")):
+                log("case", name)
+                supervise(args, name)
+        with open(args.out) as fh:
+            report = json.load(fh)
+        report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save()
+        print_table(report)
+        return
     try:
         import torch
         import tvm
@@ -252,25 +338,25 @@ def main():
         report.update(torch=torch.__version__, tvm=tvm.__version__, gpu=torch.cuda.get_device_name(0))
     except Exception:  # noqa: BLE001
         report["setup_error"] = traceback.format_exc()
+        report["cases"].setdefault(args.case, {})["seconds"] = 0
         save()
         raise SystemExit(1)
-    for name, kind, s in CASES:
-        if args.only and not any(x in name for x in args.only.split(",")):
-            continue
-        log("case", name)
-        res = report["cases"].setdefault(name, {})
-        t0 = time.time()
-        try:
-            run_case(name, kind, s, dev, target, res, generic=not args.no_generic and kind == "decode" or
-                     (not args.no_generic and "fp16" in name and "causal" in name), report=report)
-        except Exception:  # noqa: BLE001
-            res["error"] = traceback.format_exc()[-2000:]
-            log("  FAILED", res["error"].splitlines()[-1])
-        res["seconds"] = round(time.time() - t0, 1)
-        log(f"  -> tvmfuse {res.get('tvmfuse_us', 'n/a')} us vs torch {res.get('torch_us', 'n/a')} us "
-            f"({res.get('torch_choice')}), generic {res.get('tvm_generic_us', res.get('tvm_generic_error', 'n/a'))}")
-        save()
-    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    name, kind, s = next(c for c in CASES if c[0] == args.case)
+    res = report["cases"].setdefault(name, {})
+    t0 = time.time() - res.get("elapsed", 0)
+    res.pop("error", None)
+    save()
+    try:
+        run_case(name, kind, s, dev, target, res, generic=not args.no_generic and kind == "decode" or
+                 (not args.no_generic and "fp16" in name and "causal" in name), report=report,
+                 save=lambda: (res.update(elapsed=round(time.time() - t0, 1)), save()))
+    except Exception:  # noqa: BLE001
+        res["error"] = traceback.format_exc()[-2000:]
+        log("  FAILED", res["error"].splitlines()[-1])
+    res.pop("elapsed", None)
+    res["seconds"] = round(time.time() - t0, 1)
+    log(f"  -> tvmfuse {res.get('tvmfuse_us', 'n/a')} us vs torch {res.get('torch_us', 'n/a')} us "
+        f"({res.get('torch_choice')}), generic {res.get('tvm_generic_us', res.get('tvm_generic_error', 'n/a'))}")
     save()
 
 
