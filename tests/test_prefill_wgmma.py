@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes  # noqa: F401  (numpy's "bfloat16" dtype)
 import numpy as np
@@ -67,18 +68,19 @@ def test_check_says_why_it_refuses(change, reason):
         assert ATTENTION_PREFILL_WGMMA.check(ok) is None
 
 
-def test_knob_space_fits_shared_memory_and_the_default_is_fa3s_tile():
+def test_knob_space_fits_shared_memory_and_the_default_is_the_measured_best():
     """Every knob set fits MAX_SMEM and the register rule; head dim 128 defaults to two consumers x 128 keys x 2
-    stages (160 KB), head dim 64 too; three stages of 176 keys at head dim 128 do not fit."""
+    stages (160 KB), not overlapped (the fastest at every shape of attention_run5.json), head dim 64 too; three
+    stages of 176 keys at head dim 128 do not fit."""
     for d in (64, 128):
         s = normalize(dict(BASE, head_dim=d))
         space = knob_space(s)
         assert space and all(smem_bytes(s, k) <= MAX_SMEM for k in space)
-        fa3 = {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 1, "pingpong": 0}
-        assert default_knobs(s) == fa3 == space[0]
+        best = {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 0, "pingpong": 0}
+        assert default_knobs(s) == best == space[0]
     s = normalize(BASE)
     assert smem_bytes(s, default_knobs(s)) == 160 * 1024
-    assert dict(fa3, block_n=176, stages=3) not in knob_space(s)
+    assert dict(best, block_n=176, stages=3) not in knob_space(s)
 
 
 def test_tma_maps_address_each_layout_in_place():
@@ -97,7 +99,8 @@ def test_tma_maps_address_each_layout_in_place():
 
 KERNELS = [  # shapes, knobs, (TMA panels per tile, masked softmax emitted)
     (BASE, None, 2, True),
-    (dict(BASE, causal=False), None, 2, False),  # static, tiles divide: no score is tested
+    (dict(BASE, causal=False),  # static, tiles divide: no score is tested; overlapped
+     {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 1, "pingpong": 0}, 2, False),
     (dict(BASE, causal=False, seq_k=200, head_dim=64, dtype="bfloat16"),  # ragged L, one consumer, in turn
      {"consumers": 1, "block_n": 64, "stages": 3, "setmaxnreg": 0, "overlap": 0, "pingpong": 0}, 1, True),
     (dict(BASE, q_layout="BSHD", k_layout="BSHD", v_layout="BSHD", out_layout="BSHD", heads=8, kv_heads=8),
@@ -269,10 +272,12 @@ def test_every_knob_set_matches_numpy_on_the_gpu(shape, dtype):
     want = _ref(q, k, v, s["causal"])
     args = [tvm.runtime.tensor(_stored(x, s[f"{r}_layout"]), dev) for r, x in (("q", q), ("k", k), ("v", v))]
     tol = 2e-2 if dtype == "bfloat16" else 4e-3
-    for knobs in _each_knob_value(s):
+    sets = _each_knob_value(s)
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:  # nvcc in parallel: each set's build is a few seconds
+        libs = list(pool.map(lambda kn: tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL_WGMMA(s, kn)}),
+                                                    target=hopper_target(), tir_pipeline="tirx"), sets))
+    for knobs, lib in zip(sets, libs):
         print("knobs", knobs, flush=True)  # with -s: the set a hung kernel (a lost mbarrier phase) ran
-        lib = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL_WGMMA(s, knobs)}), target=hopper_target(),
-                          tir_pipeline="tirx")
         out = tvm.runtime.tensor(np.full(_stored(want, s["out_layout"]).shape, np.nan, dtype), dev)
         lib["main"](*args, out)
         got = out.numpy().astype("f4")
