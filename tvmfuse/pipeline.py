@@ -33,7 +33,8 @@ from tvmfuse.fuse import verification_dims
 from tvmfuse.isolation import collecting
 from tvmfuse.isolation import current as failures_so_far
 from tvmfuse.jobs import Job
-from tvmfuse.kernels import GREEDY, add_greedy_tokens, apply_hopper_kernels, is_hopper, sibling_merge_pays, substitute
+from tvmfuse.kernels import (GREEDY, add_greedy_tokens, apply_hopper_kernels, hopper_gemm_sites, is_hopper,
+                             measured_tiles, sibling_merge_pays, substitute)
 from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.decoder_mask import one_kernel_decoder_mask
@@ -43,7 +44,8 @@ from tvmfuse.prepare.precision import has_low_lookups
 from tvmfuse.records import SCHEDULES_DIR, TuningDatabase, open_database
 from tvmfuse.spaces import apply_default_schedules, space_for
 from tvmfuse.targets import check_compute_dtype, device_for, has_device, resolve_target, target_name
-from tvmfuse.tune import TaskProgress, TuningInterrupted, kernel_records, kernels_keeping_default, tune, tune_templates
+from tvmfuse.tune import (TaskProgress, TuningInterrupted, kernel_records, kernels_keeping_default, tune, tune_sites,
+                          tune_templates)
 from tvmfuse.verify import VariantCheck, Verification, compare_at_dims, compare_kv_step, latency_us, random_inputs
 from tvmfuse.verify import step_dims
 from tvmfuse.verify.reference import reference_model
@@ -161,7 +163,8 @@ def kernels_phase(fused: Fused, target: tvm.target.Target, database: TuningDatab
                   on_progress: Callable[[TaskProgress], None], log: Say) -> Fused:
     """On CUDA: the hand-written templates where they take a kernel's shapes (their knobs measured into the
     database first, each checked against the generic kernel; the best measured applied), then on sm_90a the TIRx
-    GEMM and row kernels where they fit. One log line per kernel considered."""
+    GEMM kernels (their tiles measured and checked the same way; the fastest, else the rules' pick) and row kernels
+    where they fit. One log line per kernel considered."""
     if target.kind.name != "cuda":
         return fused
     tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc, on_progress=on_progress,
@@ -170,7 +173,9 @@ def kernels_phase(fused: Fused, target: tvm.target.Target, database: TuningDatab
     fused.mod = substitute(fused.mod, fused.kernel_patterns, target=target, log=outcomes, database=database)
     for kernel, outcome in outcomes:
         log(f"{kernel}: {outcome}")
-    fused.mod = apply_hopper_kernels(fused.mod, target, log)
+    tune_sites(hopper_gemm_sites(fused.mod, target), fused.mod, target, database, trials, rpc=rpc,
+               on_progress=on_progress, say=log, make_check=VariantCheck)
+    fused.mod = apply_hopper_kernels(fused.mod, target, log, tile_for=measured_tiles(database, target))
     return fused
 
 

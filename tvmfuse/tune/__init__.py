@@ -16,7 +16,7 @@ _EXPORTS = {
     "kernels_keeping_default": "baseline", "measure_baselines": "baseline",
     "TaskProgress": "progress", "kernel_records": "progress",
     "TuningInterrupted": "search", "tunable_tasks": "search", "tune": "search",
-    "tune_templates": "templates",
+    "tune_sites": "templates", "tune_templates": "templates",
 }
 
 __all__ = sorted(_EXPORTS)

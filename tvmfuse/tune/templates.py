@@ -40,19 +40,33 @@ def tune_templates(mod: tvm.IRModule, patterns: dict[str, str], target: tvm.targ
                    on_progress: Callable[[TaskProgress], None] | None = None, builder=None,
                    runner=None, say: Callable[[str], None] | None = None,
                    make_check: Callable | None = None) -> dict[str, TaskProgress]:
-    """Measure up to `trials` knob sets of every kernel a template takes (`template_sites`) and commit each
-    as a record to `database`; knob sets already recorded count toward the budget and are not measured again
-    (`trials` 0 measures nothing). `substitute(..., database=database)` then applies the best. The builder
-    and runner are the tune stage's (local or RPC) unless given. With `make_check` (the verify stage's
-    `VariantCheck`: `make_check(generic, call, perm, target, runner)`), each built knob set is first run against
-    the generic kernel it replaces on the runner's device (local or an RPC session); a wrong one is recorded as
-    failed, not timed, and `say` gets one line for it."""
+    """`tune_sites` over every kernel a template takes (`template_sites`) at static sizes; `substitute(...,
+    database=database)` then applies the best."""
+    say = say or (lambda _line: None)
+    sites = []
+    for site in template_sites(mod, patterns, info, target):
+        if trials > 0 and symbolic(normalize(site[3])):
+            say(f"{site[1]}: {site[2].name} knobs not measured (symbolic sizes: no inputs to time it on); default knobs")
+        else:
+            sites.append(site)
+    return tune_sites(sites, mod, target, database, trials, rpc=rpc, on_progress=on_progress, builder=builder,
+                      runner=runner, say=say, make_check=make_check)
+
+
+def tune_sites(sites: list[tuple], mod: tvm.IRModule, target: tvm.target.Target, database, trials: int,
+               rpc: tuple[str, str] | None = None, on_progress: Callable[[TaskProgress], None] | None = None,
+               builder=None, runner=None, say: Callable[[str], None] | None = None,
+               make_check: Callable | None = None) -> dict[str, TaskProgress]:
+    """Measure up to `trials` knob sets of each site ((global var, kernel name, template, shapes, argument order):
+    `template_sites`, `kernels.hopper.hopper_gemm_sites`), its default first, and commit each as a record to
+    `database`; knob sets already recorded count toward the budget and are not measured again (`trials` 0
+    measures nothing). The builder and runner are the tune stage's (local or RPC) unless given. With `make_check`
+    (the verify stage's `VariantCheck`: `make_check(generic, call, perm, target, runner)`), each built knob set is
+    first run against the generic kernel it replaces on the runner's device (local or an RPC session); a wrong one
+    is recorded as failed, not timed, and `say` gets one line for it."""
     progress: dict[str, TaskProgress] = {}
     say = say or (lambda _line: None)
-    for gv, name, tmpl, shapes, perm in template_sites(mod, patterns, info, target):
-        if trials > 0 and symbolic(normalize(shapes)):
-            say(f"{name}: {tmpl.name} knobs not measured (symbolic sizes: no inputs to time it on); default knobs")
-            continue
+    for gv, name, tmpl, shapes, perm in sites:
         space, done = candidate_knobs(tmpl, shapes), measured(database, tmpl, shapes, target)
         budget = min(max(trials, 0), len(space))
         spent = min(sum(knob_key(k) in done for k in space), budget)
@@ -102,7 +116,9 @@ def _check_outputs(check, artifacts, knob_sets, name: str, say) -> list[str | No
 def commit_variant(database, mod: tvm.IRModule, secs: list[float], target) -> None:
     """Store one knob set's `variant_workload` with its measured run times (FAILED_SECS: failed or wrong)."""
     sch = s_tir.Schedule(mod)
-    sch.get_sblock("root")  # one no-op instruction: MetaSchedule's databases return no empty-trace record
+    # one no-op instruction: MetaSchedule's databases return no empty-trace record (EnterPostproc, which every tuned
+    # trace holds: a TIRx kernel has no root block to look up)
+    sch.enter_postproc()
     database.commit_tuning_record(ms.database.TuningRecord(
         sch.trace, database.commit_workload(mod), secs, target, ArgInfo.from_prim_func(mod["main"])))
 

@@ -76,9 +76,10 @@ def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
     return SmallMTile(n8=n8, warps=warps, vec=1, unroll=2 if warps == 16 else 4)
 
 
-def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFunc | None, str]:
+def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str,
+                           tile: WgmmaTile | SmallMTile | None = None) -> tuple[tirx.PrimFunc | None, str]:
     """The TIRx kernel computing what `func` computes (same parameters): mma.sync for 2 <= M <= 64, wgmma
-    above; or (None, why not)."""
+    above, with `tile` (default: the rules' pick, `choose_smallm_tile` / `choose_tile`); or (None, why not)."""
     info, why = analyze_gemm(func)
     if info is None:
         return None, why
@@ -86,15 +87,16 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFun
     if m == 1:  # measured in the models (decode b1); this kernel at M = 1 only alone (smallm_tc_run1.json)
         return None, f"1x{n}x{k}: M=1 stays with the GEMV schedule"
     if m <= MAX_M:
-        small = choose_smallm_tile(m, n, k)
+        small = tile or choose_smallm_tile(m, n, k)
         why = check_smallm_shape(m, n, k, small)
-        tile, make, desc = small, smallm_kernel, f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns"
+        tile, make, desc = small, smallm_kernel, (f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} "
+                                                  f"columns" + (f", unroll {small.unroll}" if small.unroll != 4 else ""))
     else:
-        tile = choose_tile(m, n, k)
-        why = None if tile else check_wgmma_shape(m, n, k, WgmmaTile())
+        tile = tile or choose_tile(m, n, k)
+        why = check_wgmma_shape(m, n, k, tile or WgmmaTile())
         make = wgmma_kernel
         desc = tile and (f"wgmma {m}x{n}x{k}, tile {tile.bm}x{tile.bn}, {tile.stages} stages"
-                        + (", two accumulator sets" if tile.dual else ""))
+                        + (", two accumulator sets" if tile.dual else "") + _knob_notes(tile))
     if why:
         return None, f"{m}x{n}x{k}: {why}"
     # the kernel declares its own parameter buffers (same names, shapes, dtypes): the TIRx pipeline's FlattenBuffer
@@ -109,28 +111,55 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str) -> tuple[tirx.PrimFun
     return make(m, n, k, tile, a, b, out, finish, place, list(fresh.values()), name, setup=setup), desc
 
 
-def apply_hopper_kernels(mod: tvm.IRModule, target: tvm.target.Target, log: Callable[[str], None]) -> tvm.IRModule:
-    """On sm_90a, replace each fused GEMM kernel a GEMM kernel takes, and each fused row reduction (LayerNorm,
-    RMSNorm, their epilogues) the row kernel takes; the rest is untouched."""
+def _knob_notes(tile: WgmmaTile) -> str:
+    """The tile's knobs that differ from WgmmaTile's defaults, for the log line (', CTA groups of 4 rows')."""
+    notes = {"group_m": f"CTA groups of {tile.group_m} rows", "inflight": "one group in flight",
+             "cluster": f"clusters of {tile.cluster}", "stepped_desc": "stepped descriptors",
+             "persistent": "persistent CTAs", "setmaxnreg": "setmaxnreg"}
+    return "".join(f", {text}" for key, text in notes.items() if getattr(tile, key) != getattr(WgmmaTile, key))
+
+
+#: tile_for(kernel, name) -> (tile, note): the tile a GEMM takes and a note for its log line; (None, None) for the
+#: rules' pick, (None, why) to keep its generic schedule
+TileFor = Callable[[tirx.PrimFunc, str], tuple]
+
+
+def _hopper_kernel(func: tirx.PrimFunc, name: str, tile_for: TileFor | None) -> tuple:
+    """(the TIRx kernel in the place of `func`, its log line), or (None, why a GEMM keeps its generic schedule), or
+    (None, None) for a kernel neither the GEMM nor the row kernel is for."""
+    tile, note = tile_for(func, name) if tile_for else (None, None)
+    if tile is None and note:
+        return None, note
+    for make, args in ((gemm_kernel_from_fused, (tile,)), (row_kernel_from_fused, ())):
+        try:
+            new, why = make(func, name, *args)
+        except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
+            new, why = None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
+            record_failure(name, HOPPER, f"{make.__name__}: {why}")
+        if new is not None:
+            return new, why + (f" ({note})" if note and make is gemm_kernel_from_fused else "")
+        if make is gemm_kernel_from_fused and not why.startswith(NOT_A_GEMM):
+            return None, why
+    return None, None
+
+
+def apply_hopper_kernels(mod: tvm.IRModule, target: tvm.target.Target, log: Callable[[str], None],
+                         tile_for: TileFor | None = None) -> tvm.IRModule:
+    """On sm_90a, replace each fused GEMM kernel a GEMM kernel takes (with the tile `tile_for` gives: the measured
+    best, `gemm_tiles.measured_tiles`; else the rules' pick), and each fused row reduction (LayerNorm, RMSNorm, their
+    epilogues) the row kernel takes; the rest is untouched."""
     if not is_hopper(target):
         return mod
     out = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or TIRX_ATTR in (func.attrs or {}):
             continue
-        for make in (gemm_kernel_from_fused, row_kernel_from_fused):
-            try:
-                new, why = make(func, gv.name_hint)
-            except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
-                new, why = None, f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
-                record_failure(gv.name_hint, HOPPER, f"{make.__name__}: {why}")
-            if new is not None:
-                out[gv] = new
-                log(f"{gv.name_hint}: {why}")
-                break
-            if make is gemm_kernel_from_fused and not why.startswith(NOT_A_GEMM):  # a GEMM left alone: say why
-                log(f"{gv.name_hint}: generic GEMM schedule ({why})")
-                break
+        new, why = _hopper_kernel(func, gv.name_hint, tile_for)
+        if new is not None:
+            out[gv] = new
+            log(f"{gv.name_hint}: {why}")
+        elif why:  # a GEMM left alone: say why
+            log(f"{gv.name_hint}: generic GEMM schedule ({why})")
     if not out:
         return mod
     return tvm.IRModule({gv: out.get(gv, func) for gv, func in mod.functions.items()}, attrs=mod.attrs,

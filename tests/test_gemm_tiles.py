@@ -1,0 +1,157 @@
+"""tvmfuse.kernels.hopper.gemm_tiles: the Hopper GEMM kernels' tile candidates, their tuning sites and records, and
+the tile apply_hopper_kernels takes from them (measured by a stand-in builder and runner: no GPU here)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+
+import pytest
+import tvm
+import tvm_ffi
+from test_hopper import _gelu_projection
+from test_smallm import _projection
+from tvm.s_tir import meta_schedule as ms
+
+from tvmfuse.kernels.hopper import apply_hopper_kernels, choose_smallm_tile, choose_tile
+from tvmfuse.kernels.hopper.gemm_tiles import HOPPER_GEMMS, hopper_gemm_sites, measured_tiles, smallm_space, wgmma_space
+from tvmfuse.kernels.hopper.mma_smallm import check_smallm_shape
+from tvmfuse.kernels.hopper.select import gemm_kernel_from_fused
+from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
+from tvmfuse.records import TuningDatabase
+from tvmfuse.records.keys import knob_key
+from tvmfuse.targets import resolve_target
+from tvmfuse.tune.templates import FAILED_SECS, tune_sites
+
+SHAPES = [(512, 4096, 4096), (2048, 11008, 4096), (512, 768, 3072), (130, 1000, 256), (2048, 50257, 768)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_wgmma_space_is_the_fitted_pick_first_then_every_tile_that_fits(m, n, k):
+    """The rules' pick first (what --trials 0 builds, so a tuned build is never slower); every candidate fits the
+    shape, none twice; each fitted tile in both CTA orders; the pick's knob variants last."""
+    space = wgmma_space(m, n, k)
+    assert space[0] == choose_tile(m, n, k)
+    assert len(space) == len(set(space)) and all(check_wgmma_shape(m, n, k, t) is None for t in space)
+    assert {t.group_m for t in space} == {4, 16}
+    assert any(t.stepped_desc for t in space[-4:]) and not any(t.stepped_desc for t in space[:-4])
+    assert wgmma_space(32, n, k) == []  # below every tile (the family gives such rows the small-M kernel)
+
+
+@pytest.mark.parametrize("m,n,k", [(16, 4096, 4096), (4, 11008, 4096), (64, 768, 768)])
+def test_smallm_space_is_the_rule_first_then_every_tile_that_fits(m, n, k):
+    space = smallm_space(m, n, k)
+    assert space[0] == choose_smallm_tile(m, n, k) and len(space) == len(set(space)) > 10
+    assert all(check_smallm_shape(m, n, k, t) is None for t in space)
+
+
+def test_sites_are_the_static_gemms_keyed_by_what_they_compute_not_their_name():
+    """One site per fused GEMM the Hopper kernels take on sm_90a (M = 1 and other targets: none); its records'
+    key is the GEMM and epilogue, so a renamed kernel finds them and another epilogue does not."""
+    cuda = resolve_target("cuda")
+    mod = _gelu_projection(256, 512, 384)
+    (site,) = hopper_gemm_sites(mod, cuda)
+    gv, name, family, shapes, perm = site
+    assert family is HOPPER_GEMMS and (shapes["m"], shapes["n"], shapes["k"]) == (256, 384, 512) and perm == [0, 1, 2]
+    renamed = mod[gv].with_attr("global_symbol", "another_name")
+    other = dict(shapes, func=renamed, name="another_name")
+    assert HOPPER_GEMMS.key(other) == HOPPER_GEMMS.key(shapes)
+    (plain,) = hopper_gemm_sites(_projection(256, 512, 384), cuda)  # bias, no GELU
+    assert HOPPER_GEMMS.key(plain[3]) != HOPPER_GEMMS.key(shapes)
+    assert hopper_gemm_sites(mod, resolve_target("llvm")) == []
+    assert hopper_gemm_sites(mod, resolve_target('{"kind": "cuda", "arch": "sm_80"}')) == []
+    assert hopper_gemm_sites(_projection(1, 512, 384), cuda) == []  # M = 1: the GEMV schedule
+    kernel = HOPPER_GEMMS(shapes, HOPPER_GEMMS.knob_space(shapes)[3])
+    assert json.loads(kernel.attrs["tvmfuse.template"])["template"] == "hopper_gemm"
+    assert kernel.attrs["tvmfuse.knobs"] == knob_key(HOPPER_GEMMS.knob_space(shapes)[3])
+
+
+class _Builder:
+    """Builds nothing: each artifact is the knob set it stands for."""
+
+    def build(self, inputs):
+        return [ms.builder.BuilderResult(str(next(iter(i.mod.functions.values())).attrs["tvmfuse.knobs"]), None)
+                for i in inputs]
+
+
+class _Runner:
+    """Times each knob set with `secs(knobs)`: None is a failed run."""
+
+    def __init__(self, secs):
+        self.secs, self.runs = secs, 0
+
+    def run(self, inputs):
+        out = []
+        for i in inputs:
+            self.runs += 1
+            secs = self.secs(json.loads(i.artifact_path))
+            future = Future()
+            future.set_result(ms.runner.RunnerResult([secs] if secs else None, None if secs else "failed"))
+            out.append(future)
+        return out
+
+
+def _tile_line(logged):
+    (line,) = [ln for ln in logged if "wgmma" in ln or "generic GEMM" in ln]
+    return line
+
+
+def test_the_fastest_measured_tile_is_built_and_a_rerun_measures_only_the_rest(tmp_path):
+    """--trials 3 measures the pick and the two next candidates (records in the database); the build takes the
+    fastest of them; rerun with 3 nothing runs again, with 5 two more; a database without records: the pick."""
+    cuda = resolve_target("cuda")
+    mod = _gelu_projection(256, 512, 384)
+    sites = hopper_gemm_sites(mod, cuda)
+    space = HOPPER_GEMMS.knob_space(sites[0][3])
+    fastest = space[2]
+    runner = _Runner(lambda knobs: 5e-6 if knobs == fastest else 9e-6)
+    db = TuningDatabase(str(tmp_path / "db"), cuda)
+    progress = tune_sites(sites, mod, cuda, db, 3, builder=_Builder(), runner=runner)
+    assert runner.runs == 3 and progress[sites[0][1]].trials == 3 and progress[sites[0][1]].best_us == 5.0
+    logged = []
+    out = apply_hopper_kernels(mod, cuda, logged.append, tile_for=measured_tiles(db, cuda))
+    assert "the fastest measured tile, 5.0 us" in _tile_line(logged)
+    (kernel,) = [f for f in out.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    want, _ = gemm_kernel_from_fused(mod[sites[0][0]], sites[0][1], WgmmaTile(**fastest))
+    assert tvm_ffi.structural_equal(kernel, want)
+    again = TuningDatabase(str(tmp_path / "db"), cuda)  # the records on disk
+    assert tune_sites(sites, mod, cuda, again, 3, builder=_Builder(), runner=runner)[sites[0][1]].resumed == 3
+    assert runner.runs == 3
+    tune_sites(sites, mod, cuda, again, 5, builder=_Builder(), runner=runner)
+    assert runner.runs == 5
+    logged.clear()
+    apply_hopper_kernels(mod, cuda, logged.append, tile_for=measured_tiles(TuningDatabase(None, cuda), cuda))
+    _, pick = gemm_kernel_from_fused(mod[sites[0][0]], sites[0][1])  # the rules' tile, as --trials 0 has it
+    assert _tile_line(logged) == f"{sites[0][1]}: {pick}" and "measured" not in pick
+
+
+def test_a_gemm_whose_every_measured_tile_failed_keeps_its_generic_schedule(tmp_path):
+    cuda = resolve_target("cuda")
+    mod = _gelu_projection(256, 512, 384)
+    sites = hopper_gemm_sites(mod, cuda)
+    db = TuningDatabase(str(tmp_path / "db"), cuda)
+    tune_sites(sites, mod, cuda, db, 2, builder=_Builder(), runner=_Runner(lambda knobs: None))
+    records = db.get_all_tuning_records()
+    assert len(records) == 2 and all(float(r.run_secs[0]) >= FAILED_SECS for r in records)
+    logged = []
+    out = apply_hopper_kernels(mod, cuda, logged.append, tile_for=measured_tiles(db, cuda))
+    assert out is mod and _tile_line(logged).endswith("generic GEMM schedule (every measured tile failed (2))")
+
+
+@pytest.mark.gpu
+def test_tiles_are_checked_and_timed_on_the_gpu_and_the_fastest_is_built(tmp_path):
+    """The product's builder and runner (tune.search) and its output check (verify.VariantCheck): six tiles of a
+    256x384x512 GEMM + bias + GELU each right against the generic kernel and timed; the build takes the fastest."""
+    from tvmfuse.verify import VariantCheck
+
+    cuda = resolve_target("cuda")
+    mod = _gelu_projection(256, 512, 384)
+    sites = hopper_gemm_sites(mod, cuda)
+    db = TuningDatabase(str(tmp_path / "db"), cuda)
+    said = []
+    progress = tune_sites(sites, mod, cuda, db, 6, say=said.append, make_check=VariantCheck)
+    task = progress[sites[0][1]]
+    assert task.trials == 6 and task.failed == 0 and task.best_us is not None, said
+    logged = []
+    apply_hopper_kernels(mod, cuda, logged.append, tile_for=measured_tiles(db, cuda))
+    assert f"the fastest measured tile, {task.best_us:.1f} us" in _tile_line(logged)

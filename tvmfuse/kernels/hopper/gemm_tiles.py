@@ -1,0 +1,137 @@
+"""The Hopper GEMM kernels as a family `--trials` tunes: each fused GEMM's candidate tiles (the fitted pick first),
+the kernel built with any of them, and the key its tuning records carry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm
+from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape
+from tvmfuse.kernels.hopper.select import (TILE_COSTS, choose_smallm_tile, choose_tile, estimate_us,
+                                           gemm_kernel_from_fused, is_hopper)
+from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
+from tvmfuse.records.keys import knob_key
+from tvmfuse.records.knobs import best_knobs, failed_knobs
+
+#: CTA orders measured besides the default's 16 row tiles a group (wgmma_run6.json: 4 was best at 2048x11008x4096)
+GROUPS = (16, 4)
+#: knobs that are measured on the fitted pick alone (each correct on the GPU, gpu_tests_run31_hopper.txt)
+PICK_VARIANTS = ({"stepped_desc": True}, {"persistent": True}, {"setmaxnreg": True},
+                 {"stepped_desc": True, "setmaxnreg": True})
+#: the small-M kernel's candidates: columns (8 * n8) a block, warps splitting K, K chunks loaded ahead
+SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
+
+
+def wgmma_space(m: int, n: int, k: int) -> list[WgmmaTile]:
+    """The fitted pick (`choose_tile`) first, then every TILE_COSTS tile in each CTA order of GROUPS that fits,
+    cheapest estimate first, then the pick with each of PICK_VARIANTS: what `--trials N` measures, in that order."""
+    pick = choose_tile(m, n, k)
+    if pick is None:
+        return []
+    tiles = [dataclasses.replace(t, group_m=g) for t in TILE_COSTS for g in GROUPS]
+    ranked = sorted((t for t in tiles if check_wgmma_shape(m, n, k, t) is None),
+                    key=lambda t: (estimate_us(m, n, k, dataclasses.replace(t, group_m=WgmmaTile.group_m)),
+                                   GROUPS.index(t.group_m)))
+    variants = [dataclasses.replace(pick, **v) for v in PICK_VARIANTS]
+    space = [pick] + ranked + [t for t in variants if check_wgmma_shape(m, n, k, t) is None]
+    return list(dict.fromkeys(space))
+
+
+def smallm_space(m: int, n: int, k: int) -> list[SmallMTile]:
+    """The rule's tile (`choose_smallm_tile`) first, then every other columns x warps x unroll set."""
+    pick = choose_smallm_tile(m, n, k)
+    tiles = [SmallMTile(n8=c, warps=w, vec=1, unroll=u) for c in SMALLM_N8 for w in SMALLM_WARPS
+             for u in SMALLM_UNROLL]
+    return list(dict.fromkeys([pick] + [t for t in tiles if check_smallm_shape(m, n, k, t) is None]))
+
+
+def _tile(shapes: dict, knobs: dict):
+    return (SmallMTile if shapes["m"] <= MAX_M else WgmmaTile)(**knobs)
+
+
+class HopperGemms:
+    """The fused GEMMs the Hopper kernels take, as a template-like family (name, key, knob_space, default_knobs,
+    call): shapes are {"m", "n", "k", "kernel": the generic kernel's structural hash, "func": it, "name"}, knobs a
+    tile's fields. The records of `tune.templates` then hold one tile each, keyed by the GEMM (its epilogue
+    included), whatever the kernel is named in another build."""
+
+    name = "hopper_gemm"
+
+    def key(self, shapes: dict, target: str = "cuda") -> str:
+        s = {k: shapes[k] for k in ("m", "n", "k", "kernel")}
+        return json.dumps({"template": self.name, "target": str(target), "shapes": s}, sort_keys=True)
+
+    def knob_space(self, shapes: dict) -> list[dict]:
+        m, n, k = shapes["m"], shapes["n"], shapes["k"]
+        tiles = smallm_space(m, n, k) if m <= MAX_M else wgmma_space(m, n, k)
+        return [dataclasses.asdict(t) for t in tiles]
+
+    def default_knobs(self, shapes: dict) -> dict:
+        return self.knob_space(shapes)[0]
+
+    def __call__(self, shapes: dict, knobs: dict | None = None, target: str = "cuda") -> tirx.PrimFunc:
+        """The TIRx kernel of this GEMM with the tile `knobs` (the default tile when None)."""
+        knobs = knobs or self.default_knobs(shapes)
+        fn, why = gemm_kernel_from_fused(shapes["func"], shapes["name"], _tile(shapes, knobs))
+        if fn is None:
+            raise ValueError(f"{self.name}: {why}")
+        return fn.with_attr("tvmfuse.template", self.key(shapes, target)).with_attr("tvmfuse.knobs", knob_key(knobs))
+
+
+HOPPER_GEMMS = HopperGemms()
+
+
+def gemm_shapes(func: tirx.PrimFunc, name: str) -> dict | None:
+    """The family's shapes of a fused kernel the Hopper GEMM kernels take at static sizes (M > 1), else None."""
+    info, _ = analyze_gemm(func)
+    if info is None or not all(isinstance(info[d], int) for d in "mnk") or info["m"] == 1:
+        return None
+    shapes = {"m": info["m"], "n": info["n"], "k": info["k"], "func": func, "name": name,
+              "kernel": str(tvm_ffi.structural_hash(func.without_attr("global_symbol")))}
+    return shapes if HOPPER_GEMMS.knob_space(shapes) else None
+
+
+def hopper_gemm_sites(mod: tvm.IRModule, target: tvm.target.Target) -> list[tuple]:
+    """(global var, kernel name, HOPPER_GEMMS, shapes, argument order) for each fused GEMM of `main` the Hopper
+    kernels take with their default tile, as `kernels.template_sites` gives the attention kernels (the order is
+    the kernel's own: it keeps its parameters)."""
+    from tvmfuse.kernels.substitution import call_sites
+
+    if not is_hopper(target):
+        return []
+    calls, sites = call_sites(mod), []
+    for gv, fn in mod.functions.items():
+        name = gv.name_hint
+        if not isinstance(fn, tirx.PrimFunc) or name not in calls:
+            continue
+        try:
+            shapes = gemm_shapes(fn, name)
+            if shapes is None or gemm_kernel_from_fused(fn, name)[0] is None:
+                continue
+        except Exception:  # noqa: BLE001  (a kernel the analysis trips on is apply_hopper_kernels' to report)
+            continue
+        sites.append((gv, name, HOPPER_GEMMS, shapes, list(range(len(calls[name].args[1].fields)))))
+    return sites
+
+
+def measured_tiles(database, target: tvm.target.Target):
+    """`apply_hopper_kernels`' tile_for: each GEMM's fastest tile in `database` (its tuning records, or the schedules
+    library's), the rules' pick where none was measured, its generic schedule where every measured tile failed."""
+    def tile_for(func: tirx.PrimFunc, name: str) -> tuple:
+        try:
+            shapes = gemm_shapes(func, name)
+        except Exception:  # noqa: BLE001  (apply_hopper_kernels analyses it again and reports what is wrong)
+            return None, None
+        if shapes is None:
+            return None, None
+        knobs, us = best_knobs(database, HOPPER_GEMMS, shapes, target)
+        if knobs is not None:
+            return _tile(shapes, knobs), f"the fastest measured tile, {us:.1f} us"
+        failed = failed_knobs(database, HOPPER_GEMMS, shapes, target)
+        return None, (f"every measured tile failed ({failed})" if failed else None)
+    return tile_for
