@@ -155,3 +155,27 @@ def test_tiles_are_checked_and_timed_on_the_gpu_and_the_fastest_is_built(tmp_pat
     logged = []
     apply_hopper_kernels(mod, cuda, logged.append, tile_for=measured_tiles(db, cuda))
     assert f"the fastest measured tile, {task.best_us:.1f} us" in _tile_line(logged)
+
+
+def test_the_schedules_library_keeps_a_gemms_fastest_tile_and_a_fresh_job_builds_it(tmp_path):
+    """`schedules add` keeps one record of the three measured tiles (the fastest); a job seeded from that library
+    builds the GEMM with it at --trials 0, nothing measured."""
+    from tvmfuse.records import open_database
+    from tvmfuse.records.upkeep import add_from_database
+
+    cuda = resolve_target("cuda")
+    mod = _gelu_projection(256, 512, 384)
+    sites = hopper_gemm_sites(mod, cuda)
+    fastest = HOPPER_GEMMS.knob_space(sites[0][3])[1]
+    db = TuningDatabase(str(tmp_path / "db"), cuda)
+    tune_sites(sites, mod, cuda, db, 3, builder=_Builder(), runner=_Runner(lambda k: 4e-6 if k == fastest else 7e-6))
+    lib = str(tmp_path / "lib")
+    assert add_from_database(db, lib)["added"] == 1
+    fresh = open_database(str(tmp_path / "job"), cuda, lib, say=lambda s: None, mod=mod)
+    logged = []
+    out = apply_hopper_kernels(mod, cuda, logged.append, tile_for=measured_tiles(fresh, cuda))
+    assert "the fastest measured tile, 4.0 us" in _tile_line(logged)
+    (kernel,) = [f for f in out.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert tvm_ffi.structural_equal(kernel, gemm_kernel_from_fused(mod[sites[0][0]], sites[0][1],
+                                                                   WgmmaTile(**fastest))[0])
+    assert not (tmp_path / "job").exists()
