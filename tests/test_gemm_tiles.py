@@ -125,7 +125,11 @@ def test_the_fastest_measured_tile_is_built_and_a_rerun_measures_only_the_rest(t
     assert _tile_line(logged) == f"{sites[0][1]}: {pick}" and "measured" not in pick
 
 
-def test_a_gemm_whose_every_measured_tile_failed_keeps_its_generic_schedule(tmp_path):
+def test_a_gemm_whose_every_measured_tile_failed_keeps_the_rules_tile_with_a_warning(tmp_path):
+    """Every measured tile failed (a box that cannot run them, or wrong outputs): the GEMM keeps the tile --trials 0
+    builds (a tuned build is never slower), said in the log and as a manifest failure line."""
+    from tvmfuse import isolation
+
     cuda = resolve_target("cuda")
     mod = _gelu_projection(256, 512, 384)
     sites = hopper_gemm_sites(mod, cuda)
@@ -133,9 +137,17 @@ def test_a_gemm_whose_every_measured_tile_failed_keeps_its_generic_schedule(tmp_
     tune_sites(sites, mod, cuda, db, 2, builder=_Builder(), runner=_Runner(lambda knobs: None))
     records = db.get_all_tuning_records()
     assert len(records) == 2 and all(float(r.run_secs[0]) >= FAILED_SECS for r in records)
-    logged = []
-    out = apply_hopper_kernels(mod, cuda, logged.append, tile_for=measured_tiles(db, cuda))
-    assert out is mod and _tile_line(logged).endswith("generic GEMM schedule (every measured tile failed (2))")
+    logged, warned = [], []
+    with isolation.collecting(warned.append) as failures:
+        out = apply_hopper_kernels(mod, cuda, logged.append, tile_for=measured_tiles(db, cuda))
+    _, pick = gemm_kernel_from_fused(mod[sites[0][0]], sites[0][1])
+    assert _tile_line(logged) == f"{sites[0][1]}: {pick} (every measured tile failed (2): the rules' tile, as " \
+                                 "--trials 0 builds it)"
+    (kernel,) = [f for f in out.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert tvm_ffi.structural_equal(kernel, gemm_kernel_from_fused(mod[sites[0][0]], sites[0][1])[0])
+    (failure,) = failures.items
+    assert failure["kernel"] == sites[0][1] and failure["step"] == isolation.HOPPER and "(2)" in failure["reason"]
+    assert len(warned) == 1 and sites[0][1] in warned[0]
 
 
 @pytest.mark.gpu

@@ -15,6 +15,8 @@ from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_sh
 from tvmfuse.kernels.hopper.select import (TILE_COSTS, choose_smallm_tile, choose_tile, estimate_us,
                                            gemm_kernel_from_fused, is_hopper)
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
+from tvmfuse.isolation import HOPPER
+from tvmfuse.isolation import record as record_failure
 from tvmfuse.records.keys import knob_key
 from tvmfuse.records.knobs import best_knobs, failed_knobs
 
@@ -121,7 +123,8 @@ def hopper_gemm_sites(mod: tvm.IRModule, target: tvm.target.Target) -> list[tupl
 
 def measured_tiles(database, target: tvm.target.Target):
     """`apply_hopper_kernels`' tile_for: each GEMM's fastest tile in `database` (its tuning records, or the schedules
-    library's), the rules' pick where none was measured, its generic schedule where every measured tile failed."""
+    library's), else the rules' pick (where every measured tile failed too: a build that cannot measure, say,
+    is never slower than --trials 0; a warning and a manifest line say so)."""
     def tile_for(func: tirx.PrimFunc, name: str) -> tuple:
         try:
             shapes = gemm_shapes(func, name)
@@ -133,5 +136,9 @@ def measured_tiles(database, target: tvm.target.Target):
         if knobs is not None:
             return _tile(shapes, knobs), f"the fastest measured tile, {us:.1f} us"
         failed = failed_knobs(database, HOPPER_GEMMS, shapes, target)
-        return None, (f"every measured tile failed ({failed})" if failed else None)
+        if not failed:
+            return None, None
+        why = f"every measured tile failed ({failed}): the rules' tile, as --trials 0 builds it"
+        record_failure(name, HOPPER, why)  # a warning and a line in the manifest; verification checks the build
+        return _tile(shapes, HOPPER_GEMMS.default_knobs(shapes)), why
     return tile_for
