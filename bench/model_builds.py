@@ -95,24 +95,58 @@ def prepare(name: str, case: str, opts: dict, dtypes: list[str]) -> dict:
 
 def build(name: str, case: str, opts: dict, path: str, exported: dict) -> dict:
     """Run the product (`pipeline.run_job`) on the exported `path` in `opts["dtype"]`, and write the libraries to
-    measure: tvmfuse (run_job's export), tvmfuse + CUDA graph (`opts["graph"]`), TVM default (`opts["default"]`)."""
-    from tvmfuse import pipeline, prepare
+    measure: tvmfuse (run_job's export), tvmfuse + CUDA graph (`opts["graph"]`), the product without the templates
+    `opts["before"]` names (`tvmfuse_before`: with a CUDA graph where tvmfuse_cuda_graph has one), TVM default
+    (`opts["default"]`)."""
     from tvmfuse.build import compile_module
+    from tvmfuse.fuse.fusion import launches, lower
     from tvmfuse.spaces import apply_default_schedules
-    from tvmfuse.fuse.fusion import called_prim_funcs, launches, lower
-    from tvmfuse.jobs import Job
     from tvmfuse.targets import resolve_target
 
     t0 = time.time()
     info: dict = {"model": name, "case": case, "dtype": opts["dtype"], **exported}
     folder = os.path.join(opts["work"], case_dir(name, case, opts["dtype"]))
     target = resolve_target(opts["target"])
+    tv, mod, seen = _product(name, case, opts, path, folder, target, tuple(opts.get("without_templates", ())))
+    info["tvmfuse"] = tv
+    if opts["graph"]:
+        info["tvmfuse_cuda_graph"] = _graph_build(mod, target, tv, os.path.join(folder, "cuda_graph.so"))
+    if opts.get("before"):  # the same export built again without these templates: the "before" of the pair
+        left_out = tuple(opts.get("without_templates", ())) + tuple(opts["before"])
+        before, before_mod, _ = _product(name, case, opts, path, os.path.join(folder, "before"), target, left_out)
+        if opts["graph"]:  # measure its CUDA-graph library, as tvmfuse_cuda_graph
+            graph = _graph_build(before_mod, target, before, os.path.join(folder, "before", "cuda_graph.so"))
+            before.update(library=graph["library"], graph_captures=graph["graph_captures"])
+            before.pop("export", None)
+        info["tvmfuse_before"] = dict(before, without_templates=list(left_out))
+    if opts["default"]:  # stock TVM on run_job's own import and precision conversion: no patterns, dlight
+        if "to_compute_dtype" not in seen:
+            raise RuntimeError("run_job no longer calls prepare.to_compute_dtype: bench/model_builds.py needs updating")
+        t = time.time()
+        stock = lower(seen["to_compute_dtype"], patterns=[])
+        scheduled = apply_default_schedules(stock.mod, target, stock=True)
+        info["tvm_default"] = {
+            "library": _export(compile_module(scheduled, target), os.path.join(folder, "tvm_default.so")),
+            "main_dtypes": _main_dtypes(scheduled), "kernels": len(stock.kernels()), "launches": launches(stock.mod),
+            "build_s": round(time.time() - t, 1), "same_import_as": "tvmfuse (run_job's precision output)"}
+    info["prepare_s"] = round(time.time() - t0, 1)
+    return info
+
+
+def _product(name: str, case: str, opts: dict, path: str, folder: str, target, left_out: tuple) -> tuple:
+    """One `pipeline.run_job` build without the templates `left_out`: (its row's build info, the module it compiled,
+    what the spies saw)."""
+    from tvmfuse import pipeline, prepare
+    from tvmfuse.build import compile_module
+    from tvmfuse.fuse.fusion import called_prim_funcs, launches
+    from tvmfuse.jobs import Job
+
     extra = {"io_dtype": opts["dtype"]} if "io_dtype" in {f.name for f in dataclasses.fields(Job)} else {}
     job = Job(case_dir(name, case, opts["dtype"]), path, {}, opts["trials"], opts["dtype"], **extra)
     lines: list[str] = []
     t = time.time()
     with spying({prepare: ("to_compute_dtype",), pipeline: ("compile_module", "tune")}, {}) as seen, \
-            without_templates(tuple(opts.get("without_templates", ()))):
+            without_templates(left_out):
         result = pipeline.run_job(job, target, os.path.join(folder, "export"), os.path.join(opts["work"], "logs"),
                                   say=lines.append)
     if "compile_module" not in seen:
@@ -130,24 +164,16 @@ def build(name: str, case: str, opts: dict, path: str, exported: dict) -> dict:
         tv["export"] = result.output
     else:  # measure what it built anyway; the row says why run_job failed
         tv["library"] = _export(compile_module(mod, target), os.path.join(folder, "tvmfuse.so"))
-    info["tvmfuse"] = tv
-    if opts["graph"]:
-        t = time.time()
-        ex = compile_module(mod, target, cuda_graph=True)
-        info["tvmfuse_cuda_graph"] = {
-            "library": _export(ex, os.path.join(folder, "cuda_graph.so")), "main_dtypes": tv["main_dtypes"],
+    return tv, mod, seen
+
+
+def _graph_build(mod, target, tv: dict, path: str) -> dict:
+    """`mod` compiled with CUDA graphs to `path`: the CUDA-graph contender's build info."""
+    from tvmfuse.build import compile_module
+
+    t = time.time()
+    ex = compile_module(mod, target, cuda_graph=True)
+    return {"library": _export(ex, path), "main_dtypes": tv["main_dtypes"],
             "graph_captures": ex.as_text().count("call  vm.builtin.cuda_graph.run_or_capture"),
             "build_s": round(time.time() - t, 1)}
-    if opts["default"]:  # stock TVM on run_job's own import and precision conversion: no patterns, dlight
-        if "to_compute_dtype" not in seen:
-            raise RuntimeError("run_job no longer calls prepare.to_compute_dtype: bench/model_builds.py needs updating")
-        t = time.time()
-        stock = lower(seen["to_compute_dtype"], patterns=[])
-        scheduled = apply_default_schedules(stock.mod, target, stock=True)
-        info["tvm_default"] = {
-            "library": _export(compile_module(scheduled, target), os.path.join(folder, "tvm_default.so")),
-            "main_dtypes": _main_dtypes(scheduled), "kernels": len(stock.kernels()), "launches": launches(stock.mod),
-            "build_s": round(time.time() - t, 1), "same_import_as": "tvmfuse (run_job's precision output)"}
-    info["prepare_s"] = round(time.time() - t0, 1)
-    return info
 

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import hf_models as hm, model_builds  # noqa: E402
 from bench.model_timing import run_torch, run_tvm  # noqa: E402
 
-CONTENDERS = ["tvmfuse", "tvmfuse_cuda_graph", "torch_eager", "torch_compile", "torch_compile_reduce_overhead",
-              "tvm_default"]
+CONTENDERS = ["tvmfuse", "tvmfuse_cuda_graph", "tvmfuse_before", "torch_eager", "torch_compile",
+              "torch_compile_reduce_overhead", "tvm_default"]
 T0 = time.time()
 RES: dict = {}
 SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -104,11 +104,13 @@ def measure_case(args, info: dict, model, target, dev, ceilings, dtype: str) -> 
            "torch_in": [torch.from_numpy(v).to(tdev, tdt if v.dtype.kind == "f" else None) for v in feeds.values()]}
     jobs = {"tvmfuse": lambda: run_tvm(ctx, "tvmfuse"),
             "tvmfuse_cuda_graph": lambda: run_tvm(ctx, "tvmfuse_cuda_graph"),
+            "tvmfuse_before": lambda: run_tvm(ctx, "tvmfuse_before"),
             "torch_eager": lambda: run_torch(ctx, None),
             "torch_compile": lambda: run_torch(ctx, "default"),
             "torch_compile_reduce_overhead": lambda: run_torch(ctx, "reduce-overhead"),
             "tvm_default": lambda: run_tvm(ctx, "tvm_default")}
-    for key in [c for c in CONTENDERS if c in args.contenders.split(",")]:
+    wanted = args.contenders.split(",") + (["tvmfuse_before"] if args.before else [])
+    for key in [c for c in CONTENDERS if c in wanted and (c != "tvmfuse_before" or args.before)]:
         if key in ("tvmfuse_cuda_graph", "torch_compile_reduce_overhead") and not cuda:
             _row(args, dict(base, contender=key, skipped="CUDA graphs: CUDA only"))
             continue
@@ -225,6 +227,9 @@ def main(argv=None) -> dict:
     p.add_argument("--without-templates", default="", metavar="NAMES", help="comma-separated kernel templates "
                    "the builds leave out (e.g. attention_prefill_wgmma: the mma.sync prefill then, a before/after "
                    "pair with a run without this option)")
+    p.add_argument("--before", default="", metavar="NAMES", help="comma-separated kernel templates: each case is "
+                   "also built without them (from the same export) and measured as tvmfuse_before (with a CUDA graph "
+                   "on CUDA): a before/after pair in one run, e.g. --before attention_prefill_wgmma")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)
     if args.chart:
@@ -250,6 +255,7 @@ def main(argv=None) -> dict:
                target=str(target.attrs.get("arch", "llvm")),
                models={m: hm.NOTES[m] for m in args.models.split(",")}, rows=[],
                without_templates=[n for n in args.without_templates.split(",") if n],
+               before=[n for n in args.before.split(",") if n],
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "
@@ -273,7 +279,8 @@ def main(argv=None) -> dict:
     opts = {"smoke": args.smoke, "trials": args.trials, "work": args.work,
             "target": "llvm" if args.smoke else "cuda", "default": "tvm_default" in wanted,
             "graph": not args.smoke and "tvmfuse_cuda_graph" in wanted,
-            "without_templates": [n for n in args.without_templates.split(",") if n]}
+            "without_templates": [n for n in args.without_templates.split(",") if n],
+            "before": [n for n in args.before.split(",") if n]}
     needs_build = any(c in wanted for c in ("tvmfuse", "tvmfuse_cuda_graph", "tvm_default"))
     workers = args.jobs if args.trials == 0 and needs_build else 0  # tuning measures on the GPU: build here
     pool, futures = None, {}

@@ -94,3 +94,19 @@ def test_without_templates_leaves_a_template_out_of_the_table_for_the_build_only
     with without_templates(("attention_prefill_wgmma",)):
         assert names() == [n for n in whole if n != "attention_prefill_wgmma"]
     assert names() == whole
+
+
+def test_before_builds_each_case_again_without_the_templates_from_the_same_export(tmp_path):
+    """--before attention_prefill: one export, two product builds measured side by side (tvmfuse, and tvmfuse_before
+    built with the template table lacking it), both right against torch. (The smoke runs on llvm, where no template
+    is substituted: which kernels differ shows on CUDA alone, `without_templates` here.)"""
+    out = tmp_path / "out"
+    models.main(["--smoke", "--models", "llama3", "--cases", "prefill_512", "--jobs", "0", "--contenders", "tvmfuse",
+                 "--before", "attention_prefill", "--out", str(out), "--work", str(tmp_path / "work")])
+    saved = json.loads((out / "models.json").read_text())
+    rows = {r["contender"]: r for r in saved["rows"]}
+    assert set(rows) == {"tvmfuse", "tvmfuse_before"} and saved["before"] == ["attention_prefill"]
+    for row in rows.values():
+        assert "error" not in row and row["within_tol"] and row["run_job_ok"], row
+    assert rows["tvmfuse_before"]["without_templates"] == ["attention_prefill"]
+    assert rows["tvmfuse"]["export_s"] == rows["tvmfuse_before"]["export_s"]  # one export
