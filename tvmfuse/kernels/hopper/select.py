@@ -89,8 +89,9 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str,
     if m <= MAX_M:
         small = tile or choose_smallm_tile(m, n, k)
         why = check_smallm_shape(m, n, k, small)
-        tile, make, desc = small, smallm_kernel, (f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} "
-                                                  f"columns" + (f", unroll {small.unroll}" if small.unroll != 4 else ""))
+        unroll = f", unroll {small.unroll}" if small.unroll != 4 else ""
+        tile, make = small, smallm_kernel
+        desc = f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns{unroll}"
     else:
         tile = tile or choose_tile(m, n, k)
         why = check_wgmma_shape(m, n, k, tile or WgmmaTile())
