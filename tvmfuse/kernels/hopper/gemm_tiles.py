@@ -15,6 +15,7 @@ from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_sh
 from tvmfuse.kernels.hopper.select import (TILE_COSTS, choose_smallm_tile, choose_tile, estimate_us,
                                            gemm_kernel_from_fused, is_hopper)
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
+from tvmfuse.kernels.substitution import call_sites
 from tvmfuse.isolation import HOPPER
 from tvmfuse.isolation import record as record_failure
 from tvmfuse.records.keys import knob_key
@@ -102,8 +103,6 @@ def hopper_gemm_sites(mod: tvm.IRModule, target: tvm.target.Target) -> list[tupl
     """(global var, kernel name, HOPPER_GEMMS, shapes, argument order) for each fused GEMM of `main` the Hopper
     kernels take with their default tile, as `kernels.template_sites` gives the attention kernels (the order is
     the kernel's own: it keeps its parameters)."""
-    from tvmfuse.kernels.substitution import call_sites
-
     if not is_hopper(target):
         return []
     calls, sites = call_sites(mod), []
