@@ -171,7 +171,18 @@ def _cuda_broken() -> bool:
         return True
 
 
-def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda: None):
+def knob_filter(text: str) -> dict:
+    """--knobs "consumers=2,setmaxnreg=1" -> {"consumers": 2, "setmaxnreg": 1}; a bad item is an error."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not value.strip().lstrip("-").isdigit():
+            raise SystemExit(f"error: --knobs wants NAME=INT items separated by commas, got {item!r}")
+        out[key.strip()] = int(value)
+    return out
+
+
+def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda: None, only_knobs=None):
     import torch
     from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, ATTENTION_PREFILL_WGMMA
     from tvmfuse.kernels.hopper.gemm_bench import hopper_target
@@ -197,7 +208,8 @@ def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda:
     tensors = [t.contiguous() for t in (q, k_in, v_in) + ((m,) if m is not None else ())]
     flops = 4 * B * H * SQ * L * D / (2 if s.get("causal") else 1)
     bytes_ = 2 * (q.numel() + k.numel() + v.numel() + q.numel())
-    knob_list = tmpl.knob_space(s)
+    knob_list = [kn for kn in tmpl.knob_space(s)
+                 if all(kn.get(key, value) == value for key, value in (only_knobs or {}).items())]
     like = (report or {}).get("cases", {}).get(LIKE.get(name), {}).get("trials")
     if like:  # the same kernel in another dtype: its fastest correct knob sets only
         knob_list = [t["knobs"] for t in sorted((t for t in like if t.get("ok")), key=lambda t: t["us"])[:6]] or knob_list
@@ -284,7 +296,7 @@ def supervise(args, name) -> None:
     recording it as hung; a child that ends on a sticky CUDA error is followed the same way."""
     import signal
     import subprocess
-    cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", name] + \
+    cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", name, "--knobs", args.knobs] + \
         (["--no-generic"] if args.no_generic else [])
     for attempt in range(60):
         child = subprocess.Popen(cmd, start_new_session=True)
@@ -306,8 +318,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
     ap.add_argument("--no-generic", action="store_true")
+    ap.add_argument("--knobs", default="", help="NAME=INT,...: only the knob sets with these values (and the "
+                    "default set), e.g. consumers=2,setmaxnreg=1")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # a child: measure this case into --out's report
     args = ap.parse_args()
+    only_knobs = knob_filter(args.knobs)
     report = {"cases": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.case and os.path.exists(args.out):
         with open(args.out) as fh:
@@ -349,7 +364,7 @@ def main():
     try:
         run_case(name, kind, s, dev, target, res, generic=not args.no_generic and kind == "decode" or
                  (not args.no_generic and "fp16" in name and "causal" in name), report=report,
-                 save=lambda: (res.update(elapsed=round(time.time() - t0, 1)), save()))
+                 save=lambda: (res.update(elapsed=round(time.time() - t0, 1)), save()), only_knobs=only_knobs)
     except Exception:  # noqa: BLE001
         res["error"] = traceback.format_exc()[-2000:]
         log("  FAILED", res["error"].splitlines()[-1])

@@ -12,7 +12,7 @@ CUDA toolkit's; cuobjdump from the `nvidia-cuda-cuobjdump` wheel works (set CUOB
 
 from __future__ import annotations
 
-import argparse, collections, glob, json, os, re, shutil, subprocess, sys, tempfile  # noqa: E401
+import argparse, collections, glob, json, os, re, shutil, subprocess, sys, sysconfig, tempfile  # noqa: E401
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,8 +33,10 @@ def tool(name: str) -> str:
     """Path of a CUDA tool: $NAME, PATH, or the nvidia-cuda-<name> wheel's bin folder."""
     path = os.environ.get(name.upper()) or shutil.which(name)
     if not path:
-        hits = glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.__file__)), "**", "nvidia", "*", "bin", name),
-                         recursive=True) + glob.glob(f"/tmp/*/nvtools/nvidia/*/bin/{name}")
+        roots = {sysconfig.get_paths()["purelib"], os.path.dirname(os.path.dirname(os.__file__))}  # venv or base
+        hits = [h for root in sorted(roots) for h in glob.glob(os.path.join(root, "**", "nvidia", "*", "bin", name),
+                                                                recursive=True)] + \
+            glob.glob(f"/tmp/*/nvtools/nvidia/*/bin/{name}")
         path = hits[0] if hits else None
     if not path:
         raise SystemExit(f"{name} not found: pip install nvidia-cuda-{name} (or set {name.upper()})")
@@ -48,7 +50,10 @@ def sass_of(cuda_src: str, arch: str = "sm_90a") -> str:
         open(cu, "w").write(cuda_src)
         subprocess.run([tool("nvcc"), "-cubin", f"-arch={arch}", "-O3", "-o", cubin, cu], check=True,
                        capture_output=True)
-        return subprocess.run([tool("cuobjdump"), "-sass", cubin], check=True, capture_output=True, text=True).stdout
+        env = dict(os.environ)  # cuobjdump -sass runs nvdisasm: from PATH, or beside it from its wheel
+        env["PATH"] = os.pathsep.join([os.path.dirname(tool("nvdisasm")), env.get("PATH", "")])
+        return subprocess.run([tool("cuobjdump"), "-sass", cubin], check=True, capture_output=True, text=True,
+                              env=env).stdout
 
 
 def mix(sass: str) -> dict[str, dict]:

@@ -76,7 +76,8 @@ def test_knob_space_fits_shared_memory_and_the_default_is_the_measured_best():
         s = normalize(dict(BASE, head_dim=d))
         space = knob_space(s)
         assert space and all(smem_bytes(s, k) <= MAX_SMEM for k in space)
-        best = {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 0, "pingpong": 0}
+        best = {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 0, "batched": 0,
+                "pingpong": 0, "cluster": 1}
         assert default_knobs(s) == best == space[0]
     s = normalize(BASE)
     assert smem_bytes(s, default_knobs(s)) == 160 * 1024
@@ -105,10 +106,15 @@ KERNELS = [  # shapes, knobs, (TMA panels per tile, masked softmax emitted)
      {"consumers": 1, "block_n": 64, "stages": 3, "setmaxnreg": 0, "overlap": 0, "pingpong": 0}, 1, True),
     (dict(BASE, q_layout="BSHD", k_layout="BSHD", v_layout="BSHD", out_layout="BSHD", heads=8, kv_heads=8),
      {"consumers": 2, "block_n": 176, "stages": 2, "setmaxnreg": 1, "overlap": 1, "pingpong": 1}, 2, True),
+    (dict(BASE, causal=False, seq_k=200),  # ragged L; batched (P V of j - 1 and S of j waited for together), ping-pong
+     {"consumers": 2, "block_n": 64, "stages": 3, "setmaxnreg": 1, "overlap": 0, "batched": 1, "pingpong": 1}, 2, True),
+    (dict(BASE, causal=False),  # clusters of two query tiles: each CTA multicasts one panel of K and V to both
+     {"consumers": 2, "block_n": 128, "stages": 2, "setmaxnreg": 1, "overlap": 1, "pingpong": 1, "cluster": 2}, 2, False),
 ]
 
 
-@pytest.mark.parametrize("s,knobs,panels,masked", KERNELS, ids=["causal", "plain", "ragged_bf16", "bshd_176"])
+@pytest.mark.parametrize("s,knobs,panels,masked", KERNELS,
+                         ids=["causal", "plain", "ragged_bf16", "bshd_176", "batched_pingpong", "cluster"])
 def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked):
     """Q, K and V arrive by 4-D TMA (one copy per 64-wide panel each); S = Q K^T is the shared-memory form of wgmma
     whose first k-step overwrites S; P V takes P from registers (four 32-bit A registers) and V transposed
@@ -120,14 +126,20 @@ def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked
     src = _source(s, knobs)
     ab = "bf16" if s["dtype"] == "bfloat16" else "f16"
     bn, d = knobs["block_n"], s["head_dim"]
+    cluster = knobs.get("cluster", 1)
     assert src.count("cp_async_bulk_tensor_g2s_cluster_async_bulk_tensor_4d_shared__cluster_global_mbarrier__complete"
-                     "_tx__bytes(tvm_builtin_cuda_cvta") == 3 * panels
+                     "_tx__bytes(tvm_builtin_cuda_cvta") == (1 if cluster == 2 else 3) * panels  # Q (, K, V)
     ss = f"wgmma_{ab}_ss_mma_async_sync_aligned_m64n{bn}k16_f32_{ab}_{ab}_1_1_0_0("
     rs = f"wgmma_{ab}_rs_mma_async_sync_aligned_m64n{d}k16_f32_{ab}_{ab}_1_1_1("
-    copies = 2 if knobs["overlap"] else 1  # overlapped: S issued before the loop and in it, P V in it and after it
+    # overlapped or batched: S issued before the loop and in it, P V in it and after it
+    copies = 2 if knobs["overlap"] or knobs.get("batched") else 1
     assert src.count(ss) == copies * d // 16 + 1 and src.count(rs) == copies * bn // 16 + 1  # + the helper
     assert src.count(", (bool)0);") == copies  # the first of the d // 16 k-steps of S
+    assert src.count("complete_tx__bytes_multicast__cluster(tvm_builtin_cuda_cvta") == (2 if cluster == 2 else 0)
+    assert src.count("tvmfuse_arrive_cluster(") == (1 + copies if cluster == 2 else 0)  # the helper, each release
+    assert (src.count("barrier.cluster.wait") > 0) == (cluster == 2)
     assert src.count("tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_1();") == (1 if knobs["overlap"] else 0)
+    assert src.count("tvmfuse_softmax_anchor(") == (2 if knobs["overlap"] else 0)  # the helper and its one call
     # ping-pong: a turn taken before each of the 3 issue points, and consumer 1 lets consumer 0 go first
     assert src.count("tvmfuse_bar_sync(") == (4 if knobs["pingpong"] else 0)  # + the helper
     assert ("tvmfuse_bar_arrive(1, 256)" in src) == bool(knobs["pingpong"])
@@ -138,6 +150,48 @@ def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked
     assert f"__launch_bounds__({128 * (1 + knobs['consumers'])})" in src
     if shutil.which("nvcc"):
         assert len(_nvcc(src)) > 1000
+
+
+def test_clusters_only_pair_full_rows_of_non_causal_tiles():
+    """cluster 2 is offered only without causality (the paired tiles read the same K/V tiles), at head dim 128 (a
+    panel a CTA) and for an even number of query tiles; the kernel builder refuses it elsewhere."""
+    plain = normalize(dict(BASE, causal=False))
+    assert {k["cluster"] for k in knob_space(plain)} == {1, 2}
+    for s in (BASE, dict(BASE, causal=False, head_dim=64), dict(BASE, causal=False, seq_q=384)):
+        assert {k["cluster"] for k in knob_space(normalize(s))} == {1}
+    with pytest.raises(ValueError, match="cluster 2 needs non-causal"):
+        ATTENTION_PREFILL_WGMMA(normalize(BASE), dict(default_knobs(normalize(BASE)), cluster=2))
+
+
+def _loop_waits_and_exponentials(sass: str) -> list[str]:
+    """The kernel's wgmma waits and exponentials in program order: 'W1'/'W0' (WARPGROUP.DEPBAR.LE gsb0, 1 or 0), 'e'
+    (MUFU.EX2)."""
+    out = []
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE" in line:
+            out.append("W" + line.split(";")[0].split(",")[-1].strip()[-1])
+        elif "MUFU.EX2" in line:
+            out.append("e")
+    return out
+
+
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_overlapped_loop_issues_every_exponential_before_waiting_for_pv(block_n):
+    """In the SASS of the overlapped non-causal loop (no mask branch in it), the softmax's block_n / 2 exponentials
+    and the 2 of the rescale factors all lie between the wait for S (depbar 1) and the wait for P V (depbar 0):
+    without the anchor store ptxas put the second wait before them, so P V overlapped nothing."""
+    from bench.sass_mix import sass_of, tool  # pylint: disable=import-outside-toplevel
+    try:
+        tool("nvcc"), tool("cuobjdump"), tool("nvdisasm")
+    except SystemExit as e:
+        pytest.skip(str(e))
+    s = normalize(dict(BASE, causal=False, heads=32, kv_heads=32, seq_q=2048, seq_k=2048))
+    knobs = {"consumers": 2, "block_n": block_n, "stages": 2, "setmaxnreg": 1, "overlap": 1, "batched": 0,
+             "pingpong": 0}
+    seq = "".join(_loop_waits_and_exponentials(sass_of(_source(s, knobs))))
+    assert seq.count("W1") == 1, seq
+    between = seq.split("W1")[1].split("W0")[0]
+    assert between == "e" * (block_n // 2 + 2), seq
 
 
 def test_causal_constant_is_recognised_only_when_exactly_causal():
@@ -252,6 +306,9 @@ def _each_knob_value(s: dict) -> list[dict]:
         for value in sorted({k[key] for k in space} - {base[key]}):
             best = min((k for k in space if k[key] == value), key=lambda k: sum(k[x] != base[x] for x in base))
             chosen += [best] if best not in chosen else []
+    # and the default tile ping-ponged, overlapped or batched, with clusters where they pair: knobs that interact
+    chosen += [k for k in space if k["pingpong"] and k not in chosen and
+               all(k[x] == base[x] for x in ("consumers", "block_n", "stages", "setmaxnreg"))]
     return chosen
 
 
@@ -334,3 +391,13 @@ def test_a_dynamic_dynamo_export_takes_it_in_its_batch_and_seq_bucket(tmp_path, 
     lines = [ln for ln in out.splitlines() if ": template attention" in ln]
     assert [ln.split("] ", 1)[1].startswith("main_batch1_seq128: ") for ln in lines if "prefill_wgmma" in ln] == [True]
     assert any("template attention_step" in ln and "main_batch1_seq128" not in ln for ln in lines), lines
+
+
+def test_the_benchmark_knob_filter_reads_name_int_pairs():
+    """bench/attention.py --knobs: NAME=INT items; anything else is one error line (SystemExit)."""
+    from bench.attention import knob_filter  # pylint: disable=import-outside-toplevel
+    assert knob_filter("consumers=2, setmaxnreg=1") == {"consumers": 2, "setmaxnreg": 1}
+    assert knob_filter("") == {}
+    for bad in ("consumers", "consumers=two", "=2"):
+        with pytest.raises(SystemExit, match="error: --knobs"):
+            knob_filter(bad)

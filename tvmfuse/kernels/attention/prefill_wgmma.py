@@ -42,12 +42,20 @@ def knob_space(s: dict) -> list[dict]:
     and the S accumulators a thread holds, block_n / 2), stages (K/V tiles in flight: 2 or 3), setmaxnreg (with two
     consumers: the loading warpgroup gives its registers to them, 40 and 232 a thread), overlap (1: tile j's S = Q K^T
     is issued with tile j - 1's P V, and j's softmax runs while P V does, FlashAttention-3's intra-warpgroup
-    pipelining; 0: each tile's GEMMs and softmax in turn), pingpong (with two overlapped consumers: they take turns
-    issuing their GEMMs by named barriers, so one's softmax runs beside the other's GEMMs, FlashAttention-3's
-    inter-warpgroup schedule)."""
-    space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov, "pingpong": pp}
-             for ov in (0, 1) for c in (2, 1) for n in (128, 64, 176) for st in (2, 3)
-             for r in ((1, 0) if c == 2 else (0,)) for pp in ((0, 1) if c == 2 and ov else (0,))]
+    pipelining; 0: each tile's GEMMs and softmax in turn), batched (not overlapped: tile j - 1's P V and tile j's S
+    issued together and waited for together, one wait a tile instead of two), pingpong (two overlapped or batched
+    consumers take turns issuing their GEMMs by named barriers, so one's softmax runs beside the other's GEMMs,
+    FlashAttention-3's inter-warpgroup schedule; batched + pingpong is its schedule without intra-warpgroup
+    overlap), cluster (2: the CTAs of two neighbouring query tiles of a head share every K and V tile, each loading
+    one 64-wide panel by TMA multicast, as FlashAttention-3 does without causality at head dim 128: half the bytes
+    from L2; tried with two consumers and setmaxnreg, where the query tiles pair up)."""
+    space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov, "batched": bt,
+              "pingpong": pp}
+             for ov in (0, 1) for bt in ((0, 1) if not ov else (0,)) for c in (2, 1) for n in (128, 64, 176)
+             for st in (2, 3) for r in ((1, 0) if c == 2 else (0,)) for pp in ((0, 1) if c == 2 and (ov or bt) else (0,))]
+    pairs = not s["causal"] and s["head_dim"] == 2 * PANEL and -(-s["seq_q"] // 128) % 2 == 0
+    space = [dict(k, cluster=cl) for k in space
+             for cl in ((1, 2) if pairs and k["consumers"] == 2 and k["setmaxnreg"] else (1,))]
     return [k for k in space if smem_bytes(s, k) <= MAX_SMEM
             and k["block_n"] // 2 + s["head_dim"] // 2 <= 192]  # S and O accumulators: registers a thread
 
@@ -58,7 +66,8 @@ def default_knobs(s: dict) -> dict:
     one of issue 25's eight shapes measured (`attention_run5.json`, H100: 3-15% ahead of the same tile overlapped
     or ping-ponged); the first valid knob set where it does not fit."""
     space = knob_space(s)
-    return (space or [{"consumers": 1, "block_n": 64, "stages": 2, "setmaxnreg": 0, "overlap": 0, "pingpong": 0}])[0]
+    return (space or [{"consumers": 1, "block_n": 64, "stages": 2, "setmaxnreg": 0, "overlap": 0, "batched": 0,
+                       "pingpong": 0, "cluster": 1}])[0]
 
 
 def build(s: dict, knobs: dict, target: str = "cuda"):

@@ -15,7 +15,8 @@ from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, tshape
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
-from tvmfuse.kernels.hopper.wgmma_gemm import BAR_SRC, CONSUMER_REGS, FENCE_SRC, LOADER_REGS, PAIR_STORES, TIRX_ATTR
+from tvmfuse.kernels.hopper.wgmma_gemm import (BAR_SRC, CONSUMER_REGS, FENCE_SRC, LOADER_REGS, PAIR_STORES,
+                                                REMOTE_ARRIVE_SRC, TIRX_ATTR)
 
 #: keeps the compiler from reusing a P fragment register while the wgmma that reads it is in flight
 FENCE_U32_SRC = ('__device__ __forceinline__ void tvmfuse_fence_u32(unsigned& r) '
@@ -33,7 +34,16 @@ ARRIVE_SRC = ('__device__ __forceinline__ void tvmfuse_bar_arrive(int id, int n)
 #: element at each probability
 EX2_SRC = ('__device__ __forceinline__ float tvmfuse_ex2(float x) '
            '{ float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }')
+#: keeps the overlapped loop's softmax ahead of its `wgmma.wait_group 0`: register fences are empty asm that ptxas never
+#: sees, and no register-only instruction is ordered with the wait (WARPGROUP.DEPBAR), so ptxas 13.0 scheduled it after
+#: the row max, before all 64 EX2s (the causal loop's mask branch kept them apart), and P V overlapped nothing; shared
+#: memory accesses stay on their side of it, so a store of the row sums (every probability adds into them), predicated
+#: on a sum below zero (never: NaN compares false), pins every EX2 ahead of the wait for 4 instructions a tile
+ANCHOR_SRC = ('__device__ __forceinline__ void tvmfuse_softmax_anchor(float* p, float x) '
+              '{ asm volatile("{ .reg .pred p; setp.lt.f32 p, %1, 0f00000000; @p st.shared.f32 [%0], %1; }" '
+              ':: "r"((unsigned)__cvta_generic_to_shared(p)), "f"(x) : "memory"); }')
 TMA_4D = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+TMA_MC = TMA_4D + ".multicast::cluster"
 PANEL = 64  # elements of head dim per 128-byte swizzled shared-memory row (one TMA box, one wgmma K-major atom)
 
 
@@ -59,15 +69,22 @@ def tma_map(layout: str, batch: int, heads: int, seq: int, dim: int, rows: int):
 
 def wgmma_attention(s: dict, knobs: dict):
     """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
-    stages, setmaxnreg, overlap, pingpong)."""
+    stages, setmaxnreg, overlap, batched, pingpong, cluster). cluster 2 (not causal, head dim 128, an even number of
+    query tiles): the CTAs of two neighbouring query tiles of one head form a cluster, and each loads one 64-wide
+    panel of every K and V tile and multicasts it to both (half the K/V bytes from L2)."""
     B, H, HKV, HV = s["batch"], s["heads"], s["kv_heads"], s["v_heads"]
     SQ, L, D, dt, causal = s["seq_q"], s["seq_k"], s["head_dim"], s["dtype"], s["causal"]
     G, GV = H // HKV, H // HV
     C, BN, S, regs = knobs["consumers"], knobs["block_n"], knobs["stages"], bool(knobs.get("setmaxnreg", 0))
     overlap = bool(knobs.get("overlap", 0))
-    pingpong = bool(knobs.get("pingpong", 0)) and C == 2 and overlap
+    batched = bool(knobs.get("batched", 0)) and not overlap
+    pingpong = bool(knobs.get("pingpong", 0)) and C == 2 and (overlap or batched)
+    cluster = int(knobs.get("cluster", 1))
     BM, P = 64 * C, D // PANEL
     QT, KT = ceil_div(SQ, BM), ceil_div(L, BN)
+    if cluster == 2 and (causal or D != 2 * PANEL or QT % 2):
+        raise ValueError(f"cluster 2 needs non-causal attention, head dim {2 * PANEL} and an even number of "
+                         f"{BM}-row query tiles (causal={causal}, head_dim={D}, {QT} tiles)")
     qs = float(s["scale"] * LOG2E)
     ab = OPERAND_PTX[dt]
     s_n, o_n = BN // 2, D // 2  # fp32 accumulators a thread holds: S (m64 x BN), O (m64 x D)
@@ -198,10 +215,14 @@ def wgmma_attention(s: dict, knobs: dict):
                     T.cuda.func_call("tvmfuse_bar_arrive", 2, 256, source_code=ARRIVE_SRC)
 
     @T.macro
-    def release(empty, jt, lane):
-        """Every warp past its reads of tile jt's stage (lane 0 of each arrives): the loader may refill it."""
+    def release(empty, jt, lane, rank):
+        """Every warp past its reads of tile jt's stage (lane 0 of each arrives): the loader may refill it; in a
+        cluster both loaders write into it, so each hears from both CTAs' warps."""
         if lane == 0:
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[jt % S]))
+            if cluster == 2:
+                T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[jt % S]), 1 - rank,
+                                 source_code=REMOTE_ARRIVE_SRC)
 
     @T.prim_func(check_well_formed=False)
     def attention():
@@ -213,6 +234,10 @@ def wgmma_attention(s: dict, knobs: dict):
         T.call_packed("runtime.cuTensorMapEncodeTiled", v_map, dt, 4, V.data, *v_args)
 
         T.device_entry()
+        if cluster == 2:
+            rank = T.cta_id_in_cluster([2])
+        else:
+            rank = T.meta_var(0)
         bid = T.cta_id([QT * B * H])
         tx = T.thread_id([128 * (1 + C)])
         arena = T.alloc_buffer((q_elems + 2 * S * kv_elems,), dt, scope="shared.dyn", align=1024)
@@ -230,9 +255,10 @@ def wgmma_attention(s: dict, knobs: dict):
         desc_q: T.uint64
         desc_k: T.uint64
         desc_v: T.uint64
-        qt = T.meta_var(QT - 1 - bid // (B * H))  # the longest causal rows first
-        b = T.meta_var(bid % (B * H) // H)
-        hd = T.meta_var(bid % H)
+        # the longest causal rows first; in a cluster (CTAs 2i, 2i + 1) the query tiles 2t, 2t + 1 of one head
+        qt = T.meta_var(QT - 1 - bid // (B * H) if cluster == 1 else bid // (2 * B * H) * 2 + bid % 2)
+        b = T.meta_var((bid if cluster == 1 else bid // 2) % (B * H) // H)
+        hd = T.meta_var((bid if cluster == 1 else bid // 2) % H)
         cw = T.meta_var(tx // 128 - 1)
         warp = T.meta_var(tx % 128 // 32)
         lane = T.meta_var(tx % 32)
@@ -242,9 +268,13 @@ def wgmma_attention(s: dict, knobs: dict):
             for i in T.unroll(S):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(k_full[i]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(T.address_of(v_full[i]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[i]), T.uint32(4 * C))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[i]), T.uint32(4 * C * cluster))
         T.ptx.fence.proxy.async_.shared__cta()
-        T.cuda.cta_sync()
+        if cluster == 2:  # the other CTA arrives on these barriers and its multicasts complete on them
+            T.ptx.fence.mbarrier_init.release.cluster()
+            T.cuda.cluster_sync()
+        else:
+            T.cuda.cta_sync()
         if tx < 128:
             if regs:
                 T.ptx["setmaxnreg.dec.sync.aligned.u32"](LOADER_REGS)
@@ -256,11 +286,17 @@ def wgmma_attention(s: dict, knobs: dict):
                     if jt >= S:
                         T.cuda.mbarrier_wait(T.address_of(empty[jt % S]), (jt // S + 1) % 2)
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(k_full[jt % S]), T.uint32(kv_elems * 2))
-                    for p in T.unroll(P):
-                        T.ptx[TMA_4D](T.address_of(Ks[jt % S, p * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, p * PANEL), T.address_of(k_full[jt % S]))
+                    if cluster == 2:  # this CTA's panel, to the same place in both CTAs
+                        T.ptx[TMA_MC](T.address_of(Ks[jt % S, rank * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, rank * PANEL), T.address_of(k_full[jt % S]), T.uint16(3))
+                    else:
+                        for p in T.unroll(P):
+                            T.ptx[TMA_4D](T.address_of(Ks[jt % S, p * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, p * PANEL), T.address_of(k_full[jt % S]))
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(v_full[jt % S]), T.uint32(kv_elems * 2))
-                    for p in T.unroll(P):
-                        T.ptx[TMA_4D](T.address_of(Vs[jt % S, p * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, p * PANEL), T.address_of(v_full[jt % S]))
+                    if cluster == 2:
+                        T.ptx[TMA_MC](T.address_of(Vs[jt % S, rank * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, rank * PANEL), T.address_of(v_full[jt % S]), T.uint16(3))
+                    else:
+                        for p in T.unroll(P):
+                            T.ptx[TMA_4D](T.address_of(Vs[jt % S, p * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, p * PANEL), T.address_of(v_full[jt % S]))
         else:
             if regs:
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
@@ -270,7 +306,10 @@ def wgmma_attention(s: dict, knobs: dict):
                 st[i] = T.float32(NEG)
                 st[2 + i] = T.float32(0)
             T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
-            if overlap:  # P V of tile jt - 1 runs on the tensor cores while the softmax of tile jt runs beside it
+            if overlap or batched:  # P V of tile jt - 1 issued with S of tile jt, then overlapped: the softmax of jt
+                # runs while P V does; batched: both waited for, then the softmax (one wait a tile, not two)
+                if overlap:
+                    anchor = T.alloc_shared((1,), "float32")  # never written (ANCHOR_SRC)
                 if pingpong:  # consumer 0 issues first; then they take turns, one's softmax beside the other's GEMMs
                     if cw == 1:
                         T.cuda.func_call("tvmfuse_bar_arrive", 1, 256, source_code=ARRIVE_SRC)
@@ -289,13 +328,21 @@ def wgmma_attention(s: dict, knobs: dict):
                     issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw)
                     issue_pv(o, pa, Vs, v_full, desc_v, jt - 1)
                     their_turn(cw, False)
-                    T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
-                    for i in T.unroll(s_n):
-                        T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
-                    softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence(sacc, o, pa)
-                    release(empty, jt - 1, lane)
+                    if overlap:
+                        T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
+                        for i in T.unroll(s_n):
+                            T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
+                        softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
+                        T.cuda.func_call("tvmfuse_softmax_anchor", T.address_of(anchor[0]), st[2] + st[3],
+                                         source_code=ANCHOR_SRC)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        fence(sacc, o, pa)
+                        release(empty, jt - 1, lane, rank)
+                    else:
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        fence(sacc, o, pa)
+                        release(empty, jt - 1, lane, rank)
+                        softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
                     rescale_and_pack(sacc, o, st, pa)
                 fence(sacc, o, pa)
                 my_turn(cw)
@@ -304,7 +351,7 @@ def wgmma_attention(s: dict, knobs: dict):
                 their_turn(cw, True)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence(sacc, o, pa)
-                release(empty, kv_tiles(qt) - 1, lane)
+                release(empty, kv_tiles(qt) - 1, lane, rank)
             else:  # each tile's S, softmax and P V in turn
                 for jt in T.serial(kv_tiles(qt)):
                     fence(sacc, o, pa)
@@ -319,7 +366,7 @@ def wgmma_attention(s: dict, knobs: dict):
                     issue_pv(o, pa, Vs, v_full, desc_v, jt)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     fence(sacc, o, pa)
-                    release(empty, jt, lane)
+                    release(empty, jt, lane, rank)
             for i in T.unroll(2):
                 st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
             for n in T.unroll(D // 8):
@@ -329,6 +376,8 @@ def wgmma_attention(s: dict, knobs: dict):
                         T.cuda.func_call(store, T.address_of(O[at(lo, b, hd, row, n * 8 + lane % 4 * 2)]),
                                          o[n * 4 + i * 2] / st[2 + i], o[n * 4 + i * 2 + 1] / st[2 + i],
                                          source_code=store_src)
+        if cluster == 2:  # neither CTA exits while the other may still multicast into it or arrive on its barriers
+            T.cuda.cluster_sync()
     # fmt: on
     return tirx.PrimFunc([Q, K, V, O], attention.body).with_attrs(
         {"global_symbol": "main", "tirx.noalias": True, TIRX_ATTR: "wgmma_attention", "tirx.is_scheduled": True})
