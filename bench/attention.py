@@ -182,7 +182,7 @@ def knob_filter(text: str) -> dict:
     return out
 
 
-def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda: None, only_knobs=None):
+def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda: None, only_knobs=None, ablate=()):
     import torch
     from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, ATTENTION_PREFILL_WGMMA
     from tvmfuse.kernels.hopper.gemm_bench import hopper_target
@@ -221,6 +221,7 @@ def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda:
     if kind == "prefill_wgmma":
         res["default_knobs"] = tmpl.default_knobs(s)  # the product's pick, measured first
         knob_list = [res["default_knobs"]] + [kn for kn in knob_list if kn != res["default_knobs"]]
+        knob_list += [dict(kn, ablate=a) for a in ablate for kn in knob_list]  # timed only: their output is wrong
         built = build_tirx([tmpl(s, kn) for kn in knob_list], target, os.path.join(WORK, name))
     else:
         built = build_all([tmpl(s, kn) for kn in knob_list], target)
@@ -246,7 +247,8 @@ def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda:
             us = tvm_run(artifact, tensors, out, dev)
             got = out.float()
             err = (got - ref).abs().max().item()
-            trial.update(us=us, max_abs_err=err, ok=bool(err < 3e-2), seconds=round(time.time() - t0, 1))
+            trial.update(us=us, max_abs_err=err, ok=bool(err < 3e-2) and not kn.get("ablate"),
+                         seconds=round(time.time() - t0, 1))
             log(f"  {name} {kn}: {us:.1f} us, err {err:.2e}")
         except Exception as e:  # noqa: BLE001
             trial["error"] = f"{type(e).__name__}: {str(e)[-800:]}"
@@ -275,7 +277,7 @@ def print_table(report) -> None:
     """One line a case: the best correct knob set against torch's choice and cuDNN, and how the others ended."""
     print(f"{'case':48} {'tvmfuse us':>10} {'TFLOP/s':>7} {'torch us':>9} {'cuDNN us':>9} {'vs cuDNN':>8}  ok/wrong/failed")
     for name, r in report["cases"].items():
-        trials = r.get("trials", [])
+        trials = [t for t in r.get("trials", []) if not t["knobs"].get("ablate")]
         ok = sum(bool(t.get("ok")) for t in trials)
         wrong = sum("us" in t and not t.get("ok") for t in trials)
         cudnn = r.get("torch_backends_us", {}).get("CUDNN_ATTENTION")
@@ -296,7 +298,8 @@ def supervise(args, name) -> None:
     recording it as hung; a child that ends on a sticky CUDA error is followed the same way."""
     import signal
     import subprocess
-    cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", name, "--knobs", args.knobs] + \
+    cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", name, "--knobs", args.knobs,
+           "--ablate", args.ablate] + \
         (["--no-generic"] if args.no_generic else [])
     for attempt in range(60):
         child = subprocess.Popen(cmd, start_new_session=True)
@@ -318,6 +321,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
     ap.add_argument("--no-generic", action="store_true")
+    ap.add_argument("--ablate", default="", help="comma-separated parts the prefill_wgmma kernel leaves out "
+                    "(softmax, pv): each knob set measured again without each, to time what the part costs")
     ap.add_argument("--knobs", default="", help="NAME=INT,...: only the knob sets with these values (and the "
                     "default set), e.g. consumers=2,setmaxnreg=1")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # a child: measure this case into --out's report
@@ -364,7 +369,8 @@ def main():
     try:
         run_case(name, kind, s, dev, target, res, generic=not args.no_generic and kind == "decode" or
                  (not args.no_generic and "fp16" in name and "causal" in name), report=report,
-                 save=lambda: (res.update(elapsed=round(time.time() - t0, 1)), save()), only_knobs=only_knobs)
+                 save=lambda: (res.update(elapsed=round(time.time() - t0, 1)), save()), only_knobs=only_knobs,
+                 ablate=tuple(filter(None, args.ablate.split(","))))
     except Exception:  # noqa: BLE001
         res["error"] = traceback.format_exc()[-2000:]
         log("  FAILED", res["error"].splitlines()[-1])

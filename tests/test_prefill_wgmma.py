@@ -401,3 +401,16 @@ def test_the_benchmark_knob_filter_reads_name_int_pairs():
     for bad in ("consumers", "consumers=two", "=2"):
         with pytest.raises(SystemExit, match="error: --knobs"):
             knob_filter(bad)
+
+
+def test_the_diagnostic_ablations_leave_out_their_part_and_are_never_tuned():
+    """ablate "softmax" emits no exponential, "pv" no register-A (P V) wgmma; neither is a knob set of the space, and
+    an unknown part is refused."""
+    s = normalize(dict(BASE, causal=False))
+    base = default_knobs(s)
+    assert all("ablate" not in k for k in knob_space(s))
+    plain, no_softmax, no_pv = (_source(s, dict(base, ablate=a)) for a in ("", "softmax", "pv"))
+    assert plain.count("tvmfuse_ex2(") > 0 and no_softmax.count("tvmfuse_ex2(") == 0
+    assert "_rs_mma_async" in plain and "_rs_mma_async" not in no_pv
+    with pytest.raises(ValueError, match="ablate 'exp'"):
+        ATTENTION_PREFILL_WGMMA(s, dict(base, ablate="exp"))

@@ -80,6 +80,11 @@ def wgmma_attention(s: dict, knobs: dict):
     batched = bool(knobs.get("batched", 0)) and not overlap
     pingpong = bool(knobs.get("pingpong", 0)) and C == 2 and (overlap or batched)
     cluster = int(knobs.get("cluster", 1))
+    # a diagnostic, never in the knob space (bench/attention.py --ablate): "softmax" leaves S as it is for P (no max,
+    # exponentials or sums), "pv" issues no P V wgmma; the output is then wrong, the time says what the part costs
+    ablate = knobs.get("ablate", "")
+    if ablate not in ("", "softmax", "pv"):
+        raise ValueError(f"ablate {ablate!r}: '', 'softmax' or 'pv'")
     BM, P = 64 * C, D // PANEL
     QT, KT = ceil_div(SQ, BM), ceil_div(L, BN)
     if cluster == 2 and (causal or D != 2 * PANEL or QT % 2):
@@ -161,7 +166,9 @@ def wgmma_attention(s: dict, knobs: dict):
     @T.macro
     def softmax(sacc, o, st, pa, qt, jt, cw, warp, lane):
         """`logits` of tile jt, masked only where it crosses the diagonal or runs past L."""
-        if needs_mask(qt, jt):
+        if ablate == "softmax":
+            T.evaluate(0)
+        elif needs_mask(qt, jt):
             logits(sacc, st, qt, jt, cw, warp, lane, True)
         else:
             logits(sacc, st, qt, jt, cw, warp, lane, False)
@@ -194,7 +201,8 @@ def wgmma_attention(s: dict, knobs: dict):
         T.cuda.mbarrier_wait(T.address_of(v_full[jt % S]), jt // S % 2)
         for kk in T.unroll(BN // 16):
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_v), T.address_of(Vs[jt % S, kk * 16 * PANEL]), BN * PANEL * 2 // 16, 64, 3)
-            T.ptx[mma_o](*[o[i] for i in range(o_n)], pa[kk * 4], pa[kk * 4 + 1], pa[kk * 4 + 2], pa[kk * 4 + 3], desc_v, T.bool(True), 1, 1, 1)
+            if ablate != "pv":
+                T.ptx[mma_o](*[o[i] for i in range(o_n)], pa[kk * 4], pa[kk * 4 + 1], pa[kk * 4 + 2], pa[kk * 4 + 3], desc_v, T.bool(True), 1, 1, 1)
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
@@ -305,6 +313,7 @@ def wgmma_attention(s: dict, knobs: dict):
             for i in T.unroll(2):
                 st[i] = T.float32(NEG)
                 st[2 + i] = T.float32(0)
+                st[6 + i] = T.float32(1)  # alpha (set by each tile's softmax; ablate "softmax" keeps this one)
             T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
             if overlap or batched:  # P V of tile jt - 1 issued with S of tile jt, then overlapped: the softmax of jt
                 # runs while P V does; batched: both waited for, then the softmax (one wait a tile, not two)
