@@ -224,8 +224,11 @@ def wgmma_attention(s: dict, knobs: dict):
 
     @T.macro
     def release(empty, jt, lane, rank):
-        """Every warp past its reads of tile jt's stage (lane 0 of each arrives): the loader may refill it; in a
-        cluster both loaders write into it, so each hears from both CTAs' warps."""
+        """Every warp past its reads of tile jt's K (or V) stage (lane 0 of each arrives on `empty`, k_empty or
+        v_empty): the loader may refill it; in a cluster both loaders write into it, so each hears from both CTAs'
+        warps. K and V are released apart, K as soon as S is done: with one barrier for both, overlapped or batched
+        loops (P V a tile behind S) held each stage a tile longer, and with 2 stages the next K was not loaded in
+        time (the loops without a softmax took 21% longer than in turn, `attention_run7_ablate.json`)."""
         if lane == 0:
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[jt % S]))
             if cluster == 2:
@@ -255,7 +258,8 @@ def wgmma_attention(s: dict, knobs: dict):
         q_full = T.alloc_shared((1,), "uint64")
         k_full = T.alloc_shared((S,), "uint64")
         v_full = T.alloc_shared((S,), "uint64")
-        empty = T.alloc_shared((S,), "uint64")
+        k_empty = T.alloc_shared((S,), "uint64")
+        v_empty = T.alloc_shared((S,), "uint64")
         sacc = T.alloc_local((s_n,), "float32")
         o = T.alloc_local((o_n,), "float32")
         pa = T.alloc_local((BN // 4,), "uint32")
@@ -276,7 +280,8 @@ def wgmma_attention(s: dict, knobs: dict):
             for i in T.unroll(S):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(k_full[i]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(T.address_of(v_full[i]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[i]), T.uint32(4 * C * cluster))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(k_empty[i]), T.uint32(4 * C * cluster))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(v_empty[i]), T.uint32(4 * C * cluster))
         T.ptx.fence.proxy.async_.shared__cta()
         if cluster == 2:  # the other CTA arrives on these barriers and its multicasts complete on them
             T.ptx.fence.mbarrier_init.release.cluster()
@@ -292,13 +297,15 @@ def wgmma_attention(s: dict, knobs: dict):
                     T.ptx[TMA_4D](T.address_of(Qs[p * BM * PANEL]), T.address_of(q_map), *q_at(b, hd, qt * BM, p * PANEL), T.address_of(q_full[0]))
                 for jt in T.serial(kv_tiles(qt)):
                     if jt >= S:
-                        T.cuda.mbarrier_wait(T.address_of(empty[jt % S]), (jt // S + 1) % 2)
+                        T.cuda.mbarrier_wait(T.address_of(k_empty[jt % S]), (jt // S + 1) % 2)
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(k_full[jt % S]), T.uint32(kv_elems * 2))
                     if cluster == 2:  # this CTA's panel, to the same place in both CTAs
                         T.ptx[TMA_MC](T.address_of(Ks[jt % S, rank * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, rank * PANEL), T.address_of(k_full[jt % S]), T.uint16(3))
                     else:
                         for p in T.unroll(P):
                             T.ptx[TMA_4D](T.address_of(Ks[jt % S, p * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, p * PANEL), T.address_of(k_full[jt % S]))
+                    if jt >= S:
+                        T.cuda.mbarrier_wait(T.address_of(v_empty[jt % S]), (jt // S + 1) % 2)
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(v_full[jt % S]), T.uint32(kv_elems * 2))
                     if cluster == 2:
                         T.ptx[TMA_MC](T.address_of(Vs[jt % S, rank * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, rank * PANEL), T.address_of(v_full[jt % S]), T.uint16(3))
@@ -328,6 +335,7 @@ def wgmma_attention(s: dict, knobs: dict):
                 their_turn(cw, False)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence(sacc, o, pa)
+                release(k_empty, 0, lane, rank)
                 softmax(sacc, o, st, pa, qt, 0, cw, warp, lane)
                 rescale_and_pack(sacc, o, st, pa)
                 for jt in T.serial(1, kv_tiles(qt)):
@@ -341,16 +349,18 @@ def wgmma_attention(s: dict, knobs: dict):
                         T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
                         for i in T.unroll(s_n):
                             T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
+                        release(k_empty, jt, lane, rank)
                         softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
                         T.cuda.func_call("tvmfuse_softmax_anchor", T.address_of(anchor[0]), st[2] + st[3],
                                          source_code=ANCHOR_SRC)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         fence(sacc, o, pa)
-                        release(empty, jt - 1, lane, rank)
+                        release(v_empty, jt - 1, lane, rank)
                     else:
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         fence(sacc, o, pa)
-                        release(empty, jt - 1, lane, rank)
+                        release(k_empty, jt, lane, rank)
+                        release(v_empty, jt - 1, lane, rank)
                         softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
                     rescale_and_pack(sacc, o, st, pa)
                 fence(sacc, o, pa)
@@ -360,7 +370,7 @@ def wgmma_attention(s: dict, knobs: dict):
                 their_turn(cw, True)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence(sacc, o, pa)
-                release(empty, kv_tiles(qt) - 1, lane, rank)
+                release(v_empty, kv_tiles(qt) - 1, lane, rank)
             else:  # each tile's S, softmax and P V in turn
                 for jt in T.serial(kv_tiles(qt)):
                     fence(sacc, o, pa)
@@ -368,6 +378,7 @@ def wgmma_attention(s: dict, knobs: dict):
                     issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     fence(sacc, o, pa)
+                    release(k_empty, jt, lane, rank)
                     softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
                     rescale_and_pack(sacc, o, st, pa)
                     fence(sacc, o, pa)
@@ -375,7 +386,7 @@ def wgmma_attention(s: dict, knobs: dict):
                     issue_pv(o, pa, Vs, v_full, desc_v, jt)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     fence(sacc, o, pa)
-                    release(empty, jt, lane, rank)
+                    release(v_empty, jt, lane, rank)
             for i in T.unroll(2):
                 st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
             for n in T.unroll(D // 8):
