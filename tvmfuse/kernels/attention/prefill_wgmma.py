@@ -60,12 +60,26 @@ def knob_space(s: dict) -> list[dict]:
             and k["block_n"] // 2 + s["head_dim"] // 2 <= 192]  # S and O accumulators: registers a thread
 
 
+#: the measured picks at head dim 128 (`attention_run8.json`, H100, K and V released apart), tried in this order
+PICKS = [
+    # without causality, query tiles paired: 176 keys a tile, overlapped, ping-pong, clusters sharing K/V; the fastest
+    # at 8192 (fp16 1959.7 µs, bf16 1842.1: 0.92x and 0.98x cuDNN), within 2.6% of the best at 2048
+    dict(block_n=176, overlap=1, batched=0, pingpong=1, cluster=2),
+    # otherwise 128 keys, overlapped: the fastest at causal 8192 (1073.6 µs, 7% ahead of in turn), 0.8% behind the
+    # best at causal 2048
+    dict(block_n=128, overlap=1, batched=0, pingpong=0, cluster=1),
+]
+
+
 def default_knobs(s: dict) -> dict:
-    """Two consumers (128 query rows a CTA), 128 keys a tile, two stages, the loader's registers given to them, each
-    tile's GEMMs and softmax in turn (the two consumers interleave by themselves): the fastest knob set at every
-    one of issue 25's eight shapes measured (`attention_run5.json`, H100: 3-15% ahead of the same tile overlapped
-    or ping-ponged); the first valid knob set where it does not fit."""
+    """Two consumers (128 query rows a CTA), two stages, the loader's registers given to them; at head dim 128 the
+    first of PICKS the shape takes; at head dim 64 (not measured) 128 keys, each tile's GEMMs and softmax in turn;
+    the first valid knob set where none of these fits."""
     space = knob_space(s)
+    base = {"consumers": 2, "stages": 2, "setmaxnreg": 1}
+    for pick in PICKS if s["head_dim"] == 2 * PANEL else []:
+        if dict(base, **pick) in space:
+            return dict(base, **pick)
     return (space or [{"consumers": 1, "block_n": 64, "stages": 2, "setmaxnreg": 0, "overlap": 0, "batched": 0,
                        "pingpong": 0, "cluster": 1}])[0]
 
