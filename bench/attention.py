@@ -171,18 +171,19 @@ def _cuda_broken() -> bool:
         return True
 
 
-def knob_filter(text: str) -> dict:
-    """--knobs "consumers=2,setmaxnreg=1" -> {"consumers": 2, "setmaxnreg": 1}; a bad item is an error."""
+def knob_filter(text: str, flag: str = "--knobs") -> dict:
+    """--knobs (or --with) "consumers=2,setmaxnreg=1" -> {"consumers": 2, "setmaxnreg": 1}; a bad item is an error."""
     out = {}
     for item in filter(None, text.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip().lstrip("-").isdigit():
-            raise SystemExit(f"error: --knobs wants NAME=INT items separated by commas, got {item!r}")
+            raise SystemExit(f"error: {flag} wants NAME=INT items separated by commas, got {item!r}")
         out[key.strip()] = int(value)
     return out
 
 
-def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda: None, only_knobs=None, ablate=()):
+def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda: None, only_knobs=None, ablate=(),
+             extra_knobs=None):
     import torch
     from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, ATTENTION_PREFILL_WGMMA
     from tvmfuse.kernels.hopper.gemm_bench import hopper_target
@@ -221,6 +222,13 @@ def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda:
     if kind == "prefill_wgmma":
         res["default_knobs"] = tmpl.default_knobs(s)  # the product's pick, measured first
         knob_list = [res["default_knobs"]] + [kn for kn in knob_list if kn != res["default_knobs"]]
+        if extra_knobs:  # knobs outside the space (not yet measured): each set again with them, where they build
+            for kn in list(knob_list):
+                try:
+                    tmpl(s, dict(kn, **extra_knobs))
+                except ValueError:
+                    continue
+                knob_list.append(dict(kn, **extra_knobs))
         knob_list += [dict(kn, ablate=a) for a in ablate for kn in knob_list]  # timed only: their output is wrong
         built = build_tirx([tmpl(s, kn) for kn in knob_list], target, os.path.join(WORK, name))
     else:
@@ -299,7 +307,7 @@ def supervise(args, name) -> None:
     import signal
     import subprocess
     cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", name, "--knobs", args.knobs,
-           "--ablate", args.ablate] + \
+           "--ablate", args.ablate, "--with", args.extra] + \
         (["--no-generic"] if args.no_generic else [])
     for attempt in range(60):
         child = subprocess.Popen(cmd, start_new_session=True)
@@ -323,11 +331,17 @@ def main():
     ap.add_argument("--no-generic", action="store_true")
     ap.add_argument("--ablate", default="", help="comma-separated parts the prefill_wgmma kernel leaves out "
                     "(softmax, pv): each knob set measured again without each, to time what the part costs")
+    ap.add_argument("--with", dest="extra", default="", help="NAME=INT,...: each measured set also with these knob "
+                    "values outside the knob space (e.g. persistent=1), where the kernel takes them")
     ap.add_argument("--knobs", default="", help="NAME=INT,...: only the knob sets with these values (and the "
                     "default set), e.g. consumers=2,setmaxnreg=1")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # a child: measure this case into --out's report
     args = ap.parse_args()
-    only_knobs = knob_filter(args.knobs)
+    try:
+        only_knobs, _ = knob_filter(args.knobs), knob_filter(args.extra, "--with")
+    except SystemExit as e:  # one error line, exit 2
+        print(e, file=sys.stderr)
+        raise SystemExit(2) from None
     report = {"cases": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.case and os.path.exists(args.out):
         with open(args.out) as fh:
@@ -370,7 +384,7 @@ def main():
         run_case(name, kind, s, dev, target, res, generic=not args.no_generic and kind == "decode" or
                  (not args.no_generic and "fp16" in name and "causal" in name), report=report,
                  save=lambda: (res.update(elapsed=round(time.time() - t0, 1)), save()), only_knobs=only_knobs,
-                 ablate=tuple(filter(None, args.ablate.split(","))))
+                 ablate=tuple(filter(None, args.ablate.split(","))), extra_knobs=knob_filter(args.extra, "--with"))
     except Exception:  # noqa: BLE001
         res["error"] = traceback.format_exc()[-2000:]
         log("  FAILED", res["error"].splitlines()[-1])

@@ -301,6 +301,8 @@ GPU_SHAPES = [
     dict(BASE, causal=False, seq_k=200),  # ragged L: TMA's zero rows weigh nothing
     dict(BASE, head_dim=64, heads=8, kv_heads=8, causal=False, seq_q=192, seq_k=320),  # ragged query tiles
     dict(BASE, q_layout="BSHD", k_layout="BSHD", v_layout="BSHD", out_layout="BSHD", seq_q=384, seq_k=384),
+    # 160 query tiles: persistent CTAs (one an SM, 132) take two work items on some SMs
+    dict(BASE, batch=2, heads=40, kv_heads=8, seq_q=256, seq_k=256, causal=False),
 ]
 
 
@@ -316,6 +318,9 @@ def _each_knob_value(s: dict) -> list[dict]:
     # and the default tile ping-ponged, overlapped or batched, with clusters where they pair: knobs that interact
     chosen += [k for k in space if k["pingpong"] and k not in chosen and
                all(k[x] == base[x] for x in ("consumers", "block_n", "stages", "setmaxnreg"))]
+    # persistent CTAs (not in the space until measured): the default and the ping-pong sets, without clusters
+    for k in chosen[:1] + [k for k in chosen if k["pingpong"]]:
+        chosen += [dict(k, cluster=1, persistent=1)] if dict(k, cluster=1, persistent=1) not in chosen else []
     return chosen
 
 
@@ -325,7 +330,7 @@ def _stored(x, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", range(len(GPU_SHAPES)), ids=["causal", "ragged_k", "d64_ragged_q", "bshd"])
+@pytest.mark.parametrize("shape", range(len(GPU_SHAPES)), ids=["causal", "ragged_k", "d64_ragged_q", "bshd", "many_tiles"])
 def test_every_knob_set_matches_numpy_on_the_gpu(shape, dtype):
     """The default knob set and every other value of each knob (`_each_knob_value`) against fp32 numpy: causal and
     not, GQA, ragged sizes, BSHD in place."""
@@ -421,3 +426,23 @@ def test_the_diagnostic_ablations_leave_out_their_part_and_are_never_tuned():
     assert "_rs_mma_async" in plain and "_rs_mma_async" not in no_pv
     with pytest.raises(ValueError, match="ablate 'exp'"):
         ATTENTION_PREFILL_WGMMA(s, dict(base, ablate="exp"))
+
+
+def test_persistent_ctas_loop_over_work_items_and_wait_for_q_to_be_free():
+    """persistent: one CTA an SM (132) walks work items bid, bid + 132, ...; the loader waits on q_empty (one arrival
+    per consumer warp, after its last S of an item) before the next Q; the consumers wait on q_full's phase of each
+    item; no clusters with it; not in the knob space until measured."""
+    s = normalize(dict(BASE, batch=2, heads=40, kv_heads=8, causal=False))  # 160 query tiles
+    knobs = dict(default_knobs(s), cluster=1, persistent=1)
+    src = _source(s, knobs)
+    assert "for (int ti = 0; ti < ((291 - ((int)blockIdx.x)) / 132); ++ti)" in src  # (160 - bid + 131) // 132
+    assert "q_empty_ptr[0]))), (uint)8);" in src  # 4 warps x 2 consumers
+    assert src.count("tvm_builtin_cuda_mbarrier_wait((&(q_empty_ptr[0])), ") == 1  # the loader, before Q of item 2+
+    assert src.count("mbarrier_arrive_nocount_arrive_shared_b64(tvm_builtin_cuda_cvta_generic_to_shared((&(q_empty") == 1
+    plain = _source(s, dict(knobs, persistent=0))  # one work item a CTA: nothing waits on or arrives at q_empty
+    assert "mbarrier_wait((&(q_empty" not in plain and "(&(q_empty_ptr[0]))));" not in plain
+    assert all(not k.get("persistent") for k in knob_space(s))
+    with pytest.raises(ValueError, match="persistent CTAs take no clusters"):
+        ATTENTION_PREFILL_WGMMA(s, dict(knobs, cluster=2))
+    if shutil.which("nvcc"):
+        assert len(_nvcc(src)) > 1000

@@ -15,6 +15,7 @@ from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, tshape
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
+from tvmfuse.targets import SMS
 from tvmfuse.kernels.hopper.wgmma_gemm import (BAR_SRC, CONSUMER_REGS, FENCE_SRC, LOADER_REGS, PAIR_STORES,
                                                 REMOTE_ARRIVE_SRC, TIRX_ATTR)
 
@@ -69,7 +70,9 @@ def tma_map(layout: str, batch: int, heads: int, seq: int, dim: int, rows: int):
 
 def wgmma_attention(s: dict, knobs: dict):
     """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
-    stages, setmaxnreg, overlap, batched, pingpong, cluster). cluster 2 (not causal, head dim 128, an even number of
+    stages, setmaxnreg, overlap, batched, pingpong, cluster, persistent). persistent: one CTA an SM, each taking the
+    query tiles bid, bid + grid, ...: the loader fetches the next tile's Q (once the last S of this one is done) and K/V
+    while the consumers store this tile's output. cluster 2 (not causal, head dim 128, an even number of
     query tiles): the CTAs of two neighbouring query tiles of one head form a cluster, and each loads one 64-wide
     panel of every K and V tile and multicasts it to both (half the K/V bytes from L2)."""
     B, H, HKV, HV = s["batch"], s["heads"], s["kv_heads"], s["v_heads"]
@@ -80,6 +83,9 @@ def wgmma_attention(s: dict, knobs: dict):
     batched = bool(knobs.get("batched", 0)) and not overlap
     pingpong = bool(knobs.get("pingpong", 0)) and C == 2 and (overlap or batched)
     cluster = int(knobs.get("cluster", 1))
+    persistent = bool(knobs.get("persistent", 0))
+    if persistent and cluster != 1:
+        raise ValueError("persistent CTAs take no clusters")
     # a diagnostic, never in the knob space (bench/attention.py --ablate): "softmax" leaves S as it is for P (no max,
     # exponentials or sums), "pv" issues no P V wgmma; the output is then wrong, the time says what the part costs
     ablate = knobs.get("ablate", "")
@@ -104,6 +110,16 @@ def wgmma_attention(s: dict, knobs: dict):
     q_args, q_at = tma_map(lq, B, H, SQ, D, BM)
     k_args, k_at = tma_map(lk, B, HKV, L, D, BN)
     v_args, v_at = tma_map(lv, B, HV, L, D, BN)
+
+    TILES = QT * B * H
+    GRID = min(TILES, SMS) if persistent else TILES  # CTAs
+
+    def tile_of(t):
+        """(query tile, batch, head) of work item t: the longest causal rows first; in a cluster (CTAs 2i, 2i + 1)
+        the query tiles 2j, 2j + 1 of one head."""
+        if cluster == 1:
+            return QT - 1 - t // (B * H), t % (B * H) // H, t % H
+        return t // (2 * B * H) * 2 + t % 2, t // 2 % (B * H) // H, t // 2 % H
 
     def kv_tiles(qt):
         """K/V tiles query tile qt reads: up to its last row's diagonal when causal, else all."""
@@ -235,6 +251,13 @@ def wgmma_attention(s: dict, knobs: dict):
                 T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[jt % S]), 1 - rank,
                                  source_code=REMOTE_ARRIVE_SRC)
 
+    @T.macro
+    def q_done(q_empty, lane):
+        """Persistent: this warp's last S of the work item is done, so the loader may load the next one's Q."""
+        if persistent:
+            if lane == 0:
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(q_empty[0]))
+
     @T.prim_func(check_well_formed=False)
     def attention():
         q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -249,13 +272,14 @@ def wgmma_attention(s: dict, knobs: dict):
             rank = T.cta_id_in_cluster([2])
         else:
             rank = T.meta_var(0)
-        bid = T.cta_id([QT * B * H])
+        bid = T.cta_id([GRID])
         tx = T.thread_id([128 * (1 + C)])
         arena = T.alloc_buffer((q_elems + 2 * S * kv_elems,), dt, scope="shared.dyn", align=1024)
         Qs = T.decl_buffer((q_elems,), dt, data=arena.data, scope="shared.dyn")  # [panel, BM rows, 64]
         Ks = T.decl_buffer((S, kv_elems), dt, data=arena.data, elem_offset=q_elems, scope="shared.dyn")
         Vs = T.decl_buffer((S, kv_elems), dt, data=arena.data, elem_offset=q_elems + S * kv_elems, scope="shared.dyn")
         q_full = T.alloc_shared((1,), "uint64")
+        q_empty = T.alloc_shared((1,), "uint64")  # persistent: the consumers' last S of a tile read Q
         k_full = T.alloc_shared((S,), "uint64")
         v_full = T.alloc_shared((S,), "uint64")
         k_empty = T.alloc_shared((S,), "uint64")
@@ -267,16 +291,17 @@ def wgmma_attention(s: dict, knobs: dict):
         desc_q: T.uint64
         desc_k: T.uint64
         desc_v: T.uint64
-        # the longest causal rows first; in a cluster (CTAs 2i, 2i + 1) the query tiles 2t, 2t + 1 of one head
-        qt = T.meta_var(QT - 1 - bid // (B * H) if cluster == 1 else bid // (2 * B * H) * 2 + bid % 2)
-        b = T.meta_var((bid if cluster == 1 else bid // 2) % (B * H) // H)
-        hd = T.meta_var((bid if cluster == 1 else bid // 2) % H)
+        gacc = T.alloc_local((1,), "int32")  # persistent: K/V tiles of this CTA's earlier work items (stage counter)
+        if overlap:
+            anchor = T.alloc_shared((1,), "float32")  # never written (ANCHOR_SRC)
         cw = T.meta_var(tx // 128 - 1)
         warp = T.meta_var(tx % 128 // 32)
         lane = T.meta_var(tx % 32)
+        items = T.meta_var((TILES - bid + GRID - 1) // GRID if persistent else 1)  # work items of this CTA
 
         if tx == 0:
             T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[0]), T.uint32(1))
+            T.ptx.mbarrier.init.shared.b64(T.address_of(q_empty[0]), T.uint32(4 * C))
             for i in T.unroll(S):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(k_full[i]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(T.address_of(v_full[i]), T.uint32(1))
@@ -292,110 +317,131 @@ def wgmma_attention(s: dict, knobs: dict):
             if regs:
                 T.ptx["setmaxnreg.dec.sync.aligned.u32"](LOADER_REGS)
             if tx == 0:
-                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(q_elems * 2))
-                for p in T.unroll(P):
-                    T.ptx[TMA_4D](T.address_of(Qs[p * BM * PANEL]), T.address_of(q_map), *q_at(b, hd, qt * BM, p * PANEL), T.address_of(q_full[0]))
-                for jt in T.serial(kv_tiles(qt)):
-                    if jt >= S:
-                        T.cuda.mbarrier_wait(T.address_of(k_empty[jt % S]), (jt // S + 1) % 2)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(k_full[jt % S]), T.uint32(kv_elems * 2))
-                    if cluster == 2:  # this CTA's panel, to the same place in both CTAs
-                        T.ptx[TMA_MC](T.address_of(Ks[jt % S, rank * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, rank * PANEL), T.address_of(k_full[jt % S]), T.uint16(3))
-                    else:
-                        for p in T.unroll(P):
-                            T.ptx[TMA_4D](T.address_of(Ks[jt % S, p * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, p * PANEL), T.address_of(k_full[jt % S]))
-                    if jt >= S:
-                        T.cuda.mbarrier_wait(T.address_of(v_empty[jt % S]), (jt // S + 1) % 2)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(v_full[jt % S]), T.uint32(kv_elems * 2))
-                    if cluster == 2:
-                        T.ptx[TMA_MC](T.address_of(Vs[jt % S, rank * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, rank * PANEL), T.address_of(v_full[jt % S]), T.uint16(3))
-                    else:
-                        for p in T.unroll(P):
-                            T.ptx[TMA_4D](T.address_of(Vs[jt % S, p * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, p * PANEL), T.address_of(v_full[jt % S]))
+                if persistent:
+                    gacc[0] = 0
+                for ti in T.serial(items):
+                    qt = T.meta_var(tile_of(bid + ti * GRID)[0])
+                    b = T.meta_var(tile_of(bid + ti * GRID)[1])
+                    hd = T.meta_var(tile_of(bid + ti * GRID)[2])
+                    g0 = T.meta_var(gacc[0] if persistent else 0)
+                    if persistent:  # Q's buffer is free once the consumers' last S of the work item before is done
+                        if ti > 0:
+                            T.cuda.mbarrier_wait(T.address_of(q_empty[0]), (ti - 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(q_elems * 2))
+                    for p in T.unroll(P):
+                        T.ptx[TMA_4D](T.address_of(Qs[p * BM * PANEL]), T.address_of(q_map), *q_at(b, hd, qt * BM, p * PANEL), T.address_of(q_full[0]))
+                    for jt in T.serial(kv_tiles(qt)):
+                        if g0 + jt >= S:
+                            T.cuda.mbarrier_wait(T.address_of(k_empty[(g0 + jt) % S]), ((g0 + jt) // S + 1) % 2)
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(k_full[(g0 + jt) % S]), T.uint32(kv_elems * 2))
+                        if cluster == 2:  # this CTA's panel, to the same place in both CTAs
+                            T.ptx[TMA_MC](T.address_of(Ks[(g0 + jt) % S, rank * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, rank * PANEL), T.address_of(k_full[(g0 + jt) % S]), T.uint16(3))
+                        else:
+                            for p in T.unroll(P):
+                                T.ptx[TMA_4D](T.address_of(Ks[(g0 + jt) % S, p * BN * PANEL]), T.address_of(k_map), *k_at(b, hd // G, jt * BN, p * PANEL), T.address_of(k_full[(g0 + jt) % S]))
+                        if g0 + jt >= S:
+                            T.cuda.mbarrier_wait(T.address_of(v_empty[(g0 + jt) % S]), ((g0 + jt) // S + 1) % 2)
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(v_full[(g0 + jt) % S]), T.uint32(kv_elems * 2))
+                        if cluster == 2:
+                            T.ptx[TMA_MC](T.address_of(Vs[(g0 + jt) % S, rank * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, rank * PANEL), T.address_of(v_full[(g0 + jt) % S]), T.uint16(3))
+                        else:
+                            for p in T.unroll(P):
+                                T.ptx[TMA_4D](T.address_of(Vs[(g0 + jt) % S, p * BN * PANEL]), T.address_of(v_map), *v_at(b, hd // GV, jt * BN, p * PANEL), T.address_of(v_full[(g0 + jt) % S]))
+                    if persistent:
+                        gacc[0] = gacc[0] + kv_tiles(qt)
         else:
             if regs:
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
-            for i in T.unroll(o_n):
-                o[i] = T.float32(0)
-            for i in T.unroll(2):
-                st[i] = T.float32(NEG)
-                st[2 + i] = T.float32(0)
-                st[6 + i] = T.float32(1)  # alpha (set by each tile's softmax; ablate "softmax" keeps this one)
-            T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
-            if overlap or batched:  # P V of tile jt - 1 issued with S of tile jt, then overlapped: the softmax of jt
-                # runs while P V does; batched: both waited for, then the softmax (one wait a tile, not two)
-                if overlap:
-                    anchor = T.alloc_shared((1,), "float32")  # never written (ANCHOR_SRC)
-                if pingpong:  # consumer 0 issues first; then they take turns, one's softmax beside the other's GEMMs
-                    if cw == 1:
-                        T.cuda.func_call("tvmfuse_bar_arrive", 1, 256, source_code=ARRIVE_SRC)
-                my_turn(cw)
-                T.ptx.wgmma.fence.sync.aligned()
-                issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, 0, cw)
-                their_turn(cw, False)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence(sacc, o, pa)
-                release(k_empty, 0, lane, rank)
-                softmax(sacc, o, st, pa, qt, 0, cw, warp, lane)
-                rescale_and_pack(sacc, o, st, pa)
-                for jt in T.serial(1, kv_tiles(qt)):
+            if persistent:
+                gacc[0] = 0
+            for ti in T.serial(items):
+                qt = T.meta_var(tile_of(bid + ti * GRID)[0])
+                b = T.meta_var(tile_of(bid + ti * GRID)[1])
+                hd = T.meta_var(tile_of(bid + ti * GRID)[2])
+                g0 = T.meta_var(gacc[0] if persistent else 0)
+                for i in T.unroll(o_n):
+                    o[i] = T.float32(0)
+                for i in T.unroll(2):
+                    st[i] = T.float32(NEG)
+                    st[2 + i] = T.float32(0)
+                    st[6 + i] = T.float32(1)  # alpha (set by each tile's softmax; ablate "softmax" keeps this one)
+                T.cuda.mbarrier_wait(T.address_of(q_full[0]), ti % 2)
+                if overlap or batched:  # P V of tile jt - 1 issued with S of tile jt, then overlapped: the softmax of jt
+                    # runs while P V does; batched: both waited for, then the softmax (one wait a tile, not two)
+                    if pingpong:  # consumer 0 issues first; then they take turns, one's softmax beside the other's GEMMs
+                        if cw == 1:
+                            T.cuda.func_call("tvmfuse_bar_arrive", 1, 256, source_code=ARRIVE_SRC)
+                    my_turn(cw)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0, cw)
+                    their_turn(cw, False)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence(sacc, o, pa)
+                    release(k_empty, g0, lane, rank)
+                    softmax(sacc, o, st, pa, qt, 0, cw, warp, lane)
+                    rescale_and_pack(sacc, o, st, pa)
+                    for jt in T.serial(1, kv_tiles(qt)):
+                        fence(sacc, o, pa)
+                        my_turn(cw)
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw)
+                        issue_pv(o, pa, Vs, v_full, desc_v, g0 + jt - 1)
+                        their_turn(cw, False)
+                        if overlap:
+                            T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
+                            for i in T.unroll(s_n):
+                                T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
+                            release(k_empty, g0 + jt, lane, rank)
+                            softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
+                            T.cuda.func_call("tvmfuse_softmax_anchor", T.address_of(anchor[0]), st[2] + st[3],
+                                             source_code=ANCHOR_SRC)
+                            T.ptx.wgmma.wait_group.sync.aligned(0)
+                            fence(sacc, o, pa)
+                            release(v_empty, g0 + jt - 1, lane, rank)
+                        else:
+                            T.ptx.wgmma.wait_group.sync.aligned(0)
+                            fence(sacc, o, pa)
+                            release(k_empty, g0 + jt, lane, rank)
+                            release(v_empty, g0 + jt - 1, lane, rank)
+                            softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
+                        rescale_and_pack(sacc, o, st, pa)
+                    q_done(q_empty, lane)
                     fence(sacc, o, pa)
                     my_turn(cw)
                     T.ptx.wgmma.fence.sync.aligned()
-                    issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw)
-                    issue_pv(o, pa, Vs, v_full, desc_v, jt - 1)
-                    their_turn(cw, False)
-                    if overlap:
-                        T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
-                        for i in T.unroll(s_n):
-                            T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
-                        release(k_empty, jt, lane, rank)
-                        softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
-                        T.cuda.func_call("tvmfuse_softmax_anchor", T.address_of(anchor[0]), st[2] + st[3],
-                                         source_code=ANCHOR_SRC)
-                        T.ptx.wgmma.wait_group.sync.aligned(0)
-                        fence(sacc, o, pa)
-                        release(v_empty, jt - 1, lane, rank)
-                    else:
-                        T.ptx.wgmma.wait_group.sync.aligned(0)
-                        fence(sacc, o, pa)
-                        release(k_empty, jt, lane, rank)
-                        release(v_empty, jt - 1, lane, rank)
-                        softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
-                    rescale_and_pack(sacc, o, st, pa)
-                fence(sacc, o, pa)
-                my_turn(cw)
-                T.ptx.wgmma.fence.sync.aligned()
-                issue_pv(o, pa, Vs, v_full, desc_v, kv_tiles(qt) - 1)
-                their_turn(cw, True)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence(sacc, o, pa)
-                release(v_empty, kv_tiles(qt) - 1, lane, rank)
-            else:  # each tile's S, softmax and P V in turn
-                for jt in T.serial(kv_tiles(qt)):
-                    fence(sacc, o, pa)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw)
+                    issue_pv(o, pa, Vs, v_full, desc_v, g0 + kv_tiles(qt) - 1)
+                    their_turn(cw, True)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     fence(sacc, o, pa)
-                    release(k_empty, jt, lane, rank)
-                    softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
-                    rescale_and_pack(sacc, o, st, pa)
-                    fence(sacc, o, pa)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_pv(o, pa, Vs, v_full, desc_v, jt)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence(sacc, o, pa)
-                    release(v_empty, jt, lane, rank)
-            for i in T.unroll(2):
-                st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
-            for n in T.unroll(D // 8):
+                    release(v_empty, g0 + kv_tiles(qt) - 1, lane, rank)
+                else:  # each tile's S, softmax and P V in turn
+                    for jt in T.serial(kv_tiles(qt)):
+                        fence(sacc, o, pa)
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        fence(sacc, o, pa)
+                        release(k_empty, g0 + jt, lane, rank)
+                        softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
+                        rescale_and_pack(sacc, o, st, pa)
+                        fence(sacc, o, pa)
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_pv(o, pa, Vs, v_full, desc_v, g0 + jt)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        fence(sacc, o, pa)
+                        release(v_empty, g0 + jt, lane, rank)
+                    q_done(q_empty, lane)
                 for i in T.unroll(2):
-                    row = T.meta_var(qt * BM + cw * 64 + warp * 16 + lane // 4 + i * 8)
-                    if row < SQ:  # TVM drops the guard where the tiles divide seq_q
-                        T.cuda.func_call(store, T.address_of(O[at(lo, b, hd, row, n * 8 + lane % 4 * 2)]),
-                                         o[n * 4 + i * 2] / st[2 + i], o[n * 4 + i * 2 + 1] / st[2 + i],
-                                         source_code=store_src)
+                    st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
+                for n in T.unroll(D // 8):
+                    for i in T.unroll(2):
+                        row = T.meta_var(qt * BM + cw * 64 + warp * 16 + lane // 4 + i * 8)
+                        if row < SQ:  # TVM drops the guard where the tiles divide seq_q
+                            T.cuda.func_call(store, T.address_of(O[at(lo, b, hd, row, n * 8 + lane % 4 * 2)]),
+                                             o[n * 4 + i * 2] / st[2 + i], o[n * 4 + i * 2 + 1] / st[2 + i],
+                                             source_code=store_src)
+                if persistent:
+                    gacc[0] = gacc[0] + kv_tiles(qt)
         if cluster == 2:  # neither CTA exits while the other may still multicast into it or arrive on its barriers
             T.cuda.cluster_sync()
     # fmt: on
