@@ -320,9 +320,7 @@ def wgmma_attention(s: dict, knobs: dict):
                 if persistent:
                     gacc[0] = 0
                 for ti in T.serial(items):
-                    qt = T.meta_var(tile_of(bid + ti * GRID)[0])
-                    b = T.meta_var(tile_of(bid + ti * GRID)[1])
-                    hd = T.meta_var(tile_of(bid + ti * GRID)[2])
+                    qt, b, hd = T.meta_var(tile_of(bid + ti * GRID))
                     g0 = T.meta_var(gacc[0] if persistent else 0)
                     if persistent:  # Q's buffer is free once the consumers' last S of the work item before is done
                         if ti > 0:
@@ -355,9 +353,7 @@ def wgmma_attention(s: dict, knobs: dict):
             if persistent:
                 gacc[0] = 0
             for ti in T.serial(items):
-                qt = T.meta_var(tile_of(bid + ti * GRID)[0])
-                b = T.meta_var(tile_of(bid + ti * GRID)[1])
-                hd = T.meta_var(tile_of(bid + ti * GRID)[2])
+                qt, b, hd = T.meta_var(tile_of(bid + ti * GRID))
                 g0 = T.meta_var(gacc[0] if persistent else 0)
                 for i in T.unroll(o_n):
                     o[i] = T.float32(0)
