@@ -83,7 +83,7 @@ def test_knob_space_fits_shared_memory_and_the_default_is_the_measured_best():
         assert space and all(smem_bytes(s, k) <= MAX_SMEM for k in space)
         assert default_knobs(s) == want and want in space
     s = normalize(BASE)
-    assert default_knobs(normalize(dict(BASE, head_dim=64))) == knob_space(normalize(dict(BASE, head_dim=64)))[0]
+    assert knob_space(s)[0]["overlap"] == 1  # --trials measures the overlapped sets first, after the default
     assert smem_bytes(s, default_knobs(s)) == 160 * 1024
     assert dict(causal, block_n=176, stages=3) not in knob_space(s)
 

@@ -51,7 +51,7 @@ def knob_space(s: dict) -> list[dict]:
     from L2; tried with two consumers and setmaxnreg, where the query tiles pair up)."""
     space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov, "batched": bt,
               "pingpong": pp}
-             for ov in (0, 1) for bt in ((0, 1) if not ov else (0,)) for c in (2, 1) for n in (128, 64, 176)
+             for ov in (1, 0) for bt in ((1, 0) if not ov else (0,)) for c in (2, 1) for n in (128, 64, 176)
              for st in (2, 3) for r in ((1, 0) if c == 2 else (0,)) for pp in ((0, 1) if c == 2 and (ov or bt) else (0,))]
     pairs = not s["causal"] and s["head_dim"] == 2 * PANEL and -(-s["seq_q"] // 128) % 2 == 0
     space = [dict(k, cluster=cl) for k in space
@@ -73,11 +73,14 @@ PICKS = [
 
 def default_knobs(s: dict) -> dict:
     """Two consumers (128 query rows a CTA), two stages, the loader's registers given to them; at head dim 128 the
-    first of PICKS the shape takes; at head dim 64 (not measured) 128 keys, each tile's GEMMs and softmax in turn;
-    the first valid knob set where none of these fits."""
+    first of PICKS the shape takes; at head dim 64 (not measured) 128 keys, each tile's GEMMs and softmax in turn
+    (the best at head dim 128 before K and V were released apart); the first valid knob set where none of these
+    fits. (The space lists the overlapped sets first, then the batched, then in turn: `--trials N` measures the
+    default and then the space in order.)"""
     space = knob_space(s)
     base = {"consumers": 2, "stages": 2, "setmaxnreg": 1}
-    for pick in PICKS if s["head_dim"] == 2 * PANEL else []:
+    in_turn = dict(block_n=128, overlap=0, batched=0, pingpong=0, cluster=1)
+    for pick in PICKS + [in_turn] if s["head_dim"] == 2 * PANEL else [in_turn]:
         if dict(base, **pick) in space:
             return dict(base, **pick)
     return (space or [{"consumers": 1, "block_n": 64, "stages": 2, "setmaxnreg": 0, "overlap": 0, "batched": 0,
