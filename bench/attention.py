@@ -222,15 +222,16 @@ def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda:
     if kind == "prefill_wgmma":
         res["default_knobs"] = tmpl.default_knobs(s)  # the product's pick, measured first
         knob_list = [res["default_knobs"]] + [kn for kn in knob_list if kn != res["default_knobs"]]
-        if extra_knobs:  # knobs outside the space (not yet measured): each set again with them, where they build
-            for kn in list(knob_list):
-                try:
-                    tmpl(s, dict(kn, **extra_knobs))
-                except ValueError:
-                    continue
-                knob_list.append(dict(kn, **extra_knobs))
+        funcs = [tmpl(s, kn) for kn in knob_list]
+        for kn in list(knob_list) if extra_knobs else []:  # knobs outside the space: each set again, where it builds
+            try:
+                funcs.append(tmpl(s, dict(kn, **extra_knobs)))
+            except ValueError:
+                continue
+            knob_list.append(dict(kn, **extra_knobs))
         knob_list += [dict(kn, ablate=a) for a in ablate for kn in knob_list]  # timed only: their output is wrong
-        built = build_tirx([tmpl(s, kn) for kn in knob_list], target, os.path.join(WORK, name))
+        funcs += [tmpl(s, kn) for kn in knob_list[len(funcs):]]
+        built = build_tirx(funcs, target, os.path.join(WORK, name))
     else:
         built = build_all([tmpl(s, kn) for kn in knob_list], target)
     res["build_seconds"] = round(time.time() - t0, 1)
@@ -338,7 +339,7 @@ def main():
     ap.add_argument("--case", help=argparse.SUPPRESS)  # a child: measure this case into --out's report
     args = ap.parse_args()
     try:
-        only_knobs, _ = knob_filter(args.knobs), knob_filter(args.extra, "--with")
+        only_knobs, extra_knobs = knob_filter(args.knobs), knob_filter(args.extra, "--with")
     except SystemExit as e:  # one error line, exit 2
         print(e, file=sys.stderr)
         raise SystemExit(2) from None
@@ -384,7 +385,7 @@ def main():
         run_case(name, kind, s, dev, target, res, generic=not args.no_generic and kind == "decode" or
                  (not args.no_generic and "fp16" in name and "causal" in name), report=report,
                  save=lambda: (res.update(elapsed=round(time.time() - t0, 1)), save()), only_knobs=only_knobs,
-                 ablate=tuple(filter(None, args.ablate.split(","))), extra_knobs=knob_filter(args.extra, "--with"))
+                 ablate=tuple(filter(None, args.ablate.split(","))), extra_knobs=extra_knobs)
     except Exception:  # noqa: BLE001
         res["error"] = traceback.format_exc()[-2000:]
         log("  FAILED", res["error"].splitlines()[-1])
