@@ -5,7 +5,7 @@ prefill template, which keeps every shape this one refuses."""
 from __future__ import annotations
 
 from tvmfuse.kernels.attention.common import Template, q_dtype, symbolic
-from tvmfuse.kernels.attention.prefill_wgmma_kernel import PANEL, wgmma_attention
+from tvmfuse.kernels.attention.prefill_wgmma_kernel import PANEL, pairs_query_tiles, wgmma_attention
 
 MAX_SMEM = 220 * 1024  # bytes a knob set may take (the H200 gives a CTA up to 227 KB)
 
@@ -53,7 +53,7 @@ def knob_space(s: dict) -> list[dict]:
               "pingpong": pp}
              for ov in (1, 0) for bt in ((1, 0) if not ov else (0,)) for c in (2, 1) for n in (128, 64, 176)
              for st in (2, 3) for r in ((1, 0) if c == 2 else (0,)) for pp in ((0, 1) if c == 2 and (ov or bt) else (0,))]
-    pairs = not s["causal"] and s["head_dim"] == 2 * PANEL and -(-s["seq_q"] // 128) % 2 == 0
+    pairs = pairs_query_tiles(s, 2)
     space = [dict(k, cluster=cl) for k in space
              for cl in ((1, 2) if pairs and k["consumers"] == 2 and k["setmaxnreg"] else (1,))]
     return [k for k in space if smem_bytes(s, k) <= MAX_SMEM

@@ -15,9 +15,9 @@ from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, tshape
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
-from tvmfuse.targets import SMS
 from tvmfuse.kernels.hopper.wgmma_gemm import (BAR_SRC, CONSUMER_REGS, FENCE_SRC, LOADER_REGS, PAIR_STORES,
                                                 REMOTE_ARRIVE_SRC, TIRX_ATTR)
+from tvmfuse.targets import SMS
 
 #: keeps the compiler from reusing a P fragment register while the wgmma that reads it is in flight
 FENCE_U32_SRC = ('__device__ __forceinline__ void tvmfuse_fence_u32(unsigned& r) '
@@ -68,6 +68,12 @@ def tma_map(layout: str, batch: int, heads: int, seq: int, dim: int, rows: int):
     return args, coords
 
 
+def pairs_query_tiles(s: dict, consumers: int) -> bool:
+    """Whether clusters of two neighbouring query tiles (of 64 * consumers rows) can share this shape's K and V: not
+    causal (the pair reads the same K/V tiles), head dim 128 (one 64-wide panel a CTA), an even number of tiles."""
+    return not s["causal"] and s["head_dim"] == 2 * PANEL and ceil_div(s["seq_q"], 64 * consumers) % 2 == 0
+
+
 def wgmma_attention(s: dict, knobs: dict):
     """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
     stages, setmaxnreg, overlap, batched, pingpong, cluster, persistent). persistent: one CTA an SM, each taking the
@@ -93,7 +99,7 @@ def wgmma_attention(s: dict, knobs: dict):
         raise ValueError(f"ablate {ablate!r}: '', 'softmax' or 'pv'")
     BM, P = 64 * C, D // PANEL
     QT, KT = ceil_div(SQ, BM), ceil_div(L, BN)
-    if cluster == 2 and (causal or D != 2 * PANEL or QT % 2):
+    if cluster == 2 and not pairs_query_tiles(s, C):
         raise ValueError(f"cluster 2 needs non-causal attention, head dim {2 * PANEL} and an even number of "
                          f"{BM}-row query tiles (causal={causal}, head_dim={D}, {QT} tiles)")
     qs = float(s["scale"] * LOG2E)
@@ -301,7 +307,8 @@ def wgmma_attention(s: dict, knobs: dict):
 
         if tx == 0:
             T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[0]), T.uint32(1))
-            T.ptx.mbarrier.init.shared.b64(T.address_of(q_empty[0]), T.uint32(4 * C))
+            if persistent:
+                T.ptx.mbarrier.init.shared.b64(T.address_of(q_empty[0]), T.uint32(4 * C))
             for i in T.unroll(S):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(k_full[i]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(T.address_of(v_full[i]), T.uint32(1))
