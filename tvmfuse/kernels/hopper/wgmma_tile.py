@@ -28,18 +28,18 @@ class WgmmaTile:
     cluster: int = 1
     #: encode the shared-memory descriptors once a k-tile and step their start address by 32 bytes a k16 step, as
     #: CUTLASS does (7 instructions between wgmmas in the SASS instead of 17); False: encode each wgmma's from its
-    #: address. Right on the GPU (bench/results/gpu_tests_run31_hopper.txt, an H100), its
-    #: speed not yet measured alone: off by default; --trials measures it on each GEMM's pick
+    #: address. Right on the GPU (gpu_tests_run31_hopper.txt, an H100); on the 128x128 tile 0.4-4.1% faster at three
+    #: Llama shapes (wgmma_run10.json, H100). Off by default (the rules' pick); --trials measures it on each GEMM's pick
     stepped_desc: bool = False
     #: one CTA per SM (at most), each walking output tiles bid, bid + grid, ...: the loader goes on into the next
     #: tile's k-tiles while the consumers run this one's epilogue, and no CTA is launched per tile.
-    #: Right on the GPU (bench/results/gpu_tests_run31_hopper.txt, an H100), its
-    #: speed not yet measured alone: off by default; --trials measures it on each GEMM's pick
+    #: Right on the GPU (gpu_tests_run31_hopper.txt); on the 128x128 tile from 0.2% slower to 1.9% faster
+    #: (wgmma_run10.json). Off by default; --trials measures it on each GEMM's pick
     persistent: bool = False
     #: the loading warpgroup gives registers to the computing ones (`setmaxnreg`, 40 and 232 a thread) where
     #: ptxas otherwise holds every thread to 65536 / 384 = 170.
-    #: Right on the GPU (bench/results/gpu_tests_run31_hopper.txt, an H100), its
-    #: speed not yet measured alone: off by default; --trials measures it on each GEMM's pick
+    #: Right on the GPU (gpu_tests_run31_hopper.txt); with stepped descriptors 0.1-2.4% faster than them alone
+    #: (wgmma_run10.json). Off by default; --trials measures it on each GEMM's pick
     setmaxnreg: bool = False
     #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
     #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
