@@ -52,7 +52,8 @@ def knob_space(s: dict) -> list[dict]:
     space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov, "batched": bt,
               "pingpong": pp}
              for ov in (1, 0) for bt in ((1, 0) if not ov else (0,)) for c in (2, 1) for n in (128, 64, 176)
-             for st in (2, 3) for r in ((1, 0) if c == 2 else (0,)) for pp in ((0, 1) if c == 2 and (ov or bt) else (0,))]
+             for st in (2, 3) for r in ((1, 0) if c == 2 else (0,))
+             for pp in ((0, 1) if c == 2 and (ov or bt) else (0,))]
     pairs = pairs_query_tiles(s, 2)
     space = [dict(k, cluster=cl) for k in space
              for cl in ((1, 2) if pairs and k["consumers"] == 2 and k["setmaxnreg"] else (1,))]
