@@ -173,13 +173,10 @@ def test_clusters_only_pair_full_rows_of_non_causal_tiles():
 def _loop_waits_and_exponentials(sass: str) -> list[str]:
     """The kernel's wgmma waits and exponentials in program order: 'W1'/'W0' (WARPGROUP.DEPBAR.LE gsb0, 1 or 0), 'e'
     (MUFU.EX2)."""
-    out = []
-    for line in sass.splitlines():
-        if "WARPGROUP.DEPBAR.LE" in line:
-            out.append("W" + line.split(";")[0].split(",")[-1].strip()[-1])
-        elif "MUFU.EX2" in line:
-            out.append("e")
-    return out
+    from bench.attention_sass import parse_sass  # pylint: disable=import-outside-toplevel
+    (ins,) = parse_sass(sass).values()
+    return ["W" + args[-1] if op == "WARPGROUP.DEPBAR.LE" else "e" for _, _, op, args in ins
+            if op in ("WARPGROUP.DEPBAR.LE", "MUFU.EX2")]
 
 
 @pytest.mark.parametrize("block_n", [128, 64])
