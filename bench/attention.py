@@ -231,9 +231,14 @@ def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda:
             knob_list.append(dict(kn, **extra_knobs))
         knob_list += [dict(kn, ablate=a) for a in ablate for kn in knob_list]  # timed only: their output is wrong
         funcs += [tmpl(s, kn) for kn in knob_list[len(funcs):]]
+        res["building"] = True
+        save()  # the supervisor gives a building child BUILD_S, not HANG_S
         built = build_tirx(funcs, target, os.path.join(WORK, name))
     else:
+        res["building"] = True
+        save()
         built = build_all([tmpl(s, kn) for kn in knob_list], target)
+    res.pop("building")
     res["build_seconds"] = round(time.time() - t0, 1)
     log(f"  built {len(knob_list)} variants in {res['build_seconds']} s")
     before = res.get("trials", [])  # an earlier child's trials of this case (it hung or crashed)
@@ -299,6 +304,13 @@ def print_table(report) -> None:
 
 
 HANG_S = 30  # a child whose report has not moved for this long is measuring a hung kernel: killed, and restarted
+BUILD_S = 900  # while a child builds (CPU only, it cannot hang on the GPU) it may go this long without a report
+
+
+def child_is_hung(report_mtime: float, child_started: float, building: bool, now: float) -> bool:
+    """A child is hung when neither it nor its report has moved for HANG_S (BUILD_S while it builds); the clock
+    starts at the child's own start, so a child that follows a killed one gets its full time."""
+    return now - max(report_mtime, child_started) > (BUILD_S if building else HANG_S)
 
 
 def supervise(args, name) -> None:
@@ -311,11 +323,17 @@ def supervise(args, name) -> None:
            "--ablate", args.ablate, "--with", args.extra] + \
         (["--no-generic"] if args.no_generic else [])
     for attempt in range(60):
-        child = subprocess.Popen(cmd, start_new_session=True)
+        child, started = subprocess.Popen(cmd, start_new_session=True), time.time()
         while child.poll() is None:
             time.sleep(2)
-            if time.time() - os.path.getmtime(args.out) > HANG_S:
-                log(f"  no progress for {HANG_S} s: killing the child (a hung kernel)")
+            mtime = os.path.getmtime(args.out)
+            try:
+                with open(args.out) as fh:
+                    building = json.load(fh)["cases"].get(name, {}).get("building", False)
+            except (OSError, ValueError, KeyError):  # read while the child replaced it: judge by the time alone
+                building = False
+            if child_is_hung(mtime, started, building, time.time()):
+                log(f"  no progress for {BUILD_S if building else HANG_S} s: killing the child (a hung kernel)")
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
         with open(args.out) as fh:

@@ -412,6 +412,16 @@ def test_the_benchmark_knob_filter_reads_name_int_pairs():
             knob_filter(bad)
 
 
+def test_the_benchmark_supervisor_times_each_child_from_its_own_start_and_lets_builds_run():
+    """bench/attention.py's supervisor: a child that follows a killed one is not killed for the old report's age,
+    and one building its knob sets (CPU only) gets BUILD_S, not the hung-kernel HANG_S."""
+    from bench.attention import BUILD_S, HANG_S, child_is_hung  # pylint: disable=import-outside-toplevel
+    assert not child_is_hung(report_mtime=0.0, child_started=100.0, building=False, now=100.0 + HANG_S - 1)
+    assert child_is_hung(report_mtime=0.0, child_started=100.0, building=False, now=100.0 + HANG_S + 1)
+    assert not child_is_hung(report_mtime=100.0, child_started=0.0, building=True, now=100.0 + HANG_S + 60)
+    assert child_is_hung(report_mtime=100.0, child_started=0.0, building=True, now=100.0 + BUILD_S + 1)
+
+
 def test_the_diagnostic_ablations_leave_out_their_part_and_are_never_tuned():
     """ablate "softmax" emits no exponential, "pv" no register-A (P V) wgmma; neither is a knob set of the space, and
     an unknown part is refused."""
