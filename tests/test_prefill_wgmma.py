@@ -318,6 +318,9 @@ def _each_knob_value(s: dict) -> list[dict]:
     # persistent CTAs (not in the space until measured): the default and the ping-pong sets, without clusters
     for k in chosen[:1] + [k for k in chosen if k["pingpong"]]:
         chosen += [dict(k, cluster=1, persistent=1)] if dict(k, cluster=1, persistent=1) not in chosen else []
+    # query tiles first (not in the space until measured): the default and the ping-pong sets, without causality
+    chosen += [dict(k, order=1) for k in chosen if not s["causal"] and "order" not in k and
+               (k is chosen[0] or k["pingpong"])]
     return chosen
 
 
@@ -453,3 +456,15 @@ def test_persistent_ctas_loop_over_work_items_and_wait_for_q_to_be_free():
         ATTENTION_PREFILL_WGMMA(s, dict(knobs, cluster=2))
     if shutil.which("nvcc"):
         assert len(_nvcc(src)) > 1000
+
+
+def test_order_1_gives_consecutive_ctas_consecutive_query_tiles_of_one_head():
+    """order 1: CTA t takes query tile t % QT of head t // QT (rows (t & 7) * 128 with 8 tiles of 128), so the CTAs
+    running at once share the K and V of few heads; 0 keeps heads first; causal refuses it (longest rows first)."""
+    s = normalize(dict(BASE, seq_q=1024, seq_k=1024, heads=8, kv_heads=8, causal=False))  # 8 query tiles, 8 heads
+    knobs = dict(default_knobs(s), cluster=1)
+    first_row = "((int)blockIdx.x) & 7) * 128)"
+    assert first_row in _source(s, dict(knobs, order=1)) and first_row not in _source(s, dict(knobs, order=0))
+    assert all("order" not in k for k in knob_space(s))
+    with pytest.raises(ValueError, match="order 1: 0, or 1"):
+        ATTENTION_PREFILL_WGMMA(normalize(dict(s, causal=True)), dict(knobs, order=1))

@@ -76,7 +76,9 @@ def pairs_query_tiles(s: dict, consumers: int) -> bool:
 
 def wgmma_attention(s: dict, knobs: dict):
     """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
-    stages, setmaxnreg, overlap, batched, pingpong, cluster, persistent). persistent: one CTA an SM, each taking the
+    stages, setmaxnreg, overlap, batched, pingpong, cluster, persistent, order). order 1 (not causal): consecutive CTAs
+    take consecutive query tiles of one head, so the CTAs running at once read the K and V of a few heads from L2
+    (0: consecutive CTAs take the heads of one query tile, the longest causal rows first). persistent: one CTA an SM, each taking the
     query tiles bid, bid + grid, ...: the loader fetches the next tile's Q (once the last S of this one is done) and K/V
     while the consumers store this tile's output. cluster 2 (not causal, head dim 128, an even number of
     query tiles): the CTAs of two neighbouring query tiles of one head form a cluster, and each loads one 64-wide
@@ -92,6 +94,9 @@ def wgmma_attention(s: dict, knobs: dict):
     persistent = bool(knobs.get("persistent", 0))
     if persistent and cluster != 1:
         raise ValueError("persistent CTAs take no clusters")
+    order = int(knobs.get("order", 0))
+    if order not in (0, 1) or order and causal:
+        raise ValueError(f"order {order}: 0, or 1 (query tiles first) without causality")
     # a diagnostic, never in the knob space (bench/attention.py --ablate): "softmax" leaves S as it is for P (no max,
     # exponentials or sums), "pv" issues no P V wgmma; the output is then wrong, the time says what the part costs
     ablate = knobs.get("ablate", "")
@@ -122,7 +127,9 @@ def wgmma_attention(s: dict, knobs: dict):
 
     def tile_of(t):
         """(query tile, batch, head) of work item t: the longest causal rows first; in a cluster (CTAs 2i, 2i + 1)
-        the query tiles 2j, 2j + 1 of one head."""
+        the query tiles 2j, 2j + 1 of one head; order 1: query tiles first (pairs them too, QT being even)."""
+        if order:
+            return t % QT, t // QT // H, t // QT % H
         if cluster == 1:
             return QT - 1 - t // (B * H), t % (B * H) // H, t % H
         return t // (2 * B * H) * 2 + t % 2, t // 2 % (B * H) // H, t // 2 % H
