@@ -69,15 +69,17 @@ def test_check_says_why_it_refuses(change, reason):
 
 
 def test_knob_space_fits_shared_memory_and_the_default_is_the_measured_best():
-    """Every knob set fits MAX_SMEM and the register rule; head dim 128 defaults to the measured picks (attention_run8:
-    176 keys, overlapped, ping-pong and clusters without causality where query tiles pair; 128 keys overlapped
-    otherwise), head dim 64 to 128 keys in turn (the first set); three stages of 176 keys at head dim 128 do not fit."""
-    base = {"consumers": 2, "stages": 2, "setmaxnreg": 1, "batched": 0}
-    causal = dict(base, block_n=128, overlap=1, pingpong=0, cluster=1)
+    """Every knob set fits MAX_SMEM and the register rule; head dim 128 defaults to the measured picks
+    (attention_run10/11: 176 keys, overlapped, ping-pong, query tiles first without causality; 128 keys overlapped
+    with it), head dim 64 to 128 keys in turn; three stages of 176 keys at head dim 128 do not fit."""
+    base = {"consumers": 2, "stages": 2, "setmaxnreg": 1, "batched": 0, "cluster": 1}
+    causal = dict(base, block_n=128, overlap=1, pingpong=0, order=0)
     for shape, want in [(BASE, causal),
-                        (dict(BASE, causal=False), dict(base, block_n=176, overlap=1, pingpong=1, cluster=2)),
-                        (dict(BASE, causal=False, seq_q=384, seq_k=384), causal),  # 3 query tiles: no pairs
-                        (dict(BASE, head_dim=64), dict(causal, overlap=0))]:
+                        (dict(BASE, causal=False), dict(base, block_n=176, overlap=1, pingpong=1, order=1)),
+                        (dict(BASE, causal=False, seq_q=384, seq_k=384), dict(base, block_n=176, overlap=1,
+                                                                               pingpong=1, order=1)),
+                        (dict(BASE, head_dim=64), dict(causal, overlap=0)),
+                        (dict(BASE, head_dim=64, causal=False), dict(causal, overlap=0, order=1))]:
         s = normalize(shape)
         space = knob_space(s)
         assert space and all(smem_bytes(s, k) <= MAX_SMEM for k in space)
@@ -318,9 +320,6 @@ def _each_knob_value(s: dict) -> list[dict]:
     # persistent CTAs (not in the space until measured): the default and the ping-pong sets, without clusters
     for k in chosen[:1] + [k for k in chosen if k["pingpong"]]:
         chosen += [dict(k, cluster=1, persistent=1)] if dict(k, cluster=1, persistent=1) not in chosen else []
-    # query tiles first (not in the space until measured): the default and the ping-pong sets, without causality
-    chosen += [dict(k, order=1) for k in chosen if not s["causal"] and "order" not in k and
-               (k is chosen[0] or k["pingpong"])]
     return chosen
 
 
@@ -460,11 +459,13 @@ def test_persistent_ctas_loop_over_work_items_and_wait_for_q_to_be_free():
 
 def test_order_1_gives_consecutive_ctas_consecutive_query_tiles_of_one_head():
     """order 1: CTA t takes query tile t % QT of head t // QT (rows (t & 7) * 128 with 8 tiles of 128), so the CTAs
-    running at once share the K and V of few heads; 0 keeps heads first; causal refuses it (longest rows first)."""
+    running at once share the K and V of few heads; 0 keeps heads first; causal refuses it (longest rows first);
+    the space has both without causality, and the default is 1 (attention_run11: ahead in 28 of 32 pairs)."""
     s = normalize(dict(BASE, seq_q=1024, seq_k=1024, heads=8, kv_heads=8, causal=False))  # 8 query tiles, 8 heads
     knobs = dict(default_knobs(s), cluster=1)
     first_row = "((int)blockIdx.x) & 7) * 128)"
     assert first_row in _source(s, dict(knobs, order=1)) and first_row not in _source(s, dict(knobs, order=0))
-    assert all("order" not in k for k in knob_space(s))
+    assert {k["order"] for k in knob_space(s)} == {0, 1} and default_knobs(s)["order"] == 1
+    assert {k["order"] for k in knob_space(normalize(dict(s, causal=True)))} == {0}
     with pytest.raises(ValueError, match="order 1: 0, or 1"):
         ATTENTION_PREFILL_WGMMA(normalize(dict(s, causal=True)), dict(knobs, order=1))

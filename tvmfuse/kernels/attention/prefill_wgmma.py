@@ -48,7 +48,10 @@ def knob_space(s: dict) -> list[dict]:
     FlashAttention-3's inter-warpgroup schedule; batched + pingpong is its schedule without intra-warpgroup
     overlap), cluster (2: the CTAs of two neighbouring query tiles of a head share every K and V tile, each loading
     one 64-wide panel by TMA multicast, as FlashAttention-3 does without causality at head dim 128: half the bytes
-    from L2; tried with two consumers and setmaxnreg, where the query tiles pair up)."""
+    from L2; tried with two consumers and setmaxnreg, where the query tiles pair up), order (without causality, 1:
+    consecutive CTAs take consecutive query tiles of one head, so the CTAs in flight share the K and V of few heads in
+    L2, as FlashAttention-3's scheduler orders them; 0: the heads of one query tile first, the only order with
+    causality, where the longest rows go first)."""
     space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov, "batched": bt,
               "pingpong": pp}
              for ov in (1, 0) for bt in ((1, 0) if not ov else (0,)) for c in (2, 1) for n in (128, 64, 176)
@@ -57,18 +60,19 @@ def knob_space(s: dict) -> list[dict]:
     pairs = pairs_query_tiles(s, 2)
     space = [dict(k, cluster=cl) for k in space
              for cl in ((1, 2) if pairs and k["consumers"] == 2 and k["setmaxnreg"] else (1,))]
+    space = [dict(k, order=o) for k in space for o in ((0,) if s["causal"] else (1, 0))]
     return [k for k in space if smem_bytes(s, k) <= MAX_SMEM
             and k["block_n"] // 2 + s["head_dim"] // 2 <= 192]  # S and O accumulators: registers a thread
 
 
-#: the measured picks at head dim 128 (`attention_run8.json`, H100, K and V released apart), tried in this order
+#: the measured picks at head dim 128 (`attention_run11.json` and `attention_run10.json`, H100), tried in this order
 PICKS = [
-    # without causality, query tiles paired: 176 keys a tile, overlapped, ping-pong, clusters sharing K/V; the fastest
-    # at 8192 (fp16 1959.7 µs, bf16 1842.1: 0.92x and 0.98x cuDNN), within 2.6% of the best at 2048
-    dict(block_n=176, overlap=1, batched=0, pingpong=1, cluster=2),
-    # otherwise 128 keys, overlapped: the fastest at causal 8192 (1073.6 µs, 7% ahead of in turn), 0.8% behind the
-    # best at causal 2048
-    dict(block_n=128, overlap=1, batched=0, pingpong=0, cluster=1),
+    # without causality: 176 keys a tile, overlapped, ping-pong, query tiles first; 0.2% behind the best at 2048
+    # (133.7 µs against 133.5), 0.9% at 8192 (1837.7 against 1820.5 with clusters, which lose 7% at 2048)
+    dict(block_n=176, overlap=1, batched=0, pingpong=1, cluster=1, order=1),
+    # with causality 128 keys, overlapped: 0.5% behind the best at causal 2048 and 8192 (85.6 and 1086.0 µs against
+    # 85.2 and 1080.4 with ping-pong, which is behind elsewhere: 1115.0 against 1043.5 in bf16 at 8192)
+    dict(block_n=128, overlap=1, batched=0, pingpong=0, cluster=1, order=0),
 ]
 
 
@@ -80,12 +84,12 @@ def default_knobs(s: dict) -> dict:
     default and then the space in order.)"""
     space = knob_space(s)
     base = {"consumers": 2, "stages": 2, "setmaxnreg": 1}
-    in_turn = dict(block_n=128, overlap=0, batched=0, pingpong=0, cluster=1)
+    in_turn = dict(block_n=128, overlap=0, batched=0, pingpong=0, cluster=1, order=0 if s["causal"] else 1)
     for pick in PICKS + [in_turn] if s["head_dim"] == 2 * PANEL else [in_turn]:
         if dict(base, **pick) in space:
             return dict(base, **pick)
     return (space or [{"consumers": 1, "block_n": 64, "stages": 2, "setmaxnreg": 0, "overlap": 0, "batched": 0,
-                       "pingpong": 0, "cluster": 1}])[0]
+                       "pingpong": 0, "cluster": 1, "order": 0}])[0]
 
 
 def build(s: dict, knobs: dict, target: str = "cuda"):
