@@ -46,6 +46,12 @@ WGMMA_CASES = [
     for dt, tag in (("float16", "fp16"), ("bfloat16", "bf16")) for n in (2048, 8192) for causal in (True, False)
     for kv in (32, 8) if kv == 32 or (causal and n == 8192)]
 CASES += WGMMA_CASES
+# what one CTA costs besides its key tiles (`--only keys_wgmma`): 2048 queries against 128 ... 2048 keys, not causal,
+# the same 512 CTAs each time; a line through the times gives the per-CTA cost (its intercept) for tvmfuse and cuDNN
+KEYS_SWEEP = [(f"keys_wgmma_b1_h32_q2048_k{n}_d128_fp16", "prefill_wgmma",
+               dict(batch=1, heads=32, kv_heads=32, seq_q=2048, seq_k=n, head_dim=128, dtype="float16", causal=False))
+              for n in (128, 256, 512, 1024, 2048)]
+CASES += KEYS_SWEEP
 DECODE_SPLITS = {1: (16, 32), 16: (4, 8)}  # the decode knob sets measured: every warps/unroll at these splits
 LIKE = {"prefill_b1_h32_s2048_d128_causal_bf16": "prefill_b1_h32_s2048_d128_causal_fp16"}  # measure its 6 best
 LIKE.update({name: name.replace("_bf16", "_fp16") for name, _, _ in WGMMA_CASES if name.endswith("_bf16")})
@@ -301,6 +307,28 @@ def print_table(report) -> None:
               f"{r.get('torch_us', float('nan')):9.1f} {cudnn or float('nan'):9.1f} "
               f"{(cudnn / us) if us and cudnn else float('nan'):8.2f}  {ok}/{wrong}/{len(trials) - ok - wrong}"
               + (f"  error: {r['error'].strip().splitlines()[-1][:80]}" if r.get("error") else ""))
+    for who, f in fixed_cost_fit(report).items():
+        print(f"keys sweep, {who}: {f['intercept_us']:.1f} us without key tiles + {f['us_per_128_keys']:.1f} us "
+              f"per 128 keys ({len(f['points'])} points)")
+
+
+def fixed_cost_fit(report) -> dict:
+    """The keys sweep's times as intercept + slope x keys (least squares), for tvmfuse's best set and cuDNN: the
+    intercept is what the 512 CTAs cost without key tiles, over their waves on the GPU."""
+    points = {"tvmfuse": [], "cudnn": []}
+    for name, _, s in KEYS_SWEEP:
+        r = report["cases"].get(name, {})
+        cudnn = r.get("torch_backends_us", {}).get("CUDNN_ATTENTION")
+        for who, us in (("tvmfuse", r.get("tvmfuse_us")), ("cudnn", cudnn if isinstance(cudnn, float) else None)):
+            if us:
+                points[who].append((s["seq_k"], us))
+    fit = {}
+    for who, pts in points.items():
+        if len(pts) >= 2:
+            mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+            slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+            fit[who] = {"intercept_us": my - slope * mx, "us_per_128_keys": slope * 128, "points": pts}
+    return fit
 
 
 HANG_S = 30  # a child whose report has not moved for this long is measuring a hung kernel: killed, and restarted
@@ -380,6 +408,7 @@ def main():
         with open(args.out) as fh:
             report = json.load(fh)
         report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        report["keys_sweep_fit"] = fixed_cost_fit(report)
         save()
         print_table(report)
         return

@@ -382,6 +382,23 @@ def test_the_benchmark_cases_are_the_issues_shapes_and_the_template_takes_each()
         assert ATTENTION_PREFILL_WGMMA.check(dict(s, arch="sm_90a")) is None
 
 
+def test_the_keys_sweep_fits_a_line_whose_intercept_is_the_per_cta_cost():
+    """bench/attention.py --only keys_wgmma: 2048 queries against 128 ... 2048 keys (the template takes each); the fit
+    recovers intercept and slope from exact points and skips a case without a time."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench.attention import KEYS_SWEEP, fixed_cost_fit  # pylint: disable=import-outside-toplevel
+
+    assert [s["seq_k"] for _, _, s in KEYS_SWEEP] == [128, 256, 512, 1024, 2048]
+    assert all(ATTENTION_PREFILL_WGMMA.check(dict(s, arch="sm_90a")) is None for _, _, s in KEYS_SWEEP)
+    cases = {name: {"tvmfuse_us": 20.0 + 0.05 * s["seq_k"],
+                    "torch_backends_us": {"CUDNN_ATTENTION": 5.0 + 0.05 * s["seq_k"]}} for name, _, s in KEYS_SWEEP}
+    cases[KEYS_SWEEP[0][0]]["torch_backends_us"]["CUDNN_ATTENTION"] = "failed: no kernel"
+    fit = fixed_cost_fit({"cases": cases})
+    assert fit["tvmfuse"]["intercept_us"] == pytest.approx(20.0)
+    assert fit["tvmfuse"]["us_per_128_keys"] == pytest.approx(6.4)
+    assert fit["cudnn"]["intercept_us"] == pytest.approx(5.0) and len(fit["cudnn"]["points"]) == 4
+
+
 def test_a_dynamic_dynamo_export_takes_it_in_its_batch_and_seq_bucket(tmp_path, monkeypatch, capsys):
     """A tiny GPT-2 exported by the dynamo exporter with input_ids alone and dynamic batch and sequence (2 heads of
     64): with --buckets batch=1 --buckets seq=128 the bucket function's causal mask is a folded constant and the wgmma

@@ -78,11 +78,11 @@ def wgmma_attention(s: dict, knobs: dict):
     """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
     stages, setmaxnreg, overlap, batched, pingpong, cluster, persistent, order). order 1 (not causal): consecutive CTAs
     take consecutive query tiles of one head, so the CTAs running at once read the K and V of a few heads from L2
-    (0: consecutive CTAs take the heads of one query tile, the longest causal rows first). persistent: one CTA an SM, each taking the
-    query tiles bid, bid + grid, ...: the loader fetches the next tile's Q (once the last S of this one is done) and K/V
-    while the consumers store this tile's output. cluster 2 (not causal, head dim 128, an even number of
-    query tiles): the CTAs of two neighbouring query tiles of one head form a cluster, and each loads one 64-wide
-    panel of every K and V tile and multicasts it to both (half the K/V bytes from L2)."""
+    (0: consecutive CTAs take the heads of one query tile, the longest causal rows first). persistent: one CTA an
+    SM, each taking the query tiles bid, bid + grid, ...: the loader fetches the next tile's Q (once the last S of
+    this one is done) and K/V while the consumers store this tile's output. cluster 2 (not causal, head dim 128, an
+    even number of query tiles): the CTAs of two neighbouring query tiles of one head form a cluster, and each loads
+    one 64-wide panel of every K and V tile and multicasts it to both (half the K/V bytes from L2)."""
     B, H, HKV, HV = s["batch"], s["heads"], s["kv_heads"], s["v_heads"]
     SQ, L, D, dt, causal = s["seq_q"], s["seq_k"], s["head_dim"], s["dtype"], s["causal"]
     G, GV = H // HKV, H // HV
