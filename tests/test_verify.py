@@ -37,6 +37,15 @@ def test_nan_only_where_the_reference_has_nan():
     assert not compare([np.array([np.nan, np.nan], "float32")], [want]).ok
 
 
+def test_the_same_infinity_agrees_and_another_value_does_not():
+    """A mask kernel's -inf where the reference has -inf is agreement (inf - inf was NaN, counted as an error)."""
+    want = np.array([-np.inf, np.inf, 1.0], "float32")
+    check = compare([want.copy()], [want])
+    assert check.ok and check.max_abs_err == 0.0
+    assert not compare([np.array([np.inf, np.inf, 1.0], "float32")], [want]).ok
+    assert not compare([np.array([-1e30, np.inf, 1.0], "float32")], [want]).ok
+
+
 def test_mismatched_outputs_raise():
     with pytest.raises(ValueError, match="returned 1 outputs, onnxruntime 2"):
         compare([np.zeros(2)], [np.zeros(2), np.zeros(2)])
