@@ -1,9 +1,10 @@
 """Fault isolation: one kernel never fails a job.
 
-Every step that handles one kernel (design-space generation, search, replaying a stored record, template and Hopper
-substitution, default-schedule application) runs that kernel inside `guard`-style try/except: a failure prints one
-warning line naming the kernel and the reason, the kernel keeps its default schedule, and the job's `failures`
-list (kernel, step, reason) goes into the manifest. Only a model that cannot be built at all fails the job.
+Every step that handles one kernel (design-space generation, search, replaying a stored record, the replayed
+schedule's output check, template and Hopper substitution, default-schedule application) runs that kernel inside
+`guard`-style try/except: a failure prints one warning line naming the kernel and the reason, the kernel keeps its
+default schedule, and the job's `failures` list (kernel, step, reason) goes into the manifest. Only a model that
+cannot be built at all fails the job.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-SPACE, SEARCH, REPLAY, TEMPLATE, HOPPER, DEFAULT_SCHEDULE = (
-    "design space", "search", "replay", "template", "hopper kernel", "default schedule")
+SPACE, SEARCH, REPLAY, OUTPUT_CHECK, TEMPLATE, HOPPER, DEFAULT_SCHEDULE = (
+    "design space", "search", "replay", "output check", "template", "hopper kernel", "default schedule")
 
 
 def reason(err: BaseException) -> str:

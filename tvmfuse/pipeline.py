@@ -47,7 +47,7 @@ from tvmfuse.targets import check_compute_dtype, device_for, has_device, resolve
 from tvmfuse.tune import (TaskProgress, TuningInterrupted, kernel_records, kernels_keeping_default, tune, tune_sites,
                           tune_templates)
 from tvmfuse.verify import VariantCheck, Verification, compare_at_dims, compare_kv_step, latency_us, random_inputs
-from tvmfuse.verify import step_dims
+from tvmfuse.verify import schedule_check, step_dims
 from tvmfuse.verify.reference import reference_model
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
@@ -214,14 +214,16 @@ def tune_phase(lowered: Lowered, target, database, work_dir: str, trials: int, j
     return progress
 
 
-def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProgress], cuda_graph: bool) -> Built:
-    """Each kernel takes its best record unless its default schedule measured faster; every other kernel gets its
-    default schedule; then one compile to a VM executable."""
+def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProgress], cuda_graph: bool,
+                check: Callable | None = None) -> Built:
+    """Each kernel takes its best record unless its default schedule measured faster or `check` (the verify stage's
+    `schedule_check`) finds the replayed record's output wrong; every other kernel gets its default schedule; then
+    one compile to a VM executable."""
     mod = lowered.fused.mod
     records = kernel_records(mod, database) if database is not None else {}
     defaults = {p.workload: p.default_us for p in progress.values() if p.default_us is not None}
     keep = kernels_keeping_default(mod, records, defaults)
-    tuned_mod = apply_database(mod, target, database, keep_default=keep)
+    tuned_mod = apply_database(mod, target, database, keep_default=keep, check=check)
     kinds = {**schedule_kinds(tuned_mod, target), **{k: "default (measured faster than every tuned schedule)"
                                                       for k in keep}}
     records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
@@ -380,7 +382,7 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
                 f"default schedules (bucket them too, e.g. --buckets {left[0]}=1, to tune those)")
 
     progress = tune_phase(lowered, target, database, work_dir, trials, job, rpc, say)
-    built = build_phase(lowered, target, database, progress, job.cuda_graph)
+    built = build_phase(lowered, target, database, progress, job.cuda_graph, check=_schedule_check(target, log))
     verified = verify_phase(built, lowered, imported, job, target, bound, weight_bytes, say)
     output, manifest = export_phase(built, lowered, verified, imported, bound, job, target, work_dir, dest, started,
                                     weight_bytes)
@@ -432,6 +434,12 @@ def _cache_interface(manifest: dict, lowered: Lowered) -> dict:
                             "dtype": cache["dtype"]})
     return {"inputs": step_inputs, "outputs": [t for t in manifest["outputs"] if t["name"] not in presents],
             "kv_cache": cache}
+
+
+def _schedule_check(target, log: Say) -> Callable | None:
+    """The build's output check of replayed records (verify.schedule_check), where the target's device is here;
+    elsewhere (measured over RPC) the job's verification alone checks them."""
+    return schedule_check(target, log) if has_device(target) else None
 
 
 def _failed(job: Job, check: Verification, dims: dict) -> str:

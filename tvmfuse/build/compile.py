@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import Callable
 
 import tvm
 from tvm import relax, tirx
 from tvm.s_tir import meta_schedule as ms
 
 from tvmfuse.fuse.views import rewrite_dataflow_reshape
-from tvmfuse.isolation import REPLAY
+from tvmfuse.isolation import OUTPUT_CHECK, REPLAY
 from tvmfuse.isolation import record as record_failure
 from tvmfuse.kernels.attention.common import NO_CSE_ATTR
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
@@ -70,24 +71,36 @@ tvm.tirx.register_tir_pipeline(TIR_PIPELINE, _mixed_tir_pipeline)
 
 
 def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None,
-                   keep_default=()) -> tvm.IRModule:
+                   keep_default=(), check: Callable | None = None) -> tvm.IRModule:
     """Schedule each kernel that has a record, except those in `keep_default` (their default schedule
-    measured faster); the module must be exactly the one that was tuned."""
+    measured faster); the module must be exactly the one that was tuned. With `check` (the verify stage's
+    `schedule_check`: `check(kernel, tuned, generic)` -> None or why it is wrong), a kernel whose replayed record
+    gives wrong output keeps its default schedule, with a warning and a line in the manifest's failures."""
     if database is None:
         return mod
     tuned = mod.clone()
     for gv, func in mod.functions.items():  # kernel by kernel: a record whose trace no longer applies is skipped
-        if isinstance(func, tirx.PrimFunc) and not _marked(func, TIRX_ATTR):
+        if isinstance(func, tirx.PrimFunc) and not _marked(func, TIRX_ATTR) and gv.name_hint not in keep_default:
             try:
                 tuned[gv] = replay_record(gv, func, target, database)
             except Exception as err:  # noqa: BLE001  (one stale record must not fail the build)
                 record_failure(gv.name_hint, REPLAY, err)
+                continue
+            why = check(gv.name_hint, tuned[gv], func) if check and _is_scheduled(tuned[gv]) else None
+            if why:
+                record_failure(gv.name_hint, OUTPUT_CHECK, why)
+                tuned[gv] = func
     for name in keep_default:
         tuned[name] = mod[name]
     for gv, func in mod.functions.items():  # TIRx kernels are never scheduled from records
         if _marked(func, TIRX_ATTR):
             tuned[gv] = func
     return tuned
+
+
+def _is_scheduled(func: tirx.PrimFunc) -> bool:
+    """Whether `func` carries a schedule (a replayed record marks it `tirx.is_scheduled`)."""
+    return bool(func.attrs) and bool(func.attrs.get("tirx.is_scheduled", False))
 
 
 def replay_record(gv, func: tirx.PrimFunc, target: tvm.target.Target, database: ms.Database) -> tirx.PrimFunc:

@@ -1,0 +1,116 @@
+"""A tuned schedule that computes the wrong thing never fails a job: the build checks each replayed record against
+the kernel's default schedule (verify.schedules) and keeps the default where it is wrong. A wrong schedule is
+injected by the build's record replay (build.compile.replay_record), so nothing is tuned here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import tvm
+
+import tvmfuse.build.compile as build_mod
+import tvmfuse.pipeline as pipeline_mod
+from test_isolation import _mlp
+from tvmfuse import isolation
+from tvmfuse.cli.tune import main
+from tvmfuse.decide import decide
+from tvmfuse.export.runtime import load
+from tvmfuse.frontend import import_model
+from tvmfuse.fuse import lower
+from tvmfuse.prepare import prepare_module
+from tvmfuse.verify.schedules import schedule_check
+
+WRONG, RIGHT = "softmax", "layer_norm"  # kernels of test_isolation's _mlp: [16, 64] -> [16, 32]
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def wrong_schedule(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """`func` marked scheduled (as a replayed record is) with its last store multiplied by 1.5: a wrong schedule."""
+    lines = func.script().splitlines()
+    last = max(i for i, line in enumerate(lines) if re.match(r"\s+\w+\[.*\] = ", line))
+    lines[last] = re.sub(r" = (.*)$", r" = (\1) * T.float32(1.5)", lines[last])
+    return tvm.script.from_source("\n".join(lines)).with_attr("tirx.is_scheduled", True)
+
+
+def _replay_wrong_and_right(monkeypatch):
+    """Replay WRONG's 'record' as `wrong_schedule`, RIGHT's as the kernel itself marked scheduled (a right one)."""
+    real = build_mod.replay_record
+
+    def replay(gv, func, *args):
+        if gv.name_hint == WRONG:
+            return wrong_schedule(func)
+        if gv.name_hint == RIGHT:
+            return func.with_attr("tirx.is_scheduled", True)
+        return real(gv, func, *args)
+
+    monkeypatch.setattr(build_mod, "replay_record", replay)
+
+
+def _job(tmp_path, capsys, *extra) -> tuple[int, dict | None, str]:
+    """Build _mlp with --trials 0 (the replayed records are the injected ones); (exit code, manifest, log)."""
+    path = _mlp(str(tmp_path / "mlp.onnx"))
+    code = main([path, "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "o"),
+                 "--logs", str(tmp_path / "l"), "--schedules", "none", *extra])
+    text = capsys.readouterr()
+    manifest_path = os.path.join(tmp_path, "o", "mlp-llvm", "manifest.json")
+    manifest = None
+    if os.path.exists(manifest_path):
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    return code, manifest, text.out + text.err
+
+
+def _matches_onnxruntime(tmp_path) -> float:
+    """The export's max abs error against onnxruntime on fresh inputs (asserted within ATOL + RTOL * |ref|)."""
+    x = np.random.default_rng(1).standard_normal((16, 64)).astype("float32")
+    ref = ort.InferenceSession(str(tmp_path / "mlp.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = load(str(tmp_path / "o" / "mlp-llvm"))(x)[0]
+    np.testing.assert_allclose(got, ref, atol=ATOL, rtol=RTOL)
+    return float(np.abs(got - ref).max())
+
+
+def test_wrong_tuned_schedule_keeps_its_default_and_the_job_passes(tmp_path, monkeypatch, capsys):
+    _replay_wrong_and_right(monkeypatch)
+    code, manifest, log = _job(tmp_path, capsys)
+    assert code == 0, log[-2000:]
+    assert [(f["kernel"], f["step"]) for f in manifest["failures"]] == [(WRONG, isolation.OUTPUT_CHECK)]
+    why = manifest["failures"][0]["reason"]
+    assert re.fullmatch(r"tuned schedule gave wrong output \(max abs err [0-9.e+-]+ > tol 0\.0001 \+ 0\.0001 \* "
+                        r"\|ref\| against the default schedule\)", why), why
+    assert float(why.split("max abs err ")[1].split()[0]) > 0.1  # 1.5x a softmax row: far outside fp32's 1e-4
+    kinds = {k["name"]: k["schedule"] for k in manifest["kernels"]}
+    assert kinds[WRONG] == "default" and kinds[RIGHT] == "tuned"  # the right one is kept
+    warnings = [ln for ln in log.splitlines() if "warning: kernel" in ln]
+    assert warnings == [f"[mlp] warning: kernel {WRONG}: output check failed, keeping its default schedule ({why})"]
+    assert manifest["verification"]["status"] == "passed" and manifest["verification"]["max_abs_err"] < ATOL
+    assert "building again" not in log  # the per-kernel check caught it: one build
+    assert _matches_onnxruntime(tmp_path) < ATOL
+
+
+def test_schedule_check_names_wrong_and_passes_right_schedules(tmp_path, llvm, monkeypatch):
+    """The check alone, kernel by kernel: every _mlp kernel made wrong is caught with its error; the kernel itself
+    (and a real split + parallel schedule of it) passes; a kernel with no reference is not checked, and says so."""
+    bound = prepare_module(import_model(onnx.load(_mlp(str(tmp_path / "mlp.onnx")))))
+    mod = lower(bound, plan=decide(bound, llvm)).mod
+    said: list[str] = []
+    check = schedule_check(llvm, said.append)
+    kernels = [(gv.name_hint, f) for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(kernels) == 4
+    for name, func in kernels:
+        assert check(name, wrong_schedule(func), func).startswith("tuned schedule gave wrong output (max abs err ")
+        assert check(name, func.with_attr("tirx.is_scheduled", True), func) is None
+    sch = tvm.s_tir.Schedule(mod[WRONG])
+    outer, _ = sch.get_loops(sch.get_sblock("T_softmax_norm"))
+    sch.parallel(outer)
+    assert check(WRONG, sch.mod["main"].with_attr("tirx.is_scheduled", True), mod[WRONG]) is None
+    assert said == []
+    import tvmfuse.verify.schedules as schedules_mod
+
+    monkeypatch.setattr(schedules_mod, "default_schedule", lambda f, t: (_ for _ in ()).throw(ValueError("no rule")))
+    assert check(WRONG, wrong_schedule(mod[WRONG]), mod[WRONG]) is None
+    assert said == [f"{WRONG}: tuned schedule not checked (no reference: ValueError: no rule)"]
