@@ -1,6 +1,7 @@
 """A tuned schedule that computes the wrong thing never fails a job: the build checks each replayed record against
-the kernel's default schedule (verify.schedules) and keeps the default where it is wrong. A wrong schedule is
-injected by the build's record replay (build.compile.replay_record), so nothing is tuned here."""
+the kernel's default schedule (verify.schedules) and keeps the default where it is wrong; a build whose tuned
+kernels pass that check but fail the job's verification is built again with them on their default schedules. A
+wrong schedule is injected by the build's record replay (build.compile.replay_record), so nothing is tuned here."""
 
 from __future__ import annotations
 
@@ -90,6 +91,54 @@ def test_wrong_tuned_schedule_keeps_its_default_and_the_job_passes(tmp_path, mon
     assert manifest["verification"]["status"] == "passed" and manifest["verification"]["max_abs_err"] < ATOL
     assert "building again" not in log  # the per-kernel check caught it: one build
     assert _matches_onnxruntime(tmp_path) < ATOL
+
+
+def test_verification_failure_rebuilds_the_tuned_kernels_on_default_schedules(tmp_path, monkeypatch, capsys):
+    """The per-kernel check off (as where it cannot run, or a schedule wrong only in the whole model): the job's
+    verification fails, the build again with both tuned kernels on default schedules passes, both are listed."""
+    _replay_wrong_and_right(monkeypatch)
+    monkeypatch.setattr(pipeline_mod, "_schedule_check", lambda target, log: None)
+    code, manifest, log = _job(tmp_path, capsys)
+    assert code == 0, log[-2000:]
+    failures = {f["kernel"]: f for f in manifest["failures"]}
+    assert sorted(failures) == sorted([WRONG, RIGHT])
+    assert {f["step"] for f in failures.values()} == {isolation.VERIFICATION}
+    why = failures[WRONG]["reason"]
+    assert failures[RIGHT]["reason"] == why
+    assert re.fullmatch(r"the build with tuned schedules failed verification against onnxruntime \(max abs err "
+                        r"[0-9.e+-]+, max rel err [0-9.e+-]+\); with default schedules it passed \(ok [0-9.e+-]+\)",
+                        why), why
+    assert float(why.split("max abs err ")[1].split(",")[0]) > 100 * ATOL  # half a softmax row's largest value
+    kinds = {k["name"]: k["schedule"] for k in manifest["kernels"]}
+    assert kinds[WRONG] == kinds[RIGHT] == pipeline_mod.UNTUNED_AFTER_VERIFICATION
+    assert sum("building again with its 2 tuned kernel(s) on their default schedules" in ln
+               for ln in log.splitlines()) == 1
+    assert sum(f"warning: kernel {k}: verification failed, keeping its default schedule" in log
+               for k in (WRONG, RIGHT)) == 2
+    assert manifest["verification"]["status"] == "passed" and manifest["verification"]["max_abs_err"] < ATOL
+    assert _matches_onnxruntime(tmp_path) < ATOL
+
+
+def test_a_build_wrong_on_default_schedules_too_fails_the_job(tmp_path, monkeypatch, capsys):
+    """The fallback is not a way around verification: wrong with default schedules too, the job fails (exit 2),
+    once, and nothing is exported."""
+    _replay_wrong_and_right(monkeypatch)
+    monkeypatch.setattr(pipeline_mod, "_schedule_check", lambda target, log: None)
+    real = pipeline_mod.apply_default_schedules
+
+    def defaults(mod, target, *args):  # WRONG's default schedule is wrong too
+        out = real(mod, target, *args)
+        if not (mod[WRONG].attrs and mod[WRONG].attrs.get("tirx.is_scheduled", False)):
+            out[WRONG] = wrong_schedule(mod[WRONG])
+        return out
+
+    monkeypatch.setattr(pipeline_mod, "apply_default_schedules", defaults)
+    code, manifest, log = _job(tmp_path, capsys)
+    assert code == 2 and manifest is None
+    errors = [ln for ln in log.splitlines() if ln.startswith("error:") or "FAILED" in ln]
+    assert any("verification against onnxruntime FAILED" in ln
+               and ln.endswith("(with every kernel on its default schedule too)") for ln in errors), log[-2000:]
+    assert log.count("building again with its 2 tuned kernel(s)") == 1
 
 
 def test_schedule_check_names_wrong_and_passes_right_schedules(tmp_path, llvm, monkeypatch):

@@ -3,8 +3,9 @@
 Every step that handles one kernel (design-space generation, search, replaying a stored record, the replayed
 schedule's output check, template and Hopper substitution, default-schedule application) runs that kernel inside
 `guard`-style try/except: a failure prints one warning line naming the kernel and the reason, the kernel keeps its
-default schedule, and the job's `failures` list (kernel, step, reason) goes into the manifest. Only a model that
-cannot be built at all fails the job.
+default schedule, and the job's `failures` list (kernel, step, reason) goes into the manifest. A build with tuned
+kernels that fails the job's verification is built again with them on their default schedules (step
+"verification"). Only a model that cannot be built, or fails verification on default schedules, fails the job.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-SPACE, SEARCH, REPLAY, OUTPUT_CHECK, TEMPLATE, HOPPER, DEFAULT_SCHEDULE = (
-    "design space", "search", "replay", "output check", "template", "hopper kernel", "default schedule")
+SPACE, SEARCH, REPLAY, OUTPUT_CHECK, TEMPLATE, HOPPER, DEFAULT_SCHEDULE, VERIFICATION = (
+    "design space", "search", "replay", "output check", "template", "hopper kernel", "default schedule",
+    "verification")
 
 
 def reason(err: BaseException) -> str:

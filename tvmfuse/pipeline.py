@@ -30,8 +30,9 @@ from tvmfuse.frontend.onnx_io import has_external_data, weights_nbytes
 from tvmfuse.frontend import DEFAULT_MODEL, Imported, import_model, load_onnx, make_tiny_block
 from tvmfuse.fuse import Bucketed, Fused, add_dispatch, check_buckets, kernel_calls, lower, lower_buckets
 from tvmfuse.fuse import verification_dims
-from tvmfuse.isolation import collecting
+from tvmfuse.isolation import VERIFICATION, collecting
 from tvmfuse.isolation import current as failures_so_far
+from tvmfuse.isolation import record as record_failure
 from tvmfuse.jobs import Job
 from tvmfuse.kernels import (GREEDY, add_greedy_tokens, apply_hopper_kernels, hopper_gemm_sites, is_hopper,
                              measured_tiles, sibling_merge_pays, substitute)
@@ -52,6 +53,7 @@ from tvmfuse.verify.reference import reference_model
 
 DEFAULT_TRIALS = {"llvm": 16, "cuda": 64}
 DEFAULT_MAX_SEQ = 256  # the in-place KV cache's capacity without --max-seq or buckets
+UNTUNED_AFTER_VERIFICATION = "default (the build with tuned schedules failed verification)"
 Say = Callable[[str], None]
 
 
@@ -215,17 +217,18 @@ def tune_phase(lowered: Lowered, target, database, work_dir: str, trials: int, j
 
 
 def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProgress], cuda_graph: bool,
-                check: Callable | None = None) -> Built:
+                check: Callable | None = None, untuned: tuple[str, ...] = ()) -> Built:
     """Each kernel takes its best record unless its default schedule measured faster or `check` (the verify stage's
-    `schedule_check`) finds the replayed record's output wrong; every other kernel gets its default schedule; then
-    one compile to a VM executable."""
+    `schedule_check`) finds the replayed record's output wrong; every other kernel, and those in `untuned`, gets its
+    default schedule; then one compile to a VM executable."""
     mod = lowered.fused.mod
     records = kernel_records(mod, database) if database is not None else {}
     defaults = {p.workload: p.default_us for p in progress.values() if p.default_us is not None}
     keep = kernels_keeping_default(mod, records, defaults)
-    tuned_mod = apply_database(mod, target, database, keep_default=keep, check=check)
+    tuned_mod = apply_database(mod, target, database, keep_default=[*keep, *untuned], check=check)
     kinds = {**schedule_kinds(tuned_mod, target), **{k: "default (measured faster than every tuned schedule)"
-                                                      for k in keep}}
+                                                      for k in keep},
+             **{k: UNTUNED_AFTER_VERIFICATION for k in untuned}}
     records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
     final = lowered.with_dispatch(apply_default_schedules(tuned_mod, target))
     if lowered.past_inputs:  # a decoder step: generate samples on the device
@@ -285,6 +288,32 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
     return Verified({**check.as_dict(), "reference": reference_name,
                      **({"dims": [d for d, _ in checks]} if job.buckets else {}), **extra},
                     f"ok {check.max_abs_err:.1e}", after, after + _tuning_gain_us(built, lowered, function))
+
+
+def verified_build(built: Built, lowered: Lowered, imported: Imported, job: Job, target, bound, database,
+                   progress: dict[str, TaskProgress], weight_bytes: int, say: Say) -> tuple[Built, Verified]:
+    """`verify_phase` on the build; when a build with tuned kernels fails it, the build again with every tuned
+    kernel on its default schedule, verified in turn (each such kernel a warning and a line in the manifest's
+    failures); a VerificationError only when that build fails too."""
+    try:
+        return built, verify_phase(built, lowered, imported, job, target, bound, weight_bytes, say)
+    except VerificationError as err:
+        if not built.tuned:
+            raise
+        first = err
+    tuned = tuple(built.tuned)
+    say(f"[{job.name}] verification against onnxruntime failed with tuned schedules ({_error_of(first)}); "
+        f"building again with its {len(tuned)} tuned kernel(s) on their default schedules")
+    default = build_phase(lowered, target, database, progress, job.cuda_graph, untuned=tuned)
+    try:
+        verified = verify_phase(default, lowered, imported, job, target, bound, weight_bytes, say)
+    except VerificationError as err:
+        raise VerificationError(f"{err} (with every kernel on its default schedule too)", err.low_lookups) from None
+    why = (f"the build with tuned schedules failed verification against onnxruntime ({_error_of(first)}); "
+           f"with default schedules it passed ({verified.text})")
+    for kernel in tuned:
+        record_failure(kernel, VERIFICATION, why)
+    return default, verified
 
 
 def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: Imported, bound, job: Job, target,
@@ -383,7 +412,8 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
 
     progress = tune_phase(lowered, target, database, work_dir, trials, job, rpc, say)
     built = build_phase(lowered, target, database, progress, job.cuda_graph, check=_schedule_check(target, log))
-    verified = verify_phase(built, lowered, imported, job, target, bound, weight_bytes, say)
+    built, verified = verified_build(built, lowered, imported, job, target, bound, database, progress, weight_bytes,
+                                     say)
     output, manifest = export_phase(built, lowered, verified, imported, bound, job, target, work_dir, dest, started,
                                     weight_bytes)
     if built.cuda_graphs is not None:
@@ -442,6 +472,13 @@ def _schedule_check(target, log: Say) -> Callable | None:
     return schedule_check(target, log) if has_device(target) else None
 
 
+def _error_of(err: VerificationError) -> str:
+    """'max abs err X, max rel err Y' out of a VerificationError's message (`_failed`), else its first line."""
+    text = str(err)
+    start = text.find("(max abs err ")
+    return text[start + 1:text.index(";", start)] if start >= 0 and ";" in text[start:] else text.splitlines()[0]
+
+
 def _failed(job: Job, check: Verification, dims: dict) -> str:
     return (f"{job.name}: verification against onnxruntime FAILED (max abs err {check.max_abs_err:.3g}, "
             f"max rel err {check.max_rel_err:.3g}" + (f" at {dims}" if job.buckets else "")
@@ -469,4 +506,5 @@ def _progress_printer(name: str, say: Say) -> Callable[[TaskProgress], None]:
 
 
 __all__ = ["Built", "JobResult", "Lowered", "Verified", "build_phase", "buckets_phase", "export_phase",
-           "frontend_phase", "fuse_phase", "kernels_phase", "plan_model", "run_job", "tune_phase", "verify_phase"]
+           "frontend_phase", "fuse_phase", "kernels_phase", "plan_model", "run_job", "tune_phase", "verified_build",
+           "verify_phase"]
