@@ -86,7 +86,8 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
             except Exception as err:  # noqa: BLE001  (one stale record must not fail the build)
                 record_failure(gv.name_hint, REPLAY, err)
                 continue
-            why = check(gv.name_hint, tuned[gv], func) if check and _is_scheduled(tuned[gv]) else None
+            replayed = check is not None and _is_scheduled(tuned[gv]) and not _is_scheduled(func)
+            why = check(gv.name_hint, tuned[gv], func) if replayed else None
             if why:
                 record_failure(gv.name_hint, OUTPUT_CHECK, why)
                 tuned[gv] = func
