@@ -107,7 +107,8 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], compute_dtype: str | 
             tol[str(w.dtype)] = {"atol": atol, "rtol": rtol}
         g64, w64 = g.astype(np.float64), w.astype(np.float64)  # g may be fp16/bf16 (an fp16 interface)
         same = (g64 == w64) | (np.isnan(g64) & np.isnan(w64))  # NaN where onnxruntime has NaN, or the same inf, agrees
-        err = np.where(same, 0.0, np.abs(g64 - w64))
+        with np.errstate(invalid="ignore"):  # inf - inf where both agree: replaced by 0 below
+            err = np.where(same, 0.0, np.abs(g64 - w64))
         err = np.where(np.isnan(err), np.inf, err)
         if err.size:
             max_abs = max(max_abs, float(err.max()))
