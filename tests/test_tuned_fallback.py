@@ -163,3 +163,64 @@ def test_schedule_check_names_wrong_and_passes_right_schedules(tmp_path, llvm, m
     monkeypatch.setattr(schedules_mod, "default_schedule", lambda f, t: (_ for _ in ()).throw(ValueError("no rule")))
     assert check(WRONG, wrong_schedule(mod[WRONG]), mod[WRONG]) is None
     assert said == [f"{WRONG}: tuned schedule not checked (no reference: ValueError: no rule)"]
+
+
+def _records_of(mod, name, target, times_us):
+    """A database holding, for kernel `name`, one real record per time: its outer loop made parallel."""
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    key = _normalize_mod(mod[name])
+    db = ms.database.MemoryDatabase()
+    workload = db.commit_workload(key)
+    sch = tvm.s_tir.Schedule(key)
+    sch.parallel(sch.get_loops(sch.get_sblock("T_softmax_norm"))[0])
+    for us in times_us:
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [us * 1e-6], target,
+                                                         ArgInfo.from_prim_func(mod[name])))
+    return db
+
+
+def _softmax_module(tmp_path, llvm):
+    bound = prepare_module(import_model(onnx.load(_mlp(str(tmp_path / "mlp.onnx")))))
+    return lower(bound, plan=decide(bound, llvm)).mod
+
+
+def test_a_wrong_fastest_record_gives_way_to_the_next_right_one(tmp_path, llvm, monkeypatch):
+    """The fastest record of WRONG replays wrong; the next (2 µs) is a real, right schedule: it is kept, with one
+    warning naming it, its time on the kernel, and no failure (the kernel stays tuned)."""
+    mod = _softmax_module(tmp_path, llvm)
+    db = _records_of(mod, WRONG, llvm, [1.0, 2.0, 3.0])
+    real = build_mod.replay_record
+    monkeypatch.setattr(build_mod, "replay_record", lambda gv, func, target, database: wrong_schedule(func)
+                        if database is db and gv.name_hint == WRONG else real(gv, func, target, database))
+    said: list[str] = []
+    with isolation.collecting(said.append) as failures:
+        out = build_mod.apply_database(mod, llvm, db, check=schedule_check(llvm, said.append), say=said.append)
+    assert failures.items == []
+    assert out[WRONG].attrs["tirx.is_scheduled"] and float(out[WRONG].attrs[build_mod.RECORD_US_ATTR]) == 2.0
+    assert "T.parallel" in out[WRONG].script()
+    assert len(said) == 1 and said[0].startswith(f"warning: kernel {WRONG}: its fastest record failed its output "
+                                                 "check (tuned schedule gave wrong output (max abs err ")
+    assert said[0].endswith("record 2 by time (2.0 us) is right and kept")
+
+
+def test_a_kernel_whose_records_are_all_wrong_keeps_its_default(tmp_path, llvm, monkeypatch):
+    """Every record of WRONG replays wrong (the fastest and the NEXT_RECORDS after it): its default schedule, one
+    failure at the output check; a kernel without records is left alone."""
+    mod = _softmax_module(tmp_path, llvm)
+    db = _records_of(mod, WRONG, llvm, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    tried = []
+
+    def replay(gv, func, target, database):
+        tried.append(gv.name_hint)
+        return wrong_schedule(func) if gv.name_hint == WRONG else func
+
+    monkeypatch.setattr(build_mod, "replay_record", replay)
+    said: list[str] = []
+    with isolation.collecting(said.append) as failures:
+        out = build_mod.apply_database(mod, llvm, db, check=schedule_check(llvm, said.append), say=said.append)
+    assert [(f["kernel"], f["step"]) for f in failures.items] == [(WRONG, isolation.OUTPUT_CHECK)]
+    assert tried.count(WRONG) == 1 + build_mod.NEXT_RECORDS  # the fastest, then the next 4 of the 5 left
+    assert out[WRONG].same_as(mod[WRONG])

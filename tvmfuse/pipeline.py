@@ -20,7 +20,8 @@ from typing import Callable
 import tvm
 from tvm import relax
 
-from tvmfuse.build.compile import TUNED, apply_database, compile_module, cuda_graph_captures, schedule_kinds
+from tvmfuse.build.compile import (RECORD_US_ATTR, TUNED, apply_database, compile_module, cuda_graph_captures,
+                                   schedule_kinds)
 from tvmfuse.decide import Settings, decide, fusion_report, report_files
 from tvmfuse.errors import TvmfuseError, VerificationError
 from tvmfuse.export import MANIFEST, export, export_dir, make_manifest
@@ -217,7 +218,7 @@ def tune_phase(lowered: Lowered, target, database, work_dir: str, trials: int, j
 
 
 def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProgress], cuda_graph: bool,
-                check: Callable | None = None, untuned: tuple[str, ...] = ()) -> Built:
+                check: Callable | None = None, untuned: tuple[str, ...] = (), say: Say | None = None) -> Built:
     """Each kernel takes its best record unless its default schedule measured faster or `check` (the verify stage's
     `schedule_check`) finds the replayed record's output wrong; every other kernel, and those in `untuned`, gets its
     default schedule; then one compile to a VM executable."""
@@ -225,11 +226,13 @@ def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProg
     records = kernel_records(mod, database) if database is not None else {}
     defaults = {p.workload: p.default_us for p in progress.values() if p.default_us is not None}
     keep = kernels_keeping_default(mod, records, defaults)
-    tuned_mod = apply_database(mod, target, database, keep_default=[*keep, *untuned], check=check)
+    tuned_mod = apply_database(mod, target, database, keep_default=[*keep, *untuned], check=check, say=say)
     kinds = {**schedule_kinds(tuned_mod, target), **{k: "default (measured faster than every tuned schedule)"
                                                       for k in keep},
              **{k: UNTUNED_AFTER_VERIFICATION for k in untuned}}
-    records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()}}
+    records = {**records, **{k: (records.get(k, (0, None))[0], us) for k, us in keep.items()},
+               **{gv.name_hint: (records.get(gv.name_hint, (0, None))[0], float(f.attrs[RECORD_US_ATTR]))
+                  for gv, f in tuned_mod.functions.items() if f.attrs and RECORD_US_ATTR in f.attrs}}
     final = lowered.with_dispatch(apply_default_schedules(tuned_mod, target))
     if lowered.past_inputs:  # a decoder step: generate samples on the device
         final = add_greedy_tokens(final, target)
@@ -411,7 +414,8 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
                 f"default schedules (bucket them too, e.g. --buckets {left[0]}=1, to tune those)")
 
     progress = tune_phase(lowered, target, database, work_dir, trials, job, rpc, say)
-    built = build_phase(lowered, target, database, progress, job.cuda_graph, check=_schedule_check(target, log))
+    built = build_phase(lowered, target, database, progress, job.cuda_graph, check=_schedule_check(target, log),
+                        say=log)
     built, verified = verified_build(built, lowered, imported, job, target, bound, database, progress, weight_bytes,
                                      say)
     output, manifest = export_phase(built, lowered, verified, imported, bound, job, target, work_dir, dest, started,

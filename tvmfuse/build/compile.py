@@ -9,6 +9,7 @@ from typing import Callable
 import tvm
 from tvm import relax, tirx
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
 from tvmfuse.fuse.views import rewrite_dataflow_reshape
 from tvmfuse.isolation import OUTPUT_CHECK, REPLAY
@@ -70,12 +71,20 @@ def _mixed_tir_pipeline():
 tvm.tirx.register_tir_pipeline(TIR_PIPELINE, _mixed_tir_pipeline)
 
 
+#: a kernel whose fastest record gives wrong output tries this many next ones, fastest first, before its default
+NEXT_RECORDS = 4
+RECORD_US_ATTR = "tvmfuse.record_us"  # on a kernel kept on a record other than its fastest: that record's time
+
+
 def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Database | None,
-                   keep_default=(), check: Callable | None = None) -> tvm.IRModule:
+                   keep_default=(), check: Callable | None = None,
+                   say: Callable[[str], None] | None = None) -> tvm.IRModule:
     """Schedule each kernel that has a record, except those in `keep_default` (their default schedule
     measured faster); the module must be exactly the one that was tuned. With `check` (the verify stage's
     `schedule_check`: `check(kernel, tuned, generic)` -> None or why it is wrong), a kernel whose replayed record
-    gives wrong output keeps its default schedule, with a warning and a line in the manifest's failures."""
+    gives wrong output takes the fastest of its next NEXT_RECORDS records that is right (`say` gets a warning line,
+    the kernel RECORD_US_ATTR), else keeps its default schedule, with a warning and a line in the manifest's
+    failures."""
     if database is None:
         return mod
     tuned = mod.clone()
@@ -89,14 +98,42 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
             replayed = check is not None and _is_scheduled(tuned[gv]) and not _is_scheduled(func)
             why = check(gv.name_hint, tuned[gv], func) if replayed else None
             if why:
-                record_failure(gv.name_hint, OUTPUT_CHECK, why)
-                tuned[gv] = func
+                right = next_right_record(gv, func, target, database, check)
+                if right is None:
+                    record_failure(gv.name_hint, OUTPUT_CHECK, why)
+                    tuned[gv] = func
+                    continue
+                tuned[gv], rank, us = right
+                if say is not None:
+                    say(f"warning: kernel {gv.name_hint}: its fastest record failed its output check ({why}); "
+                        f"record {rank} by time ({us:.1f} us) is right and kept")
     for name in keep_default:
         tuned[name] = mod[name]
     for gv, func in mod.functions.items():  # TIRx kernels are never scheduled from records
         if _marked(func, TIRX_ATTR):
             tuned[gv] = func
     return tuned
+
+
+def next_right_record(gv, func: tirx.PrimFunc, target: tvm.target.Target, database: ms.Database,
+                      check: Callable) -> tuple[tirx.PrimFunc, int, float] | None:
+    """(`func` scheduled by it, its rank by time from 2, its µs) for the first of the kernel's next NEXT_RECORDS
+    records whose replay `check` finds right; None if none is."""
+    key = _normalize_mod(func)
+    if not database.has_workload(key):
+        return None
+    for rank, rec in enumerate(database.get_top_k(database.commit_workload(key), NEXT_RECORDS + 1)[1:], start=2):
+        one = ms.database.MemoryDatabase()  # this record alone, replayed the way the fastest was
+        one.commit_tuning_record(ms.database.TuningRecord(rec.trace, one.commit_workload(key), rec.run_secs,
+                                                          rec.target, rec.args_info))
+        try:
+            candidate = replay_record(gv, func, target, one)
+        except Exception:  # noqa: BLE001  (a record that does not replay is no candidate)
+            continue
+        if _is_scheduled(candidate) and check(gv.name_hint, candidate, func) is None:
+            us = sum(float(t) for t in rec.run_secs) / len(rec.run_secs) * 1e6
+            return candidate.with_attr(RECORD_US_ATTR, us), rank, us
+    return None
 
 
 def _is_scheduled(func: tirx.PrimFunc) -> bool:
