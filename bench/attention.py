@@ -52,6 +52,13 @@ KEYS_SWEEP = [(f"keys_wgmma_b1_h32_q2048_k{n}_d128_fp16", "prefill_wgmma",
                dict(batch=1, heads=32, kv_heads=32, seq_q=2048, seq_k=n, head_dim=128, dtype="float16", causal=False))
               for n in (128, 256, 512, 1024, 2048)]
 CASES += KEYS_SWEEP
+# the shapes the models of bench/models.py give the template (`--only model_wgmma`): GPT-2's 12 heads of 64 and one
+# Llama-2-7B layer's 32 of 128, causal, batch 1, at prefill 512 and 2048: grids of 48 to 512 CTAs, where the knob
+# sets measured at 32 heads of 128 (and head dim 64 not at all) may not be the best
+MODEL_CASES = [(f"model_wgmma_{m}_b1_h{h}_s{n}_d{d}_causal_fp16", "prefill_wgmma",
+                dict(batch=1, heads=h, kv_heads=h, seq_q=n, seq_k=n, head_dim=d, dtype="float16", causal=True))
+               for m, h, d in (("gpt2", 12, 64), ("llama", 32, 128)) for n in (512, 2048)]
+CASES += MODEL_CASES
 DECODE_SPLITS = {1: (16, 32), 16: (4, 8)}  # the decode knob sets measured: every warps/unroll at these splits
 LIKE = {"prefill_b1_h32_s2048_d128_causal_bf16": "prefill_b1_h32_s2048_d128_causal_fp16"}  # measure its 6 best
 LIKE.update({name: name.replace("_bf16", "_fp16") for name, _, _ in WGMMA_CASES if name.endswith("_bf16")})

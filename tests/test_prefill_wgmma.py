@@ -383,13 +383,16 @@ def test_the_benchmark_cases_are_the_issues_shapes_and_the_template_takes_each()
 
 
 def test_the_keys_sweep_fits_a_line_whose_intercept_is_the_per_cta_cost():
-    """bench/attention.py --only keys_wgmma: 2048 queries against 128 ... 2048 keys (the template takes each); the fit
-    recovers intercept and slope from exact points and skips a case without a time."""
+    """bench/attention.py --only keys_wgmma: 2048 queries against 128 ... 2048 keys (the template takes each, and the
+    models' shapes, --only model_wgmma); the fit recovers intercept and slope from exact points and skips a case
+    without a time."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bench.attention import KEYS_SWEEP, fixed_cost_fit  # pylint: disable=import-outside-toplevel
+    from bench.attention import KEYS_SWEEP, MODEL_CASES, fixed_cost_fit  # pylint: disable=import-outside-toplevel
 
     assert [s["seq_k"] for _, _, s in KEYS_SWEEP] == [128, 256, 512, 1024, 2048]
-    assert all(ATTENTION_PREFILL_WGMMA.check(dict(s, arch="sm_90a")) is None for _, _, s in KEYS_SWEEP)
+    assert all(ATTENTION_PREFILL_WGMMA.check(dict(s, arch="sm_90a")) is None for _, _, s in KEYS_SWEEP + MODEL_CASES)
+    assert {(s["heads"], s["head_dim"], s["seq_q"]) for _, _, s in MODEL_CASES} == {
+        (12, 64, 512), (12, 64, 2048), (32, 128, 512), (32, 128, 2048)}  # GPT-2's and Llama-2-7B's, causal
     cases = {name: {"tvmfuse_us": 20.0 + 0.05 * s["seq_k"],
                     "torch_backends_us": {"CUDNN_ATTENTION": 5.0 + 0.05 * s["seq_k"]}} for name, _, s in KEYS_SWEEP}
     cases[KEYS_SWEEP[0][0]]["torch_backends_us"]["CUDNN_ATTENTION"] = "failed: no kernel"
