@@ -5,9 +5,7 @@ prefill template, which keeps every shape this one refuses."""
 from __future__ import annotations
 
 from tvmfuse.kernels.attention.common import Template, q_dtype, symbolic
-from tvmfuse.kernels.attention.prefill_wgmma_kernel import PANEL, pairs_query_tiles, wgmma_attention
-
-MAX_SMEM = 220 * 1024  # bytes a knob set may take (the H200 gives a CTA up to 227 KB)
+from tvmfuse.kernels.attention.prefill_wgmma_kernel import MAX_SMEM, PANEL, pairs_query_tiles, wgmma_attention
 
 
 def smem_bytes(s: dict, knobs: dict) -> int:

@@ -45,6 +45,7 @@ ANCHOR_SRC = ('__device__ __forceinline__ void tvmfuse_softmax_anchor(float* p, 
               ':: "r"((unsigned)__cvta_generic_to_shared(p)), "f"(x) : "memory"); }')
 TMA_4D = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
 TMA_MC = TMA_4D + ".multicast::cluster"
+MAX_SMEM = 220 * 1024  # bytes of shared memory a kernel may take (the H100 and H200 give a CTA up to 227 KB)
 PANEL = 64  # elements of head dim per 128-byte swizzled shared-memory row (one TMA box, one wgmma K-major atom)
 
 
@@ -76,13 +77,17 @@ def pairs_query_tiles(s: dict, consumers: int) -> bool:
 
 def wgmma_attention(s: dict, knobs: dict):
     """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
-    stages, setmaxnreg, overlap, batched, pingpong, cluster, persistent, order). order 1 (not causal): consecutive CTAs
-    take consecutive query tiles of one head, so the CTAs running at once read the K and V of a few heads from L2
-    (0: consecutive CTAs take the heads of one query tile, the longest causal rows first). persistent: one CTA an
-    SM, each taking the query tiles bid, bid + grid, ...: the loader fetches the next tile's Q (once the last S of
-    this one is done) and K/V while the consumers store this tile's output. cluster 2 (not causal, head dim 128, an
-    even number of query tiles): the CTAs of two neighbouring query tiles of one head form a cluster, and each loads
-    one 64-wide panel of every K and V tile and multicasts it to both (half the K/V bytes from L2)."""
+    stages, setmaxnreg, overlap, batched, pingpong, cluster, persistent, order, chain).
+
+    order 1 (not causal): consecutive CTAs take consecutive query tiles of one head, so the CTAs running at once read
+    the K and V of a few heads from L2 (0: consecutive CTAs take the heads of one query tile, the longest causal rows
+    first). persistent: one CTA an SM, each taking the query tiles bid, bid + grid, ...: the loader fetches the next
+    tile's Q (once the last S of this one is done) and K/V while the consumers store this tile's output. chain
+    (persistent, overlapped, no ping-pong, not causal): two Q buffers, so the next item's Q loads during this one,
+    and the consumers issue the next item's first S right after this one's last P V, before they store this item's
+    output (which then runs beside that S). cluster 2 (not causal, head dim 128, an even number of query tiles): the
+    CTAs of two neighbouring query tiles of one head form a cluster, and each loads one 64-wide panel of every K and
+    V tile and multicasts it to both (half the K/V bytes from L2)."""
     B, H, HKV, HV = s["batch"], s["heads"], s["kv_heads"], s["v_heads"]
     SQ, L, D, dt, causal = s["seq_q"], s["seq_k"], s["head_dim"], s["dtype"], s["causal"]
     G, GV = H // HKV, H // HV
@@ -94,6 +99,10 @@ def wgmma_attention(s: dict, knobs: dict):
     persistent = bool(knobs.get("persistent", 0))
     if persistent and cluster != 1:
         raise ValueError("persistent CTAs take no clusters")
+    chain = bool(knobs.get("chain", 0))
+    if chain and not (persistent and overlap and not pingpong and not causal):
+        # (with causality ptxas serializes every wgmma of the chained kernel: C7515, accumulators defined in a stage)
+        raise ValueError("chain needs persistent CTAs, the overlapped loop without ping-pong, and no causality")
     order = int(knobs.get("order", 0))
     if order not in (0, 1) or order and causal:
         raise ValueError(f"order {order}: 0, or 1 (query tiles first) without causality")
@@ -111,6 +120,9 @@ def wgmma_attention(s: dict, knobs: dict):
     ab = OPERAND_PTX[dt]
     s_n, o_n = BN // 2, D // 2  # fp32 accumulators a thread holds: S (m64 x BN), O (m64 x D)
     q_elems, kv_elems = BM * D, BN * D
+    QB = 2 if chain else 1  # Q buffers: item ti reads buffer ti % QB
+    if 2 * (QB * q_elems + 2 * S * kv_elems) > MAX_SMEM:
+        raise ValueError(f"{QB} Q buffers and {S} stages of {BN} keys take more than {MAX_SMEM} bytes of shared memory")
     mma_s = f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"
     mma_o = f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"
     pack, pack_src = PACKS[dt]
@@ -213,12 +225,12 @@ def wgmma_attention(s: dict, knobs: dict):
             T.cuda.func_call("tvmfuse_fence_u32", pa[r], source_code=FENCE_U32_SRC)
 
     @T.macro
-    def issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw):
-        """S = Q K^T of tile jt (its K stage full), committed as one wgmma group: K-major Q and K, 16 of head dim a
-        step, 4 steps a 64-wide panel; the first step overwrites S."""
+    def issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw, qb):
+        """S = Q K^T of tile jt (its K stage full) with Q buffer qb, committed as one wgmma group: K-major Q and K, 16
+        of head dim a step, 4 steps a 64-wide panel; the first step overwrites S."""
         T.cuda.mbarrier_wait(T.address_of(k_full[jt % S]), jt // S % 2)
         for kk in T.unroll(D // 16):
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_q), T.address_of(Qs[kk // 4 * BM * PANEL + cw * 64 * PANEL + kk % 4 * 16]), 1, 64, 3)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_q), T.address_of(Qs[qb * q_elems + kk // 4 * BM * PANEL + cw * 64 * PANEL + kk % 4 * 16]), 1, 64, 3)
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_k), T.address_of(Ks[jt % S, kk // 4 * BN * PANEL + kk % 4 * 16]), 1, 64, 3)
             T.ptx[mma_s](*[sacc[i] for i in range(s_n)], desc_q, desc_k, kk > 0, 1, 1, 0, 0)
         T.ptx.wgmma.commit_group.sync.aligned()
@@ -265,11 +277,11 @@ def wgmma_attention(s: dict, knobs: dict):
                                  source_code=REMOTE_ARRIVE_SRC)
 
     @T.macro
-    def q_done(q_empty, lane):
-        """Persistent: this warp's last S of the work item is done, so the loader may load the next one's Q."""
+    def q_done(q_empty, lane, qb):
+        """Persistent: this warp's last S of the work item is done, so the loader may load Q buffer qb again."""
         if persistent:
             if lane == 0:
-                T.ptx.mbarrier.arrive.shared.b64(T.address_of(q_empty[0]))
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(q_empty[qb]))
 
     @T.prim_func(check_well_formed=False)
     def attention():
@@ -287,12 +299,12 @@ def wgmma_attention(s: dict, knobs: dict):
             rank = T.meta_var(0)
         bid = T.cta_id([GRID])
         tx = T.thread_id([128 * (1 + C)])
-        arena = T.alloc_buffer((q_elems + 2 * S * kv_elems,), dt, scope="shared.dyn", align=1024)
-        Qs = T.decl_buffer((q_elems,), dt, data=arena.data, scope="shared.dyn")  # [panel, BM rows, 64]
-        Ks = T.decl_buffer((S, kv_elems), dt, data=arena.data, elem_offset=q_elems, scope="shared.dyn")
-        Vs = T.decl_buffer((S, kv_elems), dt, data=arena.data, elem_offset=q_elems + S * kv_elems, scope="shared.dyn")
-        q_full = T.alloc_shared((1,), "uint64")
-        q_empty = T.alloc_shared((1,), "uint64")  # persistent: the consumers' last S of a tile read Q
+        arena = T.alloc_buffer((QB * q_elems + 2 * S * kv_elems,), dt, scope="shared.dyn", align=1024)
+        Qs = T.decl_buffer((QB * q_elems,), dt, data=arena.data, scope="shared.dyn")  # [buffer, panel, BM rows, 64]
+        Ks = T.decl_buffer((S, kv_elems), dt, data=arena.data, elem_offset=QB * q_elems, scope="shared.dyn")
+        Vs = T.decl_buffer((S, kv_elems), dt, data=arena.data, elem_offset=QB * q_elems + S * kv_elems, scope="shared.dyn")
+        q_full = T.alloc_shared((QB,), "uint64")
+        q_empty = T.alloc_shared((QB,), "uint64")  # persistent: the consumers' last S of an item read its Q buffer
         k_full = T.alloc_shared((S,), "uint64")
         v_full = T.alloc_shared((S,), "uint64")
         k_empty = T.alloc_shared((S,), "uint64")
@@ -313,9 +325,10 @@ def wgmma_attention(s: dict, knobs: dict):
         items = T.meta_var((TILES - bid + GRID - 1) // GRID if persistent else 1)  # work items of this CTA
 
         if tx == 0:
-            T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[0]), T.uint32(1))
-            if persistent:
-                T.ptx.mbarrier.init.shared.b64(T.address_of(q_empty[0]), T.uint32(4 * C))
+            for qb in T.unroll(QB):
+                T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[qb]), T.uint32(1))
+                if persistent:
+                    T.ptx.mbarrier.init.shared.b64(T.address_of(q_empty[qb]), T.uint32(4 * C))
             for i in T.unroll(S):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(k_full[i]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(T.address_of(v_full[i]), T.uint32(1))
@@ -336,12 +349,12 @@ def wgmma_attention(s: dict, knobs: dict):
                 for ti in T.serial(items):
                     qt, b, hd = T.meta_var(tile_of(bid + ti * GRID))
                     g0 = T.meta_var(gacc[0] if persistent else 0)
-                    if persistent:  # Q's buffer is free once the consumers' last S of the work item before is done
-                        if ti > 0:
-                            T.cuda.mbarrier_wait(T.address_of(q_empty[0]), (ti - 1) % 2)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(q_elems * 2))
+                    if persistent:  # Q's buffer is free once the consumers' last S of the item QB before is done
+                        if ti >= QB:
+                            T.cuda.mbarrier_wait(T.address_of(q_empty[ti % QB]), (ti - QB) // QB % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[ti % QB]), T.uint32(q_elems * 2))
                     for p in T.unroll(P):
-                        T.ptx[TMA_4D](T.address_of(Qs[p * BM * PANEL]), T.address_of(q_map), *q_at(b, hd, qt * BM, p * PANEL), T.address_of(q_full[0]))
+                        T.ptx[TMA_4D](T.address_of(Qs[ti % QB * q_elems + p * BM * PANEL]), T.address_of(q_map), *q_at(b, hd, qt * BM, p * PANEL), T.address_of(q_full[ti % QB]))
                     for jt in T.serial(kv_tiles(qt)):
                         if g0 + jt >= S:
                             T.cuda.mbarrier_wait(T.address_of(k_empty[(g0 + jt) % S]), ((g0 + jt) // S + 1) % 2)
@@ -366,26 +379,38 @@ def wgmma_attention(s: dict, knobs: dict):
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
             if persistent:
                 gacc[0] = 0
+            if chain:  # the first item's first S; each item issues the next one's after its last P V
+                T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
+                fence(sacc, o, pa)
+                T.ptx.wgmma.fence.sync.aligned()
+                issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, 0, cw, 0)
             for ti in T.serial(items):
                 qt, b, hd = T.meta_var(tile_of(bid + ti * GRID))
                 g0 = T.meta_var(gacc[0] if persistent else 0)
-                for i in T.unroll(o_n):
-                    o[i] = T.float32(0)
+                if not chain:
+                    for i in T.unroll(o_n):
+                        o[i] = T.float32(0)
                 for i in T.unroll(2):
                     st[i] = T.float32(NEG)
                     st[2 + i] = T.float32(0)
                     st[6 + i] = T.float32(1)  # alpha (set by each tile's softmax; ablate "softmax" keeps this one)
-                T.cuda.mbarrier_wait(T.address_of(q_full[0]), ti % 2)
-                if overlap or batched:  # P V of tile jt - 1 issued with S of tile jt, then overlapped: the softmax of jt
-                    # runs while P V does; batched: both waited for, then the softmax (one wait a tile, not two)
+                if not chain:  # (chained: waited for before this item's first S, issued by the item before)
+                    T.cuda.mbarrier_wait(T.address_of(q_full[ti % QB]), ti // QB % 2)
+                # P V of tile jt - 1 issued with S of tile jt, then overlapped: the softmax of jt runs while P V does;
+                # batched: both waited for, then the softmax (one wait a tile, not two)
+                if overlap or batched:
                     if pingpong:  # consumer 0 issues first; then they take turns, one's softmax beside the other's GEMMs
                         if cw == 1:
                             T.cuda.func_call("tvmfuse_bar_arrive", 1, 256, source_code=ARRIVE_SRC)
-                    my_turn(cw)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0, cw)
-                    their_turn(cw, False)
+                    if not chain:
+                        my_turn(cw)
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0, cw, ti % QB)
+                        their_turn(cw, False)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
+                    if chain:  # O is zeroed once no wgmma is in flight (ptxas serializes every wgmma otherwise)
+                        for i in T.unroll(o_n):
+                            o[i] = T.float32(0)
                     fence(sacc, o, pa)
                     release(k_empty, g0, lane, rank)
                     softmax(sacc, o, st, pa, qt, 0, cw, warp, lane)
@@ -394,7 +419,7 @@ def wgmma_attention(s: dict, knobs: dict):
                         fence(sacc, o, pa)
                         my_turn(cw)
                         T.ptx.wgmma.fence.sync.aligned()
-                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw)
+                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw, ti % QB)
                         issue_pv(o, pa, Vs, v_full, desc_v, g0 + jt - 1)
                         their_turn(cw, False)
                         if overlap:
@@ -415,20 +440,33 @@ def wgmma_attention(s: dict, knobs: dict):
                             release(v_empty, g0 + jt - 1, lane, rank)
                             softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
                         rescale_and_pack(sacc, o, st, pa)
-                    q_done(q_empty, lane)
+                    q_done(q_empty, lane, ti % QB)
                     fence(sacc, o, pa)
                     my_turn(cw)
                     T.ptx.wgmma.fence.sync.aligned()
                     issue_pv(o, pa, Vs, v_full, desc_v, g0 + kv_tiles(qt) - 1)
                     their_turn(cw, True)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence(sacc, o, pa)
+                    if chain:  # the next item's first S runs beside this one's last P V and output store
+                        if ti + 1 < items:
+                            T.cuda.mbarrier_wait(T.address_of(q_full[(ti + 1) % QB]), (ti + 1) // QB % 2)
+                            T.ptx.wgmma.fence.sync.aligned()
+                            issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + kv_tiles(qt), cw, (ti + 1) % QB)
+                            T.ptx.wgmma.wait_group.sync.aligned(1)
+                        else:
+                            T.ptx.wgmma.wait_group.sync.aligned(0)
+                        for i in T.unroll(o_n):  # P V is done; S may still run: its registers are not touched
+                            T.cuda.func_call("tvmfuse_fence_acc", o[i], source_code=FENCE_SRC)
+                        for r in T.unroll(BN // 4):
+                            T.cuda.func_call("tvmfuse_fence_u32", pa[r], source_code=FENCE_U32_SRC)
+                    else:
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        fence(sacc, o, pa)
                     release(v_empty, g0 + kv_tiles(qt) - 1, lane, rank)
                 else:  # each tile's S, softmax and P V in turn
                     for jt in T.serial(kv_tiles(qt)):
                         fence(sacc, o, pa)
                         T.ptx.wgmma.fence.sync.aligned()
-                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw)
+                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw, ti % QB)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         fence(sacc, o, pa)
                         release(k_empty, g0 + jt, lane, rank)
@@ -440,7 +478,7 @@ def wgmma_attention(s: dict, knobs: dict):
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         fence(sacc, o, pa)
                         release(v_empty, g0 + jt, lane, rank)
-                    q_done(q_empty, lane)
+                    q_done(q_empty, lane, ti % QB)
                 for i in T.unroll(2):
                     st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
                 for n in T.unroll(D // 8):
