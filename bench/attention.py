@@ -195,6 +195,20 @@ def knob_filter(text: str, flag: str = "--knobs") -> dict:
     return out
 
 
+def with_outside_knobs(knob_list: list[dict], extras: list[dict], build) -> tuple[list[dict], list]:
+    """(the sets, their kernels): `knob_list`, then each of its sets again with each group of knobs outside the space
+    (`--with`), where `build` takes it (a ValueError: the kernel refuses that combination, it is left out)."""
+    sets, funcs = list(knob_list), [build(kn) for kn in knob_list]
+    for extra in extras:
+        for kn in knob_list:
+            try:
+                funcs.append(build(dict(kn, **extra)))
+            except ValueError:
+                continue
+            sets.append(dict(kn, **extra))
+    return sets, funcs
+
+
 def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda: None, only_knobs=None, ablate=(),
              extra_knobs=None):
     import torch
@@ -235,13 +249,7 @@ def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda:
     if kind == "prefill_wgmma":
         res["default_knobs"] = tmpl.default_knobs(s)  # the product's pick, measured first
         knob_list = [res["default_knobs"]] + [kn for kn in knob_list if kn != res["default_knobs"]]
-        funcs = [tmpl(s, kn) for kn in knob_list]
-        for kn in list(knob_list) if extra_knobs else []:  # knobs outside the space: each set again, where it builds
-            try:
-                funcs.append(tmpl(s, dict(kn, **extra_knobs)))
-            except ValueError:
-                continue
-            knob_list.append(dict(kn, **extra_knobs))
+        knob_list, funcs = with_outside_knobs(knob_list, extra_knobs or [], lambda kn: tmpl(s, kn))
         knob_list += [dict(kn, ablate=a) for a in ablate for kn in knob_list]  # timed only: their output is wrong
         funcs += [tmpl(s, kn) for kn in knob_list[len(funcs):]]
         res["building"] = True
@@ -385,14 +393,16 @@ def main():
     ap.add_argument("--no-generic", action="store_true")
     ap.add_argument("--ablate", default="", help="comma-separated parts the prefill_wgmma kernel leaves out "
                     "(softmax, pv): each knob set measured again without each, to time what the part costs")
-    ap.add_argument("--with", dest="extra", default="", help="NAME=INT,...: each measured set also with these knob "
-                    "values outside the knob space (e.g. persistent=1), where the kernel takes them")
+    ap.add_argument("--with", dest="extra", default="", help="NAME=INT,...[;NAME=INT,...]: each measured set also "
+                    "with these knob values outside the knob space (e.g. 'persistent=1;persistent=1,chain=1': each "
+                    "set with each group), where the kernel takes them")
     ap.add_argument("--knobs", default="", help="NAME=INT,...: only the knob sets with these values (and the "
                     "default set), e.g. consumers=2,setmaxnreg=1")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # a child: measure this case into --out's report
     args = ap.parse_args()
     try:
-        only_knobs, extra_knobs = knob_filter(args.knobs), knob_filter(args.extra, "--with")
+        only_knobs = knob_filter(args.knobs)
+        extra_knobs = [knob_filter(part, "--with") for part in args.extra.split(";") if part.strip()]
     except SystemExit as e:  # one error line, exit 2
         print(e, file=sys.stderr)
         raise SystemExit(2) from None

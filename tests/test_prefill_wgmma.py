@@ -452,6 +452,20 @@ def test_the_benchmark_supervisor_times_each_child_from_its_own_start_and_lets_b
     assert child_is_hung(report_mtime=100.0, child_started=0.0, building=True, now=100.0 + BUILD_S + 1)
 
 
+def test_the_benchmark_measures_each_set_again_with_each_group_of_outside_knobs_it_takes():
+    """bench/attention.py --with "persistent=1;persistent=1,chain=1": each set of the space, then each again with each
+    group, leaving out what the kernel refuses (here: chain with ping-pong, persistent with clusters)."""
+    from bench.attention import with_outside_knobs  # pylint: disable=import-outside-toplevel
+    s = normalize(dict(BASE, heads=32, kv_heads=32, seq_q=2048, seq_k=2048, causal=False))
+    base = dict(default_knobs(s), block_n=128, cluster=1)
+    space = [dict(base, pingpong=0), dict(base, pingpong=1), dict(base, pingpong=0, cluster=2)]
+    sets, funcs = with_outside_knobs(space, [{"persistent": 1}, {"persistent": 1, "chain": 1}],
+                                     lambda kn: ATTENTION_PREFILL_WGMMA(s, kn))
+    assert sets == space + [dict(space[0], persistent=1), dict(space[1], persistent=1),
+                            dict(space[0], persistent=1, chain=1)]
+    assert len(funcs) == len(sets)
+
+
 def test_the_diagnostic_ablations_leave_out_their_part_and_are_never_tuned():
     """ablate "softmax" emits no exponential, "pv" no register-A (P V) wgmma; neither is a knob set of the space, and
     an unknown part is refused."""
