@@ -35,6 +35,7 @@ def test_wgmma_space_is_the_fitted_pick_first_then_every_tile_that_fits(m, n, k)
     assert len(space) == len(set(space)) and all(check_wgmma_shape(m, n, k, t) is None for t in space)
     assert {t.group_m for t in space} == {4, 16}
     assert any(t.stepped_desc for t in space[-4:]) and not any(t.stepped_desc for t in space[:-4])
+    assert all(t.bm == 128 or not t.setmaxnreg for t in space)  # one computing warpgroup: ptxas ignores setmaxnreg
     assert wgmma_space(32, n, k) == []  # below every tile (the family gives such rows the small-M kernel)
 
 

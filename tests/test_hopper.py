@@ -103,6 +103,8 @@ def test_tile_choice_and_shape_checks():
     assert estimate_us(512, 4096, 4096, WgmmaTile(256, 4)) > estimate_us(512, 4096, 4096, WgmmaTile(128, 4, dual=True))
     assert "registers" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 4, dual=True))
     assert "shared memory" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 8))
+    assert "setmaxnreg needs two computing warpgroups" in check_wgmma_shape(
+        512, 512, 512, WgmmaTile(128, 6, bm=64, dual=True, setmaxnreg=True))
     assert check_wgmma_shape(512, 4096, 4096, WgmmaTile(256, 4)) is None
     assert check_wgmma_shape(2048, 50257, 768, WgmmaTile(128, 4)) is None  # GPT-2's LM head: ragged N
     assert "multiple of 8" in check_wgmma_shape(512, 4096, 4100, WgmmaTile(128, 4))

@@ -78,6 +78,8 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
                 "the loader refills)")
     if tile.cluster == 2 and -(-m // tile.bm) % 2:
         return f"M={m} makes an odd number of {tile.bm}-row tiles (clusters of 2 pair them)"
+    if tile.setmaxnreg and tile.bm < 128:  # ptxas: "'setmaxnreg' ignored; unable to determine register count"
+        return f"tile {tile}: setmaxnreg needs two computing warpgroups (with one, ptxas ignores it: C7508)"
     if tile.dual and tile.bn > 128:
         return f"tile {tile}: two accumulator sets of m64n{tile.bn} do not fit the registers"
     if tile.smem_bytes > 200 * 1024:
