@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes  # noqa: F401  (numpy's "bfloat16" dtype)
@@ -39,6 +41,18 @@ def _source(s: dict, knobs: dict | None = None) -> str:
     fn = ATTENTION_PREFILL_WGMMA(s, knobs)
     ex = tvm.compile(tvm.IRModule({"main": fn}), target=hopper_target(), tir_pipeline="tirx")
     return ex.mod.imports[0].inspect_source()
+
+
+def _ptxas_report(src: str) -> tuple[int, str]:
+    """nvcc's exit code and what ptxas says of `src` (-Xptxas -v: registers, and where it gives up on the wgmma
+    pipeline, "Potential Performance Loss")."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = os.path.join(tmp, "kernel.cu")
+        with open(cu, "w", encoding="utf-8") as fh:
+            fh.write(src)
+        out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                              "-o", os.path.join(tmp, "kernel.cubin"), cu], capture_output=True, text=True)
+    return out.returncode, out.stdout + out.stderr
 
 
 def _nvcc(src: str) -> bytes:
@@ -533,17 +547,8 @@ def test_chained_items_issue_the_next_s_before_storing_and_load_q_into_two_buffe
         with pytest.raises(ValueError, match=why):
             ATTENTION_PREFILL_WGMMA(normalize(dict(s, causal=causal)), dict(bad, chain=1))
     if shutil.which("nvcc"):
-        import subprocess  # pylint: disable=import-outside-toplevel
-        import tempfile  # pylint: disable=import-outside-toplevel
-
-        with tempfile.TemporaryDirectory() as tmp:
-            cu = os.path.join(tmp, "chain.cu")
-            with open(cu, "w", encoding="utf-8") as fh:
-                fh.write(chained)
-            ptxas = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
-                                    "-o", os.path.join(tmp, "chain.cubin"), cu], capture_output=True, text=True)
-        assert ptxas.returncode == 0, ptxas.stderr[-2000:]
-        assert "serialized" not in ptxas.stdout + ptxas.stderr
+        code, said = _ptxas_report(chained)
+        assert code == 0 and "serialized" not in said, said[-2000:]
 
 
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc")
@@ -551,22 +556,14 @@ def test_ptxas_serializes_no_wgmma_of_the_default_knobs_at_the_benchmark_shapes(
     """ptxas reports where it gives up on the wgmma pipeline ("Potential Performance Loss": serialized wgmmas,
     setmaxnreg ignored); the default knob set at every benchmark shape (issue 25's and the models') has none. (At
     head dim 64, 64-key tiles do: C7508 + C7520, every such set; the default takes 128 keys.)"""
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import tempfile  # pylint: disable=import-outside-toplevel
-
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bench.attention import MODEL_CASES, WGMMA_CASES  # pylint: disable=import-outside-toplevel
 
     shapes = [normalize(dict(s, arch="sm_90a")) for _, _, s in WGMMA_CASES + MODEL_CASES if s["dtype"] == "float16"]
 
     def losses(s):
-        with tempfile.TemporaryDirectory() as tmp:
-            cu = os.path.join(tmp, "k.cu")
-            with open(cu, "w", encoding="utf-8") as fh:
-                fh.write(_source(s, default_knobs(s)))
-            out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
-                                  "-o", os.path.join(tmp, "k.cubin"), cu], capture_output=True, text=True)
-        return [ln for ln in (out.stdout + out.stderr).splitlines() if "Potential Performance Loss" in ln]
+        return [ln for ln in _ptxas_report(_source(s, default_knobs(s)))[1].splitlines()
+                if "Potential Performance Loss" in ln]
 
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
         found = dict(zip([(s["heads"], s["head_dim"], s["seq_q"], s["causal"], s["kv_heads"]) for s in shapes],
