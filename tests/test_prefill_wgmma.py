@@ -334,6 +334,9 @@ def _each_knob_value(s: dict) -> list[dict]:
     # persistent CTAs (not in the space: they lost): the default and the ping-pong sets, without clusters
     for k in chosen[:1] + [k for k in chosen if k["pingpong"]]:
         chosen += [dict(k, cluster=1, persistent=1)] if dict(k, cluster=1, persistent=1) not in chosen else []
+    # with causality, query tiles first (outside the space until measured): the default with it
+    if s["causal"]:
+        chosen.append(dict(chosen[0], order=1))
     # chained work items (not in the space until measured): the default's tile, persistent, overlapped, 128 keys
     chained = dict(chosen[0], cluster=1, persistent=1, chain=1, overlap=1, batched=0, pingpong=0,
                    block_n=min(chosen[0]["block_n"], 128))
@@ -514,17 +517,19 @@ def test_persistent_ctas_loop_over_work_items_and_wait_for_q_to_be_free():
 
 
 def test_order_1_gives_consecutive_ctas_consecutive_query_tiles_of_one_head():
-    """order 1: CTA t takes query tile t % QT of head t // QT (rows (t & 7) * 128 with 8 tiles of 128), so the CTAs
-    running at once share the K and V of few heads; 0 keeps heads first; causal refuses it (longest rows first);
-    the space has both without causality, and the default is 1 (attention_run11: ahead in 28 of 32 pairs)."""
-    s = normalize(dict(BASE, seq_q=1024, seq_k=1024, heads=8, kv_heads=8, causal=False))  # 8 query tiles, 8 heads
-    knobs = dict(default_knobs(s), cluster=1)
+    """order 1: CTA t takes query tile t % QT of head t // QT (rows (t & 7) * 128 with 8 tiles of 128), with causality
+    QT - 1 - t % QT (each head's longest rows first), so the CTAs running at once share the K and V of few heads; 0
+    keeps heads first; the space has both without causality (the default 1, attention_run11: ahead in 28 of 32
+    pairs), with causality 0 alone (1 not measured yet)."""
     first_row = "((int)blockIdx.x) & 7) * 128)"
-    assert first_row in _source(s, dict(knobs, order=1)) and first_row not in _source(s, dict(knobs, order=0))
-    assert {k["order"] for k in knob_space(s)} == {0, 1} and default_knobs(s)["order"] == 1
-    assert {k["order"] for k in knob_space(normalize(dict(s, causal=True)))} == {0}
-    with pytest.raises(ValueError, match="order 1: 0, or 1"):
-        ATTENTION_PREFILL_WGMMA(normalize(dict(s, causal=True)), dict(knobs, order=1))
+    for causal in (False, True):
+        s = normalize(dict(BASE, seq_q=1024, seq_k=1024, heads=8, kv_heads=8, causal=causal))  # 8 tiles, 8 heads
+        knobs = dict(default_knobs(s), cluster=1)
+        assert first_row in _source(s, dict(knobs, order=1)) and first_row not in _source(s, dict(knobs, order=0))
+        assert {k["order"] for k in knob_space(s)} == ({0} if causal else {0, 1})
+        assert default_knobs(s)["order"] == (0 if causal else 1)
+    with pytest.raises(ValueError, match="order 2: 0"):
+        ATTENTION_PREFILL_WGMMA(s, dict(knobs, order=2))
 
 
 def test_chained_items_issue_the_next_s_before_storing_and_load_q_into_two_buffers():

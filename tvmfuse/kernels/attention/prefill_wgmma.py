@@ -48,8 +48,8 @@ def knob_space(s: dict) -> list[dict]:
     one 64-wide panel by TMA multicast, as FlashAttention-3 does without causality at head dim 128: half the bytes
     from L2; tried with two consumers and setmaxnreg, where the query tiles pair up), order (without causality, 1:
     consecutive CTAs take consecutive query tiles of one head, so the CTAs in flight share the K and V of few heads in
-    L2, as FlashAttention-3's scheduler orders them; 0: the heads of one query tile first, the only order with
-    causality, where the longest rows go first)."""
+    L2, as FlashAttention-3's scheduler orders them; 0: the heads of one query tile first, the longest causal rows
+    first; with causality 0 alone until 1, each head's longest rows first, is measured)."""
     space = [{"consumers": c, "block_n": n, "stages": st, "setmaxnreg": r, "overlap": ov, "batched": bt,
               "pingpong": pp}
              for ov in (1, 0) for bt in ((1, 0) if not ov else (0,)) for c in (2, 1) for n in (128, 64, 176)

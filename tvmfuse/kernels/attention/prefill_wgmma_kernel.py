@@ -79,9 +79,9 @@ def wgmma_attention(s: dict, knobs: dict):
     """The TIRx PrimFunc (q, k, v, out) for static shapes `s` (no additive mask) and knobs (consumers, block_n,
     stages, setmaxnreg, overlap, batched, pingpong, cluster, persistent, order, chain).
 
-    order 1 (not causal): consecutive CTAs take consecutive query tiles of one head, so the CTAs running at once read
-    the K and V of a few heads from L2 (0: consecutive CTAs take the heads of one query tile, the longest causal rows
-    first). persistent: one CTA an SM, each taking the query tiles bid, bid + grid, ...: the loader fetches the next
+    order 1: consecutive CTAs take consecutive query tiles of one head (with causality from its longest rows down),
+    so the CTAs running at once read the K and V of a few heads from L2 (0: consecutive CTAs take the heads of one
+    query tile, the longest causal rows first). persistent: one CTA an SM, each taking the query tiles bid, bid + grid, ...: the loader fetches the next
     tile's Q (once the last S of this one is done) and K/V while the consumers store this tile's output. chain
     (persistent, overlapped, no ping-pong, not causal): two Q buffers, so the next item's Q loads during this one,
     and the consumers issue the next item's first S right after this one's last P V, before they store this item's
@@ -104,8 +104,8 @@ def wgmma_attention(s: dict, knobs: dict):
         # (with causality ptxas serializes every wgmma of the chained kernel: C7515, accumulators defined in a stage)
         raise ValueError("chain needs persistent CTAs, the overlapped loop without ping-pong, and no causality")
     order = int(knobs.get("order", 0))
-    if order not in (0, 1) or order and causal:
-        raise ValueError(f"order {order}: 0, or 1 (query tiles first) without causality")
+    if order not in (0, 1):
+        raise ValueError(f"order {order}: 0 (heads first) or 1 (query tiles first)")
     # a diagnostic, never in the knob space (bench/attention.py --ablate): "softmax" leaves S as it is for P (no max,
     # exponentials or sums), "pv" issues no P V wgmma; the output is then wrong, the time says what the part costs
     ablate = knobs.get("ablate", "")
@@ -139,9 +139,10 @@ def wgmma_attention(s: dict, knobs: dict):
 
     def tile_of(t):
         """(query tile, batch, head) of work item t: the longest causal rows first; in a cluster (CTAs 2i, 2i + 1)
-        the query tiles 2j, 2j + 1 of one head; order 1: query tiles first (pairs them too, QT being even)."""
-        if order:
-            return t % QT, t // QT // H, t // QT % H
+        the query tiles 2j, 2j + 1 of one head; order 1: query tiles first (pairs them too, QT being even), with
+        causality each head's longest first."""
+        if order:  # with causality the longest rows of each head first
+            return (QT - 1 - t % QT if causal else t % QT), t // QT // H, t // QT % H
         if cluster == 1:
             return QT - 1 - t // (B * H), t % (B * H) // H, t % H
         return t // (2 * B * H) * 2 + t % 2, t // 2 % (B * H) // H, t // 2 % H
