@@ -132,3 +132,34 @@ def llvm():
     from tvmfuse.targets import resolve_target  # pylint: disable=import-outside-toplevel
 
     return resolve_target("llvm")
+
+
+def _split_record(mod, target, factor: int, secs: float):
+    """A real record splitting the matmul's first loop by `factor` (records with other factors are other schedules)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    sch = tvm.s_tir.Schedule(mod)
+    sch.split(sch.get_loops(sch.get_sblock("matmul"))[0], [factor, None])
+    return ms.database.TuningRecord(sch.trace, ms.database.Workload(mod), [secs], target,
+                                    ms.arg_info.ArgInfo.from_prim_func(mod["main"]))
+
+
+def test_a_rejected_record_is_left_out_from_then_on_and_its_reason_kept(tmp_path, llvm):
+    """`reject` (a record whose output check failed): left out of `records_of` and `best` at once, written to the
+    file with its reason, skipped (and counted) on every later load; its trial stays spent; the other schedule of
+    the workload stays."""
+    _, (mod, _) = kernel_mods(llvm)
+    db = TuningDatabase(str(tmp_path), llvm)
+    for factor, secs in ((2, 1e-5), (4, 2e-5)):
+        db.commit_tuning_record(_split_record(mod, llvm, factor, secs))
+    fastest = db.records_of(mod)[0]
+    db.reject(fastest, "tuned schedule gave wrong output (max abs err 2.18)")
+    db.reject(fastest, "again")  # once only
+    kept = lambda d: [float(r.run_secs[0]) for r in d.records_of(mod)]  # noqa: E731
+    assert kept(db) == [2e-5] and [float(r.run_secs[0]) for _, _, r in db.best()] == [2e-5]
+    again = TuningDatabase(str(tmp_path), llvm)
+    assert kept(again) == [2e-5] and sum(again.spent.values()) == 2
+    assert again.skipped["rejected (wrong output)"] == 1 and "1 rejected (wrong output)" in again.summary()
+    with open(tmp_path / FILE, encoding="utf-8") as fh:
+        reasons = [json.loads(line).get("reason") for line in fh if '"rejected"' in line]
+    assert reasons == ["tuned schedule gave wrong output (max abs err 2.18)"]

@@ -224,3 +224,39 @@ def test_a_kernel_whose_records_are_all_wrong_keeps_its_default(tmp_path, llvm, 
     assert [(f["kernel"], f["step"]) for f in failures.items] == [(WRONG, isolation.OUTPUT_CHECK)]
     assert tried.count(WRONG) == 1 + build_mod.NEXT_RECORDS  # the fastest, then the next 4 of the 5 left
     assert out[WRONG].same_as(mod[WRONG])
+
+
+def test_the_build_rejects_a_wrong_record_in_the_tuning_database_for_good(tmp_path, llvm, monkeypatch):
+    """A TuningDatabase (the job's `tuning_logs/`): the fastest record of WRONG replays wrong, the next (another
+    schedule: split, then parallel) is right and kept; the wrong one is rejected on disk, so a reopened database
+    holds only the right one and a build from it keeps it with no warning."""
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    from tvmfuse.records.database import TuningDatabase
+
+    mod = _softmax_module(tmp_path, llvm)
+    key = _normalize_mod(mod[WRONG])
+    db = TuningDatabase(str(tmp_path / "logs"), llvm)
+    for split, us in ((False, 1.0), (True, 2.0)):
+        sch = tvm.s_tir.Schedule(key)
+        outer = sch.get_loops(sch.get_sblock("T_softmax_norm"))[0]
+        sch.parallel(sch.split(outer, [2, None])[0] if split else outer)
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, ms.database.Workload(key), [us * 1e-6], llvm,
+                                                         ArgInfo.from_prim_func(mod[WRONG])))
+    real = build_mod.replay_record
+    monkeypatch.setattr(build_mod, "replay_record", lambda gv, func, target, database: wrong_schedule(func)
+                        if database is db and gv.name_hint == WRONG else real(gv, func, target, database))
+    said: list[str] = []
+    with isolation.collecting(said.append) as failures:
+        out = build_mod.apply_database(mod, llvm, db, check=schedule_check(llvm, said.append), say=said.append)
+    assert failures.items == [] and float(out[WRONG].attrs[build_mod.RECORD_US_ATTR]) == 2.0
+    assert [ln.split(": ")[1] for ln in said] == [f"kernel {WRONG}"]
+    again = TuningDatabase(str(tmp_path / "logs"), llvm)
+    assert [float(r.run_secs[0]) for r in again.records_of(key)] == [2e-6]
+    monkeypatch.setattr(build_mod, "replay_record", real)
+    said.clear()
+    with isolation.collecting(said.append) as failures:
+        out = build_mod.apply_database(mod, llvm, again, check=schedule_check(llvm, said.append), say=said.append)
+    assert failures.items == [] and said == [] and out[WRONG].attrs["tirx.is_scheduled"]

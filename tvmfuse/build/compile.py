@@ -98,7 +98,7 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
             replayed = check is not None and _is_scheduled(tuned[gv]) and not _is_scheduled(func)
             why = check(gv.name_hint, tuned[gv], func) if replayed else None
             if why:
-                right = next_right_record(gv, func, target, database, check)
+                right = next_right_record(gv, func, target, database, check, why)
                 if right is None:
                     record_failure(gv.name_hint, OUTPUT_CHECK, why)
                     tuned[gv] = func
@@ -116,13 +116,18 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: ms.Da
 
 
 def next_right_record(gv, func: tirx.PrimFunc, target: tvm.target.Target, database: ms.Database,
-                      check: Callable) -> tuple[tirx.PrimFunc, int, float] | None:
+                      check: Callable, why: str) -> tuple[tirx.PrimFunc, int, float] | None:
     """(`func` scheduled by it, its rank by time from 2, its µs) for the first of the kernel's next NEXT_RECORDS
-    records whose replay `check` finds right; None if none is."""
+    records whose replay `check` finds right; None if none is. Each record found wrong (the fastest, for `why`)
+    is rejected in a database that keeps such marks (`records.TuningDatabase.reject`), so no later build tries it."""
     key = _normalize_mod(func)
     if not database.has_workload(key):
         return None
-    for rank, rec in enumerate(database.get_top_k(database.commit_workload(key), NEXT_RECORDS + 1)[1:], start=2):
+    fastest, *rest = database.get_top_k(database.commit_workload(key), NEXT_RECORDS + 1) or [None]
+    reject = getattr(database, "reject", lambda record, reason: None)
+    if fastest is not None:
+        reject(fastest, why)
+    for rank, rec in enumerate(rest, start=2):
         one = ms.database.MemoryDatabase()  # this record alone, replayed the way the fastest was
         one.commit_tuning_record(ms.database.TuningRecord(rec.trace, one.commit_workload(key), rec.run_secs,
                                                           rec.target, rec.args_info))
@@ -130,9 +135,12 @@ def next_right_record(gv, func: tirx.PrimFunc, target: tvm.target.Target, databa
             candidate = replay_record(gv, func, target, one)
         except Exception:  # noqa: BLE001  (a record that does not replay is no candidate)
             continue
-        if _is_scheduled(candidate) and check(gv.name_hint, candidate, func) is None:
+        wrong = check(gv.name_hint, candidate, func) if _is_scheduled(candidate) else "not scheduled"
+        if wrong is None:
             us = sum(float(t) for t in rec.run_secs) / len(rec.run_secs) * 1e6
             return candidate.with_attr(RECORD_US_ATTR, us), rank, us
+        if _is_scheduled(candidate):
+            reject(rec, wrong)
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -16,8 +17,13 @@ from tvm.s_tir import meta_schedule as ms
 from tvmfuse.records.files import append_lines, read_lines
 from tvmfuse.records.keys import mean_secs, target_key
 
-FILE = "tvmfuse_records.jsonl"  # one JSON object per line: {"workload": ...} or {"record": ...}
+FILE = "tvmfuse_records.jsonl"  # one JSON object per line: {"workload": ...}, {"record": ...} or {"rejected": ...}
 MS_WORKLOADS, MS_RECORDS = "database_workload.json", "database_tuning_record.json"  # MetaSchedule's own
+
+
+def trace_key(record) -> str:
+    """What tells a record's schedule apart from others of its workload: a digest of its trace."""
+    return hashlib.sha256(json.dumps(record.as_json()[0], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _stderr(msg: str) -> None:
@@ -45,6 +51,7 @@ class TuningDatabase(ms.database.PyDatabase):
         self.loaded = 0
         self.names: dict[str, str] = {}  # workload hash -> kernel name, when known
         self._written: set[str] = set()  # workload hashes already on disk
+        self.rejected: set[tuple[str, str]] = set()  # (workload hash, trace_key) of records found wrong (`reject`)
         if self.path:
             self._load_lines(self.path)
             self._load_ms_json(work_dir, ms_tvm_version)
@@ -63,6 +70,8 @@ class TuningDatabase(ms.database.PyDatabase):
                     self.names.setdefault(str(obj["hash"]), str(obj["name"]))
             elif isinstance(obj, dict) and isinstance(obj.get("record"), list) and "hash" in obj:
                 records.append((number, obj))
+            elif isinstance(obj, dict) and isinstance(obj.get("rejected"), str) and "hash" in obj:
+                self.rejected.add((str(obj["hash"]), obj["rejected"]))
             else:
                 self._warn("corrupt", f"{path}:{number}: skipped a line that is not a tvmfuse record")
         self._written.update(workloads)
@@ -112,8 +121,11 @@ class TuningDatabase(ms.database.PyDatabase):
                 self._warn("corrupt", f"{path}:{number}: skipped an undecodable record "
                                       f"({type(err).__name__}: {str(err).strip().splitlines()[-1][:80]})")
                 continue
+            self.spent[wl] += 1  # a trial spent, whatever came of it
+            if (wl, trace_key(record)) in self.rejected:
+                self.skipped["rejected (wrong output)"] += 1
+                continue
             self.mem.commit_tuning_record(record)
-            self.spent[wl] += 1
             self.loaded += 1
 
     def summary(self) -> str:
@@ -175,19 +187,35 @@ class TuningDatabase(ms.database.PyDatabase):
                                                                record.target, record.args_info))
         return True
 
+    def reject(self, record, reason: str) -> None:
+        """Mark `record` wrong (its schedule's output check failed): the line goes to the file at once, and from the
+        next load on the record is left out (counted in `skipped`), so no build checks it again and `schedules add`
+        never keeps it."""
+        wl, key = str(record.workload.as_json()[0]), trace_key(record)
+        if (wl, key) in self.rejected:
+            return
+        self.rejected.add((wl, key))
+        if self.path:
+            os.makedirs(self.work_dir, exist_ok=True)
+            append_lines(self.path, [{"hash": wl, "rejected": key, "reason": reason, "tvm": self.tvm_version,
+                                      "time": round(time.time(), 3)}])
+
+    def _wrong(self, record) -> bool:
+        return bool(self.rejected) and (str(record.workload.as_json()[0]), trace_key(record)) in self.rejected
+
     def records_of(self, mod: tvm.IRModule) -> list:
         """All records (stored and seeded) of one workload, best first."""
         if not self.mem.has_workload(mod):
             return []
         workload = self.mem.commit_workload(mod)
-        mine = [r for r in self.mem.get_all_tuning_records() if r.workload.same_as(workload)]
+        mine = [r for r in self.mem.get_all_tuning_records() if r.workload.same_as(workload) and not self._wrong(r)]
         return sorted(mine, key=mean_secs)
 
     def best(self) -> Iterable[tuple[str, object, object]]:
         """(hash, workload, best valid record) per workload in memory."""
         by_wl = {}
         for record in self.mem.get_all_tuning_records():
-            if mean_secs(record) == float("inf"):
+            if mean_secs(record) == float("inf") or self._wrong(record):
                 continue
             wl = str(record.workload.as_json()[0])
             if wl not in by_wl or mean_secs(record) < mean_secs(by_wl[wl]):
