@@ -187,18 +187,26 @@ def _softmax_module(tmp_path, llvm):
     return lower(bound, plan=decide(bound, llvm)).mod
 
 
-def test_a_wrong_fastest_record_gives_way_to_the_next_right_one(tmp_path, llvm, monkeypatch):
-    """The fastest record of WRONG replays wrong; the next (2 µs) is a real, right schedule: it is kept, with one
-    warning naming it, its time on the kernel, and no failure (the kernel stays tuned)."""
-    mod = _softmax_module(tmp_path, llvm)
-    db = _records_of(mod, WRONG, llvm, [1.0, 2.0, 3.0])
+def _apply_with_a_wrong_fastest(mod, llvm, db, monkeypatch) -> tuple[tvm.IRModule, list, list[str]]:
+    """apply_database with the fastest record of WRONG in `db` replaying wrong (every other replay real): (the
+    module, the failures, the lines said)."""
     real = build_mod.replay_record
     monkeypatch.setattr(build_mod, "replay_record", lambda gv, func, target, database: wrong_schedule(func)
                         if database is db and gv.name_hint == WRONG else real(gv, func, target, database))
     said: list[str] = []
     with isolation.collecting(said.append) as failures:
         out = build_mod.apply_database(mod, llvm, db, check=schedule_check(llvm, said.append), say=said.append)
-    assert failures.items == []
+    monkeypatch.setattr(build_mod, "replay_record", real)
+    return out, failures.items, said
+
+
+def test_a_wrong_fastest_record_gives_way_to_the_next_right_one(tmp_path, llvm, monkeypatch):
+    """The fastest record of WRONG replays wrong; the next (2 µs) is a real, right schedule: it is kept, with one
+    warning naming it, its time on the kernel, and no failure (the kernel stays tuned)."""
+    mod = _softmax_module(tmp_path, llvm)
+    out, failures, said = _apply_with_a_wrong_fastest(mod, llvm, _records_of(mod, WRONG, llvm, [1.0, 2.0, 3.0]),
+                                                      monkeypatch)
+    assert failures == []
     assert out[WRONG].attrs["tirx.is_scheduled"] and float(out[WRONG].attrs[build_mod.RECORD_US_ATTR]) == 2.0
     assert "T.parallel" in out[WRONG].script()
     assert len(said) == 1 and said[0].startswith(f"warning: kernel {WRONG}: its fastest record failed its output "
@@ -245,18 +253,12 @@ def test_the_build_rejects_a_wrong_record_in_the_tuning_database_for_good(tmp_pa
         sch.parallel(sch.split(outer, [2, None])[0] if split else outer)
         db.commit_tuning_record(ms.database.TuningRecord(sch.trace, ms.database.Workload(key), [us * 1e-6], llvm,
                                                          ArgInfo.from_prim_func(mod[WRONG])))
-    real = build_mod.replay_record
-    monkeypatch.setattr(build_mod, "replay_record", lambda gv, func, target, database: wrong_schedule(func)
-                        if database is db and gv.name_hint == WRONG else real(gv, func, target, database))
-    said: list[str] = []
-    with isolation.collecting(said.append) as failures:
-        out = build_mod.apply_database(mod, llvm, db, check=schedule_check(llvm, said.append), say=said.append)
-    assert failures.items == [] and float(out[WRONG].attrs[build_mod.RECORD_US_ATTR]) == 2.0
+    out, failures, said = _apply_with_a_wrong_fastest(mod, llvm, db, monkeypatch)
+    assert failures == [] and float(out[WRONG].attrs[build_mod.RECORD_US_ATTR]) == 2.0
     assert [ln.split(": ")[1] for ln in said] == [f"kernel {WRONG}"]
     again = TuningDatabase(str(tmp_path / "logs"), llvm)
     assert [float(r.run_secs[0]) for r in again.records_of(key)] == [2e-6]
-    monkeypatch.setattr(build_mod, "replay_record", real)
-    said.clear()
+    said = []
     with isolation.collecting(said.append) as failures:
         out = build_mod.apply_database(mod, llvm, again, check=schedule_check(llvm, said.append), say=said.append)
     assert failures.items == [] and said == [] and out[WRONG].attrs["tirx.is_scheduled"]
