@@ -161,6 +161,8 @@ def test_schedule_check_names_wrong_and_passes_right_schedules(tmp_path, llvm, m
     import tvmfuse.verify.schedules as schedules_mod
 
     monkeypatch.setattr(schedules_mod, "default_schedule", lambda f, t: (_ for _ in ()).throw(ValueError("no rule")))
+    assert check(WRONG, wrong_schedule(mod[WRONG]), mod[WRONG]).startswith("tuned schedule gave wrong output")
+    check = schedule_check(llvm, said.append)  # a check with no reference yet (one check keeps each kernel's)
     assert check(WRONG, wrong_schedule(mod[WRONG]), mod[WRONG]) is None
     assert said == [f"{WRONG}: tuned schedule not checked (no reference: ValueError: no rule)"]
 

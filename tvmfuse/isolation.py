@@ -2,10 +2,11 @@
 
 Every step that handles one kernel (design-space generation, search, replaying a stored record, the replayed
 schedule's output check (a wrong fastest record gives way to the next right one first), template and Hopper
-substitution, default-schedule application) runs that kernel inside `guard`-style try/except: a failure prints one warning line naming the kernel and the reason, the kernel keeps its
-default schedule, and the job's `failures` list (kernel, step, reason) goes into the manifest. A build with tuned
-kernels that fails the job's verification is built again with them on their default schedules (step
-"verification"). Only a model that cannot be built, or fails verification on default schedules, fails the job.
+substitution, default-schedule application) runs that kernel inside `guard`-style try/except: a failure prints one
+warning line naming the kernel and the reason, the kernel keeps its default schedule, and the job's `failures`
+list (kernel, step, reason) goes into the manifest. A build with tuned kernels that fails the job's verification is
+built again with them on their default schedules (step "verification"). Only a model that cannot be built, or
+fails verification on default schedules, fails the job.
 """
 
 from __future__ import annotations

@@ -135,12 +135,13 @@ def next_right_record(gv, func: tirx.PrimFunc, target: tvm.target.Target, databa
             candidate = replay_record(gv, func, target, one)
         except Exception:  # noqa: BLE001  (a record that does not replay is no candidate)
             continue
-        wrong = check(gv.name_hint, candidate, func) if _is_scheduled(candidate) else "not scheduled"
+        if not _is_scheduled(candidate):
+            continue
+        wrong = check(gv.name_hint, candidate, func)
         if wrong is None:
             us = sum(float(t) for t in rec.run_secs) / len(rec.run_secs) * 1e6
             return candidate.with_attr(RECORD_US_ATTR, us), rank, us
-        if _is_scheduled(candidate):
-            reject(rec, wrong)
+        reject(rec, wrong)
     return None
 
 

@@ -36,7 +36,7 @@ class VariantCheck:
         self.inputs = []
         for i, (info, field) in enumerate(zip(infos, fields)):
             if i in perm:  # q, k, v ~ N(0, 1): logits q.k / sqrt(d) have unit variance (softmax not degenerate)
-                self.inputs.append(_random(rng, info, MASK_STD if perm.index(i) == 3 else 1.0))
+                self.inputs.append(random_array(rng, info, MASK_STD if perm.index(i) == 3 else 1.0))
             elif (value := constant_value(field)) is not None:  # softmax scale, where-guard value, constant zero mask
                 self.inputs.append(value)
             else:
@@ -122,7 +122,7 @@ def _shapes(infos) -> list[tuple[tuple, str]]:
     return [(tuple(int(d) for d in i.shape), str(i.dtype)) for i in infos]
 
 
-def _random(rng, info, std: float) -> np.ndarray:
+def random_array(rng, info, std: float) -> np.ndarray:
     """N(0, std^2) in the argument's dtype (zeros for integer/bool arguments)."""
     (shape, dtype), = _shapes([info])
     if not dtype.startswith(("float", "bfloat")):

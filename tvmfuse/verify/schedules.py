@@ -12,8 +12,9 @@ from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 from tvmfuse.build.compile import TIR_PIPELINE
 from tvmfuse.isolation import reason
 from tvmfuse.spaces.defaults import default_schedule
-from tvmfuse.verify.kernels import in_float32
-from tvmfuse.verify.outputs import cast_array, compare
+from tvmfuse.targets import device_for
+from tvmfuse.verify.kernels import in_float32, random_array
+from tvmfuse.verify.outputs import compare
 
 SEED = 0
 RUNS = 2  # the tuned kernel runs this often on the same inputs: a schedule with a race may be right once
@@ -21,13 +22,18 @@ RUNS = 2  # the tuned kernel runs this often on the same inputs: a schedule with
 
 def schedule_check(target: tvm.target.Target, say: Callable[[str], None]) -> Callable:
     """The build's check of a replayed record (`build.apply_database(check=...)`): `check(kernel, tuned, generic)`
-    is None when `tuned` is right (or cannot be checked: `say` gets one line), else what is wrong."""
+    is None when `tuned` is right (or cannot be checked: `say` gets one line), else what is wrong. Each kernel's
+    reference is built and run once, however many of its records are checked."""
+    references: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+
     def check(kernel: str, tuned: tvm.tirx.PrimFunc, generic: tvm.tirx.PrimFunc) -> str | None:
-        try:
-            want, arrays = reference_outputs(generic, target)
-        except Exception as err:  # pylint: disable=broad-except  (no reference: the job's verification still runs)
-            say(f"{kernel}: tuned schedule not checked (no reference: {reason(err)})")
-            return None
+        if kernel not in references:
+            try:
+                references[kernel] = reference_outputs(generic, target)
+            except Exception as err:  # pylint: disable=broad-except  (no reference: the job's verification runs)
+                say(f"{kernel}: tuned schedule not checked (no reference: {reason(err)})")
+                return None
+        want, arrays = references[kernel]
         return wrong_output(tuned, arrays, want, target)
 
     return check
@@ -71,7 +77,7 @@ def build_kernel(func: tvm.tirx.PrimFunc, target):
 
 def run_kernel(lib, target, arrays: list[np.ndarray]) -> list[np.ndarray]:
     """Every buffer of the kernel after one run on copies of `arrays`, on the target's device in this process."""
-    device = tvm.runtime.device("cpu" if target.kind.name in ("llvm", "c") else target.kind.name, 0)
+    device = device_for(target)
     args = [tvm.runtime.tensor(a, device) for a in arrays]
     lib["main"](*args)
     device.sync()
@@ -81,9 +87,4 @@ def run_kernel(lib, target, arrays: list[np.ndarray]) -> list[np.ndarray]:
 def random_arguments(func: tvm.tirx.PrimFunc) -> list[np.ndarray]:
     """N(0, 1) for every float buffer in its dtype, zeros for integer and bool ones (indices stay in range)."""
     rng = np.random.default_rng(SEED)
-    out = []
-    for info in ArgInfo.from_prim_func(func):
-        shape, dtype = tuple(int(d) for d in info.shape), str(info.dtype)
-        out.append(cast_array(rng.standard_normal(shape).astype("float32"), dtype)
-                   if dtype.startswith(("float", "bfloat")) else np.zeros(shape, dtype))
-    return out
+    return [random_array(rng, info, 1.0) for info in ArgInfo.from_prim_func(func)]
