@@ -10,6 +10,8 @@ import sys
 import time
 import traceback
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,9 +342,8 @@ def fixed_cost_fit(report) -> dict:
     fit = {}
     for who, pts in points.items():
         if len(pts) >= 2:
-            mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
-            slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-            fit[who] = {"intercept_us": my - slope * mx, "us_per_128_keys": slope * 128, "points": pts}
+            slope, intercept = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)
+            fit[who] = {"intercept_us": float(intercept), "us_per_128_keys": float(slope) * 128, "points": pts}
     return fit
 
 
