@@ -5,12 +5,8 @@ prefill template, which keeps every shape this one refuses."""
 from __future__ import annotations
 
 from tvmfuse.kernels.attention.common import Template, q_dtype, symbolic
-from tvmfuse.kernels.attention.prefill_wgmma_kernel import MAX_SMEM, PANEL, pairs_query_tiles, wgmma_attention
-
-
-def smem_bytes(s: dict, knobs: dict) -> int:
-    """Shared memory: the Q tile (64 rows a consumer) and `stages` K and V tiles of block_n rows, 2-byte elements."""
-    return 2 * s["head_dim"] * (64 * knobs["consumers"] + 2 * knobs["stages"] * knobs["block_n"])
+from tvmfuse.kernels.attention.prefill_wgmma_kernel import (MAX_SMEM, PANEL, pairs_query_tiles, smem_bytes,
+                                                            wgmma_attention)
 
 
 def check(s: dict) -> str | None:

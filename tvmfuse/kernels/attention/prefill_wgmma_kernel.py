@@ -69,6 +69,13 @@ def tma_map(layout: str, batch: int, heads: int, seq: int, dim: int, rows: int):
     return args, coords
 
 
+def smem_bytes(s: dict, knobs: dict) -> int:
+    """Shared memory: the Q tile (64 rows a consumer; two with `chain`) and `stages` K and V tiles of block_n rows,
+    2-byte elements."""
+    q_tiles = 2 if knobs.get("chain") else 1
+    return 2 * s["head_dim"] * (q_tiles * 64 * knobs["consumers"] + 2 * knobs["stages"] * knobs["block_n"])
+
+
 def pairs_query_tiles(s: dict, consumers: int) -> bool:
     """Whether clusters of two neighbouring query tiles (of 64 * consumers rows) can share this shape's K and V: not
     causal (the pair reads the same K/V tiles), head dim 128 (one 64-wide panel a CTA), an even number of tiles."""
@@ -121,7 +128,7 @@ def wgmma_attention(s: dict, knobs: dict):
     s_n, o_n = BN // 2, D // 2  # fp32 accumulators a thread holds: S (m64 x BN), O (m64 x D)
     q_elems, kv_elems = BM * D, BN * D
     QB = 2 if chain else 1  # Q buffers: item ti reads buffer ti % QB
-    if 2 * (QB * q_elems + 2 * S * kv_elems) > MAX_SMEM:
+    if smem_bytes(s, knobs) > MAX_SMEM:
         raise ValueError(f"{QB} Q buffers and {S} stages of {BN} keys take more than {MAX_SMEM} bytes of shared memory")
     mma_s = f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"
     mma_o = f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"
