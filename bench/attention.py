@@ -248,18 +248,16 @@ def run_case(name, kind, s, dev, target, res, generic, report=None, save=lambda:
         knob_list = [kn for kn in knob_list if kn["split"] in DECODE_SPLITS.get(B, ())]
         knob_list += [res["default_knobs"]] if res["default_knobs"] not in knob_list else []
     t0 = time.time()
+    res["building"] = True
+    save()  # the supervisor gives a building child BUILD_S, not HANG_S
     if kind == "prefill_wgmma":
         res["default_knobs"] = tmpl.default_knobs(s)  # the product's pick, measured first
         knob_list = [res["default_knobs"]] + [kn for kn in knob_list if kn != res["default_knobs"]]
         knob_list, funcs = with_outside_knobs(knob_list, extra_knobs or [], lambda kn: tmpl(s, kn))
         knob_list += [dict(kn, ablate=a) for a in ablate for kn in knob_list]  # timed only: their output is wrong
         funcs += [tmpl(s, kn) for kn in knob_list[len(funcs):]]
-        res["building"] = True
-        save()  # the supervisor gives a building child BUILD_S, not HANG_S
         built = build_tirx(funcs, target, os.path.join(WORK, name))
     else:
-        res["building"] = True
-        save()
         built = build_all([tmpl(s, kn) for kn in knob_list], target)
     res.pop("building")
     res["build_seconds"] = round(time.time() - t0, 1)
@@ -324,7 +322,7 @@ def print_table(report) -> None:
               f"{r.get('torch_us', float('nan')):9.1f} {cudnn or float('nan'):9.1f} "
               f"{(cudnn / us) if us and cudnn else float('nan'):8.2f}  {ok}/{wrong}/{len(trials) - ok - wrong}"
               + (f"  error: {r['error'].strip().splitlines()[-1][:80]}" if r.get("error") else ""))
-    for who, f in fixed_cost_fit(report).items():
+    for who, f in report.get("keys_sweep_fit", {}).items():
         print(f"keys sweep, {who}: {f['intercept_us']:.1f} us without key tiles + {f['us_per_128_keys']:.1f} us "
               f"per 128 keys ({len(f['points'])} points)")
 
