@@ -199,15 +199,23 @@ def knob_filter(text: str, flag: str = "--knobs") -> dict:
 
 def with_outside_knobs(knob_list: list[dict], extras: list[dict], build) -> tuple[list[dict], list]:
     """(the sets, their kernels): `knob_list`, then each of its sets again with each group of knobs outside the space
-    (`--with`), where `build` takes it (a ValueError: the kernel refuses that combination, it is left out)."""
+    (`--with`), where `build` takes it (a ValueError: the kernel refuses that combination, it is left out) and gives a
+    kernel of its own (a group that changes nothing for a set, as tail=0 where no tile is ragged, is not timed
+    twice)."""
+    from tvm_ffi import structural_hash  # pylint: disable=import-outside-toplevel
     sets, funcs = list(knob_list), [build(kn) for kn in knob_list]
+    seen = {structural_hash(f.body, map_free_vars=True) for f in funcs}  # (the attrs name the knobs)
     for extra in extras:
         for kn in knob_list:
             try:
-                funcs.append(build(dict(kn, **extra)))
+                func = build(dict(kn, **extra))
             except ValueError:
                 continue
+            if structural_hash(func.body, map_free_vars=True) in seen:
+                continue
+            seen.add(structural_hash(func.body, map_free_vars=True))
             sets.append(dict(kn, **extra))
+            funcs.append(func)
     return sets, funcs
 
 

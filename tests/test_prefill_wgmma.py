@@ -316,6 +316,7 @@ GPU_SHAPES = [
     dict(BASE, q_layout="BSHD", k_layout="BSHD", v_layout="BSHD", out_layout="BSHD", seq_q=384, seq_k=384),
     # 160 query tiles: persistent CTAs (one an SM, 132) take two work items on some SMs
     dict(BASE, batch=2, heads=40, kv_heads=8, seq_q=256, seq_k=256, causal=False),
+    dict(BASE, causal=False, seq_q=128, seq_k=100),  # one K/V tile, the tail: its P V over 112 keys
 ]
 
 
@@ -354,7 +355,8 @@ def _stored(x, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", range(len(GPU_SHAPES)), ids=["causal", "ragged_k", "d64_ragged_q", "bshd", "many_tiles"])
+@pytest.mark.parametrize("shape", range(len(GPU_SHAPES)),
+                         ids=["causal", "ragged_k", "d64_ragged_q", "bshd", "many_tiles", "short_k"])
 def test_every_knob_set_matches_numpy_on_the_gpu(shape, dtype):
     """The default knob set and every other value of each knob (`_each_knob_value`) against fp32 numpy: causal and
     not, GQA, ragged sizes, BSHD in place."""
@@ -481,6 +483,10 @@ def test_the_benchmark_measures_each_set_again_with_each_group_of_outside_knobs_
     assert sets == space + [dict(space[0], persistent=1), dict(space[1], persistent=1),
                             dict(space[0], persistent=1, chain=1)]
     assert len(funcs) == len(sets)
+    # tail=0 changes only the sets with a ragged last tile (176 keys at 2048; 128 divides it): the others not twice
+    tiles = [dict(base, pingpong=1, block_n=176), dict(base, pingpong=1)]
+    sets, funcs = with_outside_knobs(tiles, [{"tail": 0}], lambda kn: ATTENTION_PREFILL_WGMMA(s, kn))
+    assert sets == tiles + [dict(tiles[0], tail=0)] and len(funcs) == 3
 
 
 def test_the_diagnostic_ablations_leave_out_their_part_and_are_never_tuned():
@@ -530,6 +536,30 @@ def test_order_1_gives_consecutive_ctas_consecutive_query_tiles_of_one_head():
         assert default_knobs(s)["order"] == (0 if causal else 1)
     with pytest.raises(ValueError, match="order 2: 0"):
         ATTENTION_PREFILL_WGMMA(s, dict(knobs, order=2))
+
+
+@pytest.mark.parametrize("seq_k,block_n,last", [(2048, 176, 112), (100, 128, 112), (2048, 128, 0)])
+def test_the_tail_tile_runs_its_softmax_and_p_v_over_the_keys_it_has(seq_k, block_n, last):
+    """Overlapped and not causal, the last K/V tile of a ragged L (2048 keys in 176-key tiles: 112 in the last; 100
+    keys: one tile, 112 after rounding to 16) runs its P V over `last` keys, not block_n, and its softmax over as many
+    columns, masked; the full tiles have no masked softmax. Its S stays block_n wide (narrower, ptxas serialized the
+    wgmmas of some sets); tail=0 (outside the space) runs every tile at block_n; L a multiple of block_n has no tail."""
+    s = normalize(dict(BASE, heads=32, kv_heads=32, seq_q=256, seq_k=seq_k, causal=False))
+    knobs = dict(default_knobs(s), block_n=block_n, cluster=1)
+    tail, whole = _source(s, knobs), _source(s, dict(knobs, tail=0))
+    if not last:
+        assert tail == whole
+        return
+    steps, per = block_n // 16, block_n // 2 + 2  # P V's k16 steps a tile; exponentials a softmax (+ 2 rows' alpha)
+    # (each count is one more: the helper's declaration)
+    pv, ex2 = tail.count("tvm_builtin_ptx_wgmma_f16_rs_mma_async") - 1, tail.count("tvmfuse_ex2(") - 1
+    pv0, ex20 = whole.count("tvm_builtin_ptx_wgmma_f16_rs_mma_async") - 1, whole.count("tvmfuse_ex2(") - 1
+    if seq_k > block_n:  # tile 0's softmax; the loop over the full tiles (P V of the tile before, S, softmax
+        # unmasked), the peeled tail tile (P V of the tile before, its masked softmax), the tail's P V after the loop
+        assert (pv, ex2) == (2 * steps + last // 16, 2 * per + last // 2 + 2)
+        assert (pv0, ex20) == (2 * steps, 3 * per)  # without: the loop's softmax masked and not, P V at block_n
+    else:  # one tile: its masked softmax and its P V
+        assert (pv, ex2) == (last // 16, last // 2 + 2) and (pv0, ex20) == (steps, per)
 
 
 def test_chained_items_issue_the_next_s_before_storing_and_load_q_into_two_buffers():

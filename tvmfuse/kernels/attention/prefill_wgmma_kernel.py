@@ -45,7 +45,10 @@ ANCHOR_SRC = ('__device__ __forceinline__ void tvmfuse_softmax_anchor(float* p, 
               ':: "r"((unsigned)__cvta_generic_to_shared(p)), "f"(x) : "memory"); }')
 TMA_4D = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
 TMA_MC = TMA_4D + ".multicast::cluster"
-MAX_SMEM = 220 * 1024  # bytes of shared memory a kernel may take (the H100 and H200 give a CTA up to 227 KB)
+# dynamic shared memory a knob set may take (a CTA may have 227 KB, 1 KB of it static here): 220 KB leaves out 128 keys
+# in 3 stages (224 KB), behind 2 stages in all 9 cases of attention_run13/14, and 192 keys (224 KB), where ptxas
+# spills and serializes the wgmmas (C7512)
+MAX_SMEM = 220 * 1024
 PANEL = 64  # elements of head dim per 128-byte swizzled shared-memory row (one TMA box, one wgmma K-major atom)
 
 
@@ -130,6 +133,13 @@ def wgmma_attention(s: dict, knobs: dict):
     QB = 2 if chain else 1  # Q buffers: item ti reads buffer ti % QB
     if smem_bytes(s, knobs) > MAX_SMEM:
         raise ValueError(f"{QB} Q buffers and {S} stages of {BN} keys take more than {MAX_SMEM} bytes of shared memory")
+    # tail (overlapped, not causal, L not a multiple of BN): the last K/V tile's softmax and P V over the keys it has
+    # (rounded up to 16; TMA zero-fills the rest), not BN: at 2048 keys a 176-key tile otherwise spends 64 of its last
+    # 176 on zeros. Its S stays BN wide: with a narrower wgmma for it ptxas serializes every wgmma of some sets (C7511,
+    # 176 keys at 2048 and 8192), as it does with this tail in the loops that are not overlapped.
+    LAST = min(BN, ceil_div(L - (KT - 1) * BN, 16) * 16)
+    tail = bool(knobs.get("tail", 1)) and overlap and not causal and LAST < BN
+    LAST = LAST if tail else BN
     mma_s = f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"
     mma_o = f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"
     pack, pack_src = PACKS[dt]
@@ -158,10 +168,16 @@ def wgmma_attention(s: dict, knobs: dict):
         """K/V tiles query tile qt reads: up to its last row's diagonal when causal, else all."""
         return T.min(ceil_div((qt + 1) * BM, BN), KT) if causal else KT
 
+    def full_tiles(qt):
+        """K/V tiles of query tile qt at the full width BN: all but the tail tile (with `tail`)."""
+        return max(KT - 1, 1) if tail else kv_tiles(qt)  # (1: an empty loop, where the tail is tile 0)
+
+    W0 = LAST if KT == 1 else BN  # tile 0's width
+
     def needs_mask(qt, jt):
         """Whether tile jt has a score query tile qt must not see: it crosses the diagonal, or runs past L."""
         cross = (jt + 1) * BN - 1 > qt * BM if causal else False
-        ragged = jt == KT - 1 if L % BN else False
+        ragged = jt == KT - 1 if L % BN and not tail else False  # (with `tail` the tail tile alone, by its width)
         return T.Or(cross, ragged) if causal and L % BN else cross if causal else ragged
 
     def seen(row, col):
@@ -175,14 +191,15 @@ def wgmma_attention(s: dict, knobs: dict):
 
     # fmt: off
     @T.macro
-    def logits(sacc, st, qt, jt, cw, warp, lane, masked):
+    def logits(sacc, st, qt, jt, cw, warp, lane, masked, width):
         """S of tile jt -> base-2 probabilities in place (masked: the scores the rows must not see at NEG first),
         the running max and the row sums rescaled; st: m0 m1 l0 l1 mx0 mx1 alpha0 alpha1 (rows lane / 4, + 8). The
         max is taken over the unscaled scores (the scale is positive), so each probability is one FFMA and an EX2:
-        exp2(s * scale * log2(e) - max * scale * log2(e))."""
+        exp2(s * scale * log2(e) - max * scale * log2(e)). Only the first `width` columns (the tail tile's S holds no
+        more)."""
         for i in T.unroll(2):
             st[4 + i] = st[i]
-        for j in T.unroll(BN // 8):
+        for j in T.unroll(width // 8):
             for i in T.unroll(2):
                 for c in T.unroll(2):
                     if masked:
@@ -196,40 +213,44 @@ def wgmma_attention(s: dict, knobs: dict):
             st[i] = st[4 + i]
             st[2 + i] = st[2 + i] * st[6 + i]
             st[4 + i] = st[i] * T.float32(qs)
-        for j in T.unroll(BN // 8):
+        for j in T.unroll(width // 8):
             for i in T.unroll(2):
                 for c in T.unroll(2):
                     sacc[j * 4 + i * 2 + c] = ex2(sacc[j * 4 + i * 2 + c] * T.float32(qs) - st[4 + i])
                     st[2 + i] = st[2 + i] + sacc[j * 4 + i * 2 + c]
 
     @T.macro
-    def rescale_and_pack(sacc, o, st, pa):
-        """O times each row's alpha (its sum so far at the new max), and the probabilities as A fragments."""
+    def rescale_and_pack(sacc, o, st, pa, width):
+        """O times each row's alpha (its sum so far at the new max), and the probabilities (`width` of them a row) as
+        A fragments."""
         for n in T.unroll(D // 8):
             for i in T.unroll(2):
                 for c in T.unroll(2):
                     o[n * 4 + i * 2 + c] = o[n * 4 + i * 2 + c] * st[6 + i]
-        for r in T.unroll(BN // 4):
+        for r in T.unroll(width // 4):
             pa[r] = T.cuda.func_call(pack, sacc[2 * r], sacc[2 * r + 1], source_code=pack_src, return_type="uint32")
 
     @T.macro
-    def softmax(sacc, o, st, pa, qt, jt, cw, warp, lane):
+    def softmax(sacc, o, st, pa, qt, jt, cw, warp, lane, width):
         """`logits` of tile jt, masked only where it crosses the diagonal or runs past L."""
         if ablate == "softmax":
             T.evaluate(0)
+        elif width < BN:  # the tail tile: runs past L
+            logits(sacc, st, qt, jt, cw, warp, lane, True, width)
         elif needs_mask(qt, jt):
-            logits(sacc, st, qt, jt, cw, warp, lane, True)
+            logits(sacc, st, qt, jt, cw, warp, lane, True, width)
         else:
-            logits(sacc, st, qt, jt, cw, warp, lane, False)
+            logits(sacc, st, qt, jt, cw, warp, lane, False, width)
 
     @T.macro
-    def fence(sacc, o, pa):
-        """The registers wgmma reads or writes, pinned: the compiler moves none of them across an in-flight group."""
-        for i in T.unroll(s_n):
+    def fence(sacc, o, pa, width=BN):
+        """The registers wgmma reads or writes, pinned: the compiler moves none of them across an in-flight group (of
+        S and P, the first `width` columns)."""
+        for i in T.unroll(width // 2):
             T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
         for i in T.unroll(o_n):
             T.cuda.func_call("tvmfuse_fence_acc", o[i], source_code=FENCE_SRC)
-        for r in T.unroll(BN // 4):
+        for r in T.unroll(width // 4):
             T.cuda.func_call("tvmfuse_fence_u32", pa[r], source_code=FENCE_U32_SRC)
 
     @T.macro
@@ -244,11 +265,11 @@ def wgmma_attention(s: dict, knobs: dict):
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
-    def issue_pv(o, pa, Vs, v_full, desc_v, jt):
+    def issue_pv(o, pa, Vs, v_full, desc_v, jt, width):
         """O += P V of tile jt (its V stage full), committed as one wgmma group: P from registers, V MN-major, 16
-        keys (rows) a step, its 64-wide panels BN rows apart."""
+        keys (rows) a step (the first `width` keys), its 64-wide panels BN rows apart."""
         T.cuda.mbarrier_wait(T.address_of(v_full[jt % S]), jt // S % 2)
-        for kk in T.unroll(BN // 16):
+        for kk in T.unroll(width // 16):
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_v), T.address_of(Vs[jt % S, kk * 16 * PANEL]), BN * PANEL * 2 // 16, 64, 3)
             if ablate != "pv":
                 T.ptx[mma_o](*[o[i] for i in range(o_n)], pa[kk * 4], pa[kk * 4 + 1], pa[kk * 4 + 2], pa[kk * 4 + 3], desc_v, T.bool(True), 1, 1, 1)
@@ -291,6 +312,54 @@ def wgmma_attention(s: dict, knobs: dict):
             if lane == 0:
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(q_empty[qb]))
 
+    @T.macro
+    def overlapped_tile(sacc, o, st, pa, Qs, Ks, Vs, k_full, v_full, k_empty, v_empty, desc_q, desc_k, desc_v, anchor,
+                        g0, jt, qt, qb, cw, warp, lane, rank, width):
+        """Overlapped or batched, tile jt (0 < jt): its S issued with tile jt - 1's P V, then its softmax (of its first
+        `width` columns) while P V runs (overlapped) or after both (batched)."""
+        fence(sacc, o, pa)  # (P of tile jt - 1: every column)
+        my_turn(cw)
+        T.ptx.wgmma.fence.sync.aligned()
+        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw, qb)
+        issue_pv(o, pa, Vs, v_full, desc_v, g0 + jt - 1, BN)
+        their_turn(cw, False)
+        if overlap:
+            T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
+            for i in T.unroll(width // 2):
+                T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
+            release(k_empty, g0 + jt, lane, rank)
+            softmax(sacc, o, st, pa, qt, jt, cw, warp, lane, width)
+            T.cuda.func_call("tvmfuse_softmax_anchor", T.address_of(anchor[0]), st[2] + st[3], source_code=ANCHOR_SRC)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence(sacc, o, pa, width)
+            release(v_empty, g0 + jt - 1, lane, rank)
+        else:
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence(sacc, o, pa, width)
+            release(k_empty, g0 + jt, lane, rank)
+            release(v_empty, g0 + jt - 1, lane, rank)
+            softmax(sacc, o, st, pa, qt, jt, cw, warp, lane, width)
+        rescale_and_pack(sacc, o, st, pa, width)
+
+    @T.macro
+    def tile_in_turn(sacc, o, st, pa, Qs, Ks, Vs, k_full, v_full, k_empty, v_empty, desc_q, desc_k, desc_v, g0, jt, qt,
+                     qb, cw, warp, lane, rank):
+        """Tile jt's S, softmax and P V, each waited for before the next."""
+        fence(sacc, o, pa)
+        T.ptx.wgmma.fence.sync.aligned()
+        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw, qb)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        fence(sacc, o, pa)
+        release(k_empty, g0 + jt, lane, rank)
+        softmax(sacc, o, st, pa, qt, jt, cw, warp, lane, BN)
+        rescale_and_pack(sacc, o, st, pa, BN)
+        fence(sacc, o, pa)
+        T.ptx.wgmma.fence.sync.aligned()
+        issue_pv(o, pa, Vs, v_full, desc_v, g0 + jt, BN)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        fence(sacc, o, pa)
+        release(v_empty, g0 + jt, lane, rank)
+
     @T.prim_func(check_well_formed=False)
     def attention():
         q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -325,8 +394,8 @@ def wgmma_attention(s: dict, knobs: dict):
         desc_k: T.uint64
         desc_v: T.uint64
         gacc = T.alloc_local((1,), "int32")  # persistent: K/V tiles of this CTA's earlier work items (stage counter)
-        if overlap:
-            anchor = T.alloc_shared((1,), "float32")  # never written (ANCHOR_SRC)
+        if overlap or batched:
+            anchor = T.alloc_shared((1,), "float32")  # never written (ANCHOR_SRC; overlapped loops only)
         cw = T.meta_var(tx // 128 - 1)
         warp = T.meta_var(tx % 128 // 32)
         lane = T.meta_var(tx % 32)
@@ -421,38 +490,19 @@ def wgmma_attention(s: dict, knobs: dict):
                             o[i] = T.float32(0)
                     fence(sacc, o, pa)
                     release(k_empty, g0, lane, rank)
-                    softmax(sacc, o, st, pa, qt, 0, cw, warp, lane)
-                    rescale_and_pack(sacc, o, st, pa)
-                    for jt in T.serial(1, kv_tiles(qt)):
-                        fence(sacc, o, pa)
-                        my_turn(cw)
-                        T.ptx.wgmma.fence.sync.aligned()
-                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw, ti % QB)
-                        issue_pv(o, pa, Vs, v_full, desc_v, g0 + jt - 1)
-                        their_turn(cw, False)
-                        if overlap:
-                            T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
-                            for i in T.unroll(s_n):
-                                T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
-                            release(k_empty, g0 + jt, lane, rank)
-                            softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
-                            T.cuda.func_call("tvmfuse_softmax_anchor", T.address_of(anchor[0]), st[2] + st[3],
-                                             source_code=ANCHOR_SRC)
-                            T.ptx.wgmma.wait_group.sync.aligned(0)
-                            fence(sacc, o, pa)
-                            release(v_empty, g0 + jt - 1, lane, rank)
-                        else:
-                            T.ptx.wgmma.wait_group.sync.aligned(0)
-                            fence(sacc, o, pa)
-                            release(k_empty, g0 + jt, lane, rank)
-                            release(v_empty, g0 + jt - 1, lane, rank)
-                            softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
-                        rescale_and_pack(sacc, o, st, pa)
+                    softmax(sacc, o, st, pa, qt, 0, cw, warp, lane, W0)
+                    rescale_and_pack(sacc, o, st, pa, W0)
+                    for jt in T.serial(1, full_tiles(qt)):
+                        overlapped_tile(sacc, o, st, pa, Qs, Ks, Vs, k_full, v_full, k_empty, v_empty, desc_q, desc_k,
+                                        desc_v, anchor, g0, jt, qt, ti % QB, cw, warp, lane, rank, BN)
+                    if tail and KT > 1:
+                        overlapped_tile(sacc, o, st, pa, Qs, Ks, Vs, k_full, v_full, k_empty, v_empty, desc_q, desc_k,
+                                        desc_v, anchor, g0, KT - 1, qt, ti % QB, cw, warp, lane, rank, LAST)
                     q_done(q_empty, lane, ti % QB)
                     fence(sacc, o, pa)
                     my_turn(cw)
                     T.ptx.wgmma.fence.sync.aligned()
-                    issue_pv(o, pa, Vs, v_full, desc_v, g0 + kv_tiles(qt) - 1)
+                    issue_pv(o, pa, Vs, v_full, desc_v, g0 + kv_tiles(qt) - 1, LAST)
                     their_turn(cw, True)
                     if chain:  # the next item's first S runs beside this one's last P V and output store
                         if ti + 1 < items:
@@ -472,20 +522,8 @@ def wgmma_attention(s: dict, knobs: dict):
                     release(v_empty, g0 + kv_tiles(qt) - 1, lane, rank)
                 else:  # each tile's S, softmax and P V in turn
                     for jt in T.serial(kv_tiles(qt)):
-                        fence(sacc, o, pa)
-                        T.ptx.wgmma.fence.sync.aligned()
-                        issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, g0 + jt, cw, ti % QB)
-                        T.ptx.wgmma.wait_group.sync.aligned(0)
-                        fence(sacc, o, pa)
-                        release(k_empty, g0 + jt, lane, rank)
-                        softmax(sacc, o, st, pa, qt, jt, cw, warp, lane)
-                        rescale_and_pack(sacc, o, st, pa)
-                        fence(sacc, o, pa)
-                        T.ptx.wgmma.fence.sync.aligned()
-                        issue_pv(o, pa, Vs, v_full, desc_v, g0 + jt)
-                        T.ptx.wgmma.wait_group.sync.aligned(0)
-                        fence(sacc, o, pa)
-                        release(v_empty, g0 + jt, lane, rank)
+                        tile_in_turn(sacc, o, st, pa, Qs, Ks, Vs, k_full, v_full, k_empty, v_empty, desc_q, desc_k,
+                                     desc_v, g0, jt, qt, ti % QB, cw, warp, lane, rank)
                     q_done(q_empty, lane, ti % QB)
                 for i in T.unroll(2):
                     st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
