@@ -62,7 +62,8 @@ def knob_space(s: dict) -> list[dict]:
 #: the measured picks at head dim 128 (`attention_run11.json` and `attention_run10.json`, H100), tried in this order
 PICKS = [
     # without causality: 176 keys a tile, overlapped, ping-pong, query tiles first; 0.2% behind the best at 2048
-    # (133.7 µs against 133.5), 0.9% at 8192 (1837.7 against 1820.5 with clusters, which lose 7% at 2048)
+    # (133.7 µs against 133.5), 0.9% at 8192 (1837.7 against 1820.5 with clusters, which lose 7% at 2048); with the
+    # tail tile the best of its space at 2048 and 8192 in fp16 and bf16 (attention_run13.json)
     dict(block_n=176, overlap=1, batched=0, pingpong=1, cluster=1, order=1),
     # with causality 128 keys, overlapped: 0.5% behind the best at causal 2048 and 8192 (85.6 and 1086.0 µs against
     # 85.2 and 1080.4 with ping-pong, which is behind elsewhere: 1057.7 against 1043.5 in bf16 at 8192, 989.7
