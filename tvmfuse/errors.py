@@ -18,6 +18,7 @@ class JobError(TvmfuseError):
 class VerificationError(TvmfuseError):
     """The built module's outputs are outside the dtype's tolerance of onnxruntime's."""
 
-    def __init__(self, message: str, low_lookups: bool = False):
+    def __init__(self, message: str, low_lookups: bool = False, errors: str = ""):
         super().__init__(message)
         self.low_lookups = low_lookups  # the build had fp16/bf16 embedding lookups (rebuilding without may pass)
+        self.errors = errors or message.splitlines()[0]  # what was off: "max abs err X, max rel err Y"

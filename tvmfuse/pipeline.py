@@ -268,7 +268,7 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
                                       verification_dims(imported.symbolic_dims, {})[0], job.dtype, job.tolerance,
                                       weights)
         if not check.ok:
-            raise VerificationError(_failed(job, check, {}), False)
+            raise VerificationError(_failed(job, check, {}), False, _errors(check))
         timer = vm.time_evaluator("main", device, number=5, repeat=3, min_repeat_ms=50)
         after = float(sorted(timer(*args).results)[1] * 1e6)
         return Verified(check.as_dict(), f"ok {check.max_abs_err:.1e}", after,
@@ -282,7 +282,7 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
                              job.tolerance, weights, child)
     dims, check = max(checks, key=lambda c: (not c[1].ok, c[1].max_abs_err))
     if not check.ok:
-        raise VerificationError(_failed(job, check, dims), job.low_lookups and has_low_lookups(bound))
+        raise VerificationError(_failed(job, check, dims), job.low_lookups and has_low_lookups(bound), _errors(check))
     feeds = random_inputs(imported.inputs, seed=0, dims=checks[0][0], io_dtype=job.io_dtype)
     after = latency_us(vm, device, feeds, job.io_dtype, weights)
     shapes = lowered.bucketed.shapes if lowered.bucketed else {}
@@ -305,14 +305,15 @@ def verified_build(built: Built, lowered: Lowered, imported: Imported, job: Job,
             raise
         first = err
     tuned = tuple(built.tuned)
-    say(f"[{job.name}] verification against onnxruntime failed with tuned schedules ({_error_of(first)}); "
+    say(f"[{job.name}] verification against onnxruntime failed with tuned schedules ({first.errors}); "
         f"building again with its {len(tuned)} tuned kernel(s) on their default schedules")
     default = build_phase(lowered, target, database, progress, job.cuda_graph, untuned=tuned)
     try:
         verified = verify_phase(default, lowered, imported, job, target, bound, weight_bytes, say)
     except VerificationError as err:
-        raise VerificationError(f"{err} (with every kernel on its default schedule too)", err.low_lookups) from None
-    why = (f"the build with tuned schedules failed verification against onnxruntime ({_error_of(first)}); "
+        raise VerificationError(f"{err} (with every kernel on its default schedule too)", err.low_lookups,
+                                err.errors) from None
+    why = (f"the build with tuned schedules failed verification against onnxruntime ({first.errors}); "
            f"with default schedules it passed ({verified.text})")
     for kernel in tuned:
         record_failure(kernel, VERIFICATION, why)
@@ -476,16 +477,13 @@ def _schedule_check(target, log: Say) -> Callable | None:
     return schedule_check(target, log) if has_device(target) else None
 
 
-def _error_of(err: VerificationError) -> str:
-    """'max abs err X, max rel err Y' out of a VerificationError's message (`_failed`), else its first line."""
-    text = str(err)
-    start = text.find("(max abs err ")
-    return text[start + 1:text.index(";", start)] if start >= 0 and ";" in text[start:] else text.splitlines()[0]
+def _errors(check: Verification) -> str:
+    return f"max abs err {check.max_abs_err:.3g}, max rel err {check.max_rel_err:.3g}"
 
 
 def _failed(job: Job, check: Verification, dims: dict) -> str:
-    return (f"{job.name}: verification against onnxruntime FAILED (max abs err {check.max_abs_err:.3g}, "
-            f"max rel err {check.max_rel_err:.3g}" + (f" at {dims}" if job.buckets else "")
+    return (f"{job.name}: verification against onnxruntime FAILED ({_errors(check)}"
+            + (f" at {dims}" if job.buckets else "")
             + f"; tolerance {check.tolerance_text()}: pass --tolerance ATOL,RTOL or set `tolerance` in the jobs "
             "file if the model needs more)")
 
