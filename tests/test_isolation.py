@@ -41,7 +41,7 @@ def _mlp(path: str) -> str:
              helper.make_node("MatMul", ["r", "w2"], ["o"]), helper.make_node("Softmax", ["o"], ["y"], axis=-1)]
     graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 64])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 32])], inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10), path)
     return path
 
 
