@@ -151,6 +151,31 @@ def test_one_failing_job_does_not_lose_the_others(tmp_path):
     assert not (tmp_path / "o" / "bad-llvm").exists()
 
 
+def test_a_model_onnxruntime_cannot_load_is_one_error_line_not_an_internal_error(tmp_path, capsys, monkeypatch):
+    """A model of a newer ONNX IR version than the installed onnxruntime reads (IR 14 under onnxruntime's 13, as
+    the GPU box had) cannot be verified: the job says so in one line naming onnxruntime and the IR version, exit 2,
+    nothing exported."""
+    import onnxruntime as ort  # pylint: disable=import-outside-toplevel
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail  # pylint: disable=import-outside-toplevel
+
+    def refuse(source, *args, **kwargs):
+        raise Fail(f"[ONNXRuntimeError] : 1 : FAIL : Load model from {source} failed: Unsupported model IR "
+                   "version: 10, max supported IR version: 9")
+
+    onnx.save(onnx_models.layer_norm_gelu(), tmp_path / "m.onnx")
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
+    code = main(["--target", "llvm", "--trials", "0", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"),
+                 str(tmp_path / "m.onnx")])
+    err = capsys.readouterr().err
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "internal error" not in errors[0], err
+    assert (f"m.onnx: onnxruntime {ort.__version__}, which verification runs it on, cannot load it (ONNX IR version "
+            "10; a newer onnxruntime may): [ONNXRuntimeError]") in errors[0]
+    assert errors[0].endswith("Unsupported model IR version: 10, max supported IR version: 9")
+    assert not (tmp_path / "o" / "m-llvm").exists()
+
+
 def test_symbolic_dims_build_with_default_schedules(tmp_path, capsys):
     onnx.save(onnx_models.layer_norm_gelu(dyn=True), tmp_path / "dyn.onnx")
     code = main(["--target", "llvm", "--trials", "4", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"),

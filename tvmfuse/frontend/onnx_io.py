@@ -125,8 +125,19 @@ def ort_session(model: onnx.ModelProto | str, options=None, low_memory: bool = F
     weights (MatMul's packed B doubled a big model's weights)."""
     import onnxruntime as ort  # pylint: disable=import-outside-toplevel
 
+    from onnxruntime.capi import onnxruntime_pybind11_state as state  # pylint: disable=import-outside-toplevel
+
     opts = options or ort.SessionOptions()
     if low_memory:
         opts.add_session_config_entry("session.disable_prepacking", "1")
     source = model if isinstance(model, str) else model.SerializeToString()
-    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    except (state.Fail, state.InvalidGraph, state.InvalidProtobuf, state.NotImplemented) as err:
+        # (a model of a newer ONNX IR version than this onnxruntime reads, or an operator it lacks: verification
+        # needs onnxruntime to run the model, so the job stops here with one line, not an internal error)
+        proto = onnx.load(model, load_external_data=False) if isinstance(model, str) else model
+        name = model if isinstance(model, str) else proto.graph.name or "the model"
+        raise ModelError(f"{name}: onnxruntime {ort.__version__}, which verification runs it on, cannot load it "
+                         f"(ONNX IR version {proto.ir_version}; a newer onnxruntime may): "
+                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
