@@ -110,3 +110,25 @@ def test_compare_counts_elements_outside_tolerance_and_the_rms_error():
     check = compare(got, want)  # fp32: atol 1e-4 + rtol 1e-4 * |want|: 2e-4 and 3e-4 are both outside
     assert not check.ok and check.violations == 2
     assert np.isclose(check.rms_err, np.sqrt((2e-4 ** 2 + 3e-4 ** 2) / 6), rtol=1e-3)
+
+
+def test_a_reference_child_that_cannot_load_the_model_says_why_in_one_line(tmp_path):
+    """A big model's reference runs in a child process: a model onnxruntime cannot load (here IR version 99) comes
+    back as the child's one line (ModelError's, naming onnxruntime and the IR version), not its traceback."""
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
+
+    from tvmfuse.errors import TvmfuseError  # pylint: disable=import-outside-toplevel
+    from tvmfuse.verify.child_reference import reference_in_child  # pylint: disable=import-outside-toplevel
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    path = str(tmp_path / "ir99.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=99), path)
+    with pytest.raises(TvmfuseError) as info:
+        reference_in_child(path, {"x": np.ones(2, "float32")})
+    message = str(info.value)
+    assert message.startswith(f"{path}: onnxruntime ") and "cannot load it (ONNX IR version 99" in message, message
+    assert "Traceback" not in message and "\n" not in message
+
