@@ -203,19 +203,23 @@ def with_outside_knobs(knob_list: list[dict], extras: list[dict], build) -> tupl
     kernel of its own (a group that changes nothing for a set, as tail=0 where no tile is ragged, is not timed
     twice)."""
     from tvm_ffi import structural_hash  # pylint: disable=import-outside-toplevel
+
+    def body_hash(func):  # the kernel without its attrs (they name the knobs)
+        return structural_hash(func.body, map_free_vars=True)
+
     sets, funcs = list(knob_list), [build(kn) for kn in knob_list]
-    seen = {structural_hash(f.body, map_free_vars=True) for f in funcs}  # (the attrs name the knobs)
+    seen = {body_hash(f) for f in funcs}
     for extra in extras:
         for kn in knob_list:
             try:
                 func = build(dict(kn, **extra))
             except ValueError:
                 continue
-            if structural_hash(func.body, map_free_vars=True) in seen:
-                continue
-            seen.add(structural_hash(func.body, map_free_vars=True))
-            sets.append(dict(kn, **extra))
-            funcs.append(func)
+            key = body_hash(func)
+            if key not in seen:
+                seen.add(key)
+                sets.append(dict(kn, **extra))
+                funcs.append(func)
     return sets, funcs
 
 
