@@ -556,7 +556,8 @@ WGMMA_VARIANTS = [
 def test_wgmma_variants_emit_their_pipelining(tile, wants, lacks):
     """One wgmma group in flight over one accumulator set (`inflight=1`: wait_group 1 in the loop, 0 before the
     epilogue), none (the default), and clusters of two CTAs multicasting halves of the B tile with remote releases and cluster
-    barriers: each in the CUDA source, and (with nvcc) compiled for sm_90a."""
+    barriers: each in the CUDA source, and (with nvcc) compiled for sm_90a. Every variant prefetches its two TMA
+    descriptors."""
     from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
 
     func = make_wgmma_gemm(512, 1000, 1024, tile, "bias_gelu")
@@ -566,6 +567,7 @@ def test_wgmma_variants_emit_their_pipelining(tile, wants, lacks):
         assert text in src, text
     for text in lacks:
         assert text not in src, text
+    assert src.count("tvm_builtin_ptx_prefetch_tensormap(") == 1 + 2  # the helper; A's and B's descriptors, once
     if tile.cluster == 2:  # the B map's box is half the tile's columns: each CTA loads its half
         assert func.script().count(f"b_map, \"float16\", 2, b.data, 1024, 1000, 2048, 64, {tile.bn // 2},") == 1
     if shutil.which("nvcc"):

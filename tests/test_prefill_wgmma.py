@@ -142,7 +142,8 @@ def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked
     whose first k-step overwrites S; P V takes P from registers (four 32-bit A registers) and V transposed
     (MN-major); the masked softmax exists only where a tile can cross the diagonal or run past L; with two
     consumers the loader gives its registers up; overlapped, tile j's S is waited for while tile j - 1's P V may still
-    run (wait_group 1). nvcc compiles it for sm_90a."""
+    run (wait_group 1); the descriptors are prefetched and the epilogue divides once a row. nvcc compiles it for
+    sm_90a."""
     s = normalize(s)
     knobs = knobs or default_knobs(s)
     src = _source(s, knobs)
@@ -171,6 +172,9 @@ def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked
     assert (src.count("-0x1.93e5939a08ceap+99f") > 2) == masked  # a score the row must not see -> NEG (2: m's start)
     assert ("setmaxnreg_inc_sync_aligned_u32_232" in src) == bool(knobs["setmaxnreg"])
     assert f"__launch_bounds__({128 * (1 + knobs['consumers'])})" in src
+    assert src.count("tvm_builtin_ptx_prefetch_tensormap(") == 1 + 3  # the helper; Q's, K's and V's descriptors
+    # the epilogue divides once a row (each thread's two) and multiplies: no IEEE division per output element
+    assert "/ st_ptr[" not in src and src.count("/ tvm_builtin_cuda_warp_reduce_sum_4(st_ptr[") == 2
     if shutil.which("nvcc"):
         assert len(_nvcc(src)) > 1000
 

@@ -402,6 +402,9 @@ def wgmma_attention(s: dict, knobs: dict):
         items = T.meta_var((TILES - bid + GRID - 1) // GRID if persistent else 1)  # work items of this CTA
 
         if tx == 0:
+            T.ptx.prefetch.tensormap(T.address_of(q_map))  # the descriptors on their way before the first TMA
+            T.ptx.prefetch.tensormap(T.address_of(k_map))
+            T.ptx.prefetch.tensormap(T.address_of(v_map))
             for qb in T.unroll(QB):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[qb]), T.uint32(1))
                 if persistent:
@@ -525,14 +528,14 @@ def wgmma_attention(s: dict, knobs: dict):
                         tile_in_turn(sacc, o, st, pa, Qs, Ks, Vs, k_full, v_full, k_empty, v_empty, desc_q, desc_k,
                                      desc_v, g0, jt, qt, ti % QB, cw, warp, lane, rank)
                     q_done(q_empty, lane, ti % QB)
-                for i in T.unroll(2):
-                    st[2 + i] = T.cuda.warp_sum(st[2 + i], width=4)
+                for i in T.unroll(2):  # one division a row, then products: 64 IEEE divisions cost ~10 instructions each
+                    st[2 + i] = T.float32(1) / T.cuda.warp_sum(st[2 + i], width=4)
                 for n in T.unroll(D // 8):
                     for i in T.unroll(2):
                         row = T.meta_var(qt * BM + cw * 64 + warp * 16 + lane // 4 + i * 8)
                         if row < SQ:  # TVM drops the guard where the tiles divide seq_q
                             T.cuda.func_call(store, T.address_of(O[at(lo, b, hd, row, n * 8 + lane % 4 * 2)]),
-                                             o[n * 4 + i * 2] / st[2 + i], o[n * 4 + i * 2 + 1] / st[2 + i],
+                                             o[n * 4 + i * 2] * st[2 + i], o[n * 4 + i * 2 + 1] * st[2 + i],
                                              source_code=store_src)
                 if persistent:
                     gacc[0] = gacc[0] + kv_tiles(qt)

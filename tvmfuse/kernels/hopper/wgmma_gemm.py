@@ -212,6 +212,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         warp = T.meta_var((tx % 128) // 32)
 
         if tx == 0:
+            T.ptx.prefetch.tensormap(T.address_of(a_map))  # the descriptors on their way before the first TMA
+            T.ptx.prefetch.tensormap(T.address_of(b_map))
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(4 * cons * cluster))
