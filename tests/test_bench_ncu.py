@@ -58,7 +58,8 @@ def test_stalls_by_pc_ranks_instructions_by_samples_with_their_largest_reasons()
 
 def test_the_kept_metrics_are_the_time_clock_throughputs_and_stalls():
     kept = [n for n in ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second",
-                        "sm__throughput.avg.pct_of_peak_sustained_elapsed", "smsp__average_warp_latency_issue_stalled_wait",
+                        "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+                        "smsp__average_warp_latency_issue_stalled_wait",
                         "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
                         "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum") if KEEP.search(n)]
     assert kept[:5] == ["gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second",
