@@ -8,7 +8,8 @@ at decode shapes; checked against torch (cuBLAS) and timed beside it.
 Tiles (wgmma): `bn x stages` or `bm x bn x stages`, then `d` for two accumulator sets, `i1` for one wgmma group in
 flight over one set, `c2` for clusters of two CTAs sharing the B tile, `s` for descriptors encoded once a k-tile and
 stepped, `p` for persistent CTAs, `r` for setmaxnreg, `gG` for groups of G row tiles; (smallm) `n8 x warps x vec x
-unroll`. Each case also records the kernels torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of
+unroll`; diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no wgmma. Each
+case also records the kernels torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of
 32 MiB or less stay in the H200's L2 between timed runs (time_evaluator), so those cases time L2-resident weights,
 torch's too.
 """
@@ -60,10 +61,10 @@ def _tile(kernel, spec):
     from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile
     # "128x176x4g4": groups of 4 row tiles, rows fastest (g1: columns); "d": two accumulator sets; "i1": one wgmma
     # group left in flight over one set ("i0", the default: none); "c2": clusters of 2 CTAs multicasting the B tile
-    found = re.fullmatch(r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d))?(s?)(p?)(r?)(?:g(\d+))?", spec)
+    found = re.fullmatch(r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d))?(s?)(p?)(r?)(?:g(\d+))?(?:-(loads|mma))?", spec)
     if not found:
-        raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2][s][p][r][gG]")
-    dims, dual, inflight, cluster, stepped, persistent, regs, group = found.groups()
+        raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2][s][p][r][gG][-loads|-mma]")
+    dims, dual, inflight, cluster, stepped, persistent, regs, group, _ = found.groups()
     vals = [int(v) for v in dims.split("x")]
     if kernel == "smallm":
         return SmallMTile(*vals)
@@ -138,7 +139,8 @@ def _build(kernel, job):
     if why:
         return None, why
     try:
-        func = make(m, n, k, tile, "bias_gelu" if gelu else "none", dtype)
+        ablate = {"ablate": spec.partition("-")[2]} if "-" in spec else {}  # diagnostics: -loads, -mma
+        func = make(m, n, k, tile, "bias_gelu" if gelu else "none", dtype, **ablate)
         return tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx").mod, None
     except Exception as err:  # noqa: BLE001  (record the build error, keep sweeping)
         return None, str(err).strip().splitlines()[-1][:300]

@@ -1,6 +1,7 @@
 """tvmfuse.hopper, tvmfuse.gemm_analysis, tvmfuse.kernels.wgmma_gemm, tvmfuse.kernels.mma_smallm: fused GEMMs become a TIRx kernel on sm_90a
 (wgmma, or mma.sync for small M), epilogue included."""
 
+import dataclasses
 import shutil
 
 import ml_dtypes
@@ -572,6 +573,28 @@ def test_wgmma_variants_emit_their_pipelining(tile, wants, lacks):
         assert func.script().count(f"b_map, \"float16\", 2, b.data, 1024, 1000, 2048, 64, {tile.bn // 2},") == 1
     if shutil.which("nvcc"):
         assert len(_nvcc_fatbin(src, hopper_target())) > 1000
+
+
+def test_wgmma_diagnostic_ablations_leave_out_the_loads_or_the_wgmmas():
+    """`ablate="loads"` keeps the first `stages` k-tiles' TMA loads and completes the later stages' barriers with a
+    plain arrive; `ablate="mma"` keeps every load and issues no wgmma. A diagnostic of the benchmark: no tile (the
+    knobs the product and its records know) carries it."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+
+    def source(ablate):
+        func = make_wgmma_gemm(512, 1024, 1024, WgmmaTile(128, 4, dual=True), ablate=ablate)
+        return tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx"
+                           ).mod.imports[0].inspect_source()
+    tma = "cp_async_bulk_tensor_g2s_cluster_async_bulk_tensor_2d_shared__cluster_global_mbarrier__complete_tx__bytes("
+    mma = "_ss_mma_async_sync_aligned_m64n128k16_f32_f16_f16_1_1_0_0("
+    plain, loads, mmas = (source(a) for a in ("", "loads", "mma"))
+    assert plain.count(tma) == loads.count(tma) == mmas.count(tma) > 0
+    arrive = "tvm_builtin_ptx_mbarrier_arrive_nocount_arrive_shared_b64("  # a plain arrive: the helper, then calls
+    assert loads.count(arrive) == plain.count(arrive) + 1 == mmas.count(arrive) + 1
+    assert plain.count(mma) > 1 and loads.count(mma) == plain.count(mma) and mmas.count(mma) <= 1  # (the helper)
+    with pytest.raises(ValueError, match="ablate 'softmax'"):
+        make_wgmma_gemm(512, 1024, 1024, WgmmaTile(128, 4, dual=True), ablate="softmax")
+    assert "ablate" not in {f.name for f in dataclasses.fields(WgmmaTile)}
 
 
 @pytest.mark.gpu

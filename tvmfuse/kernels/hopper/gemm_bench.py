@@ -31,13 +31,13 @@ def bench_operands(m: int, n: int, k: int, epilogue: str, dtype: str = "float16"
 
 
 def make_wgmma_gemm(m: int, n: int, k: int, tile: WgmmaTile = WgmmaTile(), epilogue: str = "none",
-                    dtype: str = "float16"):
+                    dtype: str = "float16", ablate: str = ""):
     """C[m, n] = epilogue(A[m, k] @ B[n, k]^T (+ bias[n])) in `dtype` (fp16 or bf16), fp32 accumulation: the
-    benchmark's kernel, parameters (A, B, bias, C)."""
+    benchmark's kernel, parameters (A, B, bias, C); `ablate` ("loads", "mma": see `wgmma_kernel`) for diagnostics."""
     bufs, finish = bench_operands(m, n, k, epilogue, dtype)
     suffix = "" if dtype == "float16" else f"_{dtype}"
     return wgmma_kernel(m, n, k, tile, bufs[0], bufs[1], bufs[3], finish, lambda row, col: (row, col), bufs,
-                        f"wgmma_gemm_{m}x{n}x{k}_{tile.bm}x{tile.bn}_{tile.stages}_{epilogue}{suffix}")
+                        f"wgmma_gemm_{m}x{n}x{k}_{tile.bm}x{tile.bn}_{tile.stages}_{epilogue}{suffix}", ablate=ablate)
 
 
 def hopper_target() -> tvm.target.Target:

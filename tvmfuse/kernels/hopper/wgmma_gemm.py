@@ -42,14 +42,18 @@ def _tma_args(inner: int, outer: int, box_outer: int) -> list[int]:
 
 
 def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, place, params, name: str,
-                 setup=lambda: None):
+                 setup=lambda: None, ablate: str = ""):
     """The TIRx PrimFunc computing out = finish(a @ b^T): `a` holds [m, k] rows and `b` is [n, k] (both fp16 or
     both bf16, K innermost, contiguous); `finish(acc, row, col)` is the fp32 value of element (row, col) from its fp32
     accumulator, `place(row, col)` its indices in `out`; `params` (buffers) are the PrimFunc's signature: a, b,
-    out and whatever else finish reads."""
+    out and whatever else finish reads. `ablate` is for diagnostics only (wrong outputs; `bench/wgmma.py`): "loads"
+    loads the first `stages` k-tiles alone and then completes each stage's barrier without data, so the loop runs at
+    the rate of its issue and its wgmmas; "mma" issues no wgmma, so it runs at the rate the loads arrive."""
     why = check_wgmma_shape(m, n, k, tile)
     if why:
         raise ValueError(why)
+    if ablate not in ("", "loads", "mma"):
+        raise ValueError(f"ablate {ablate!r}: '', 'loads' or 'mma'")
     dt = str(a.dtype)
     if dt not in OPERAND_PTX or str(b.dtype) != dt:
         raise ValueError(f"operands {a.dtype} x {b.dtype} (both float16 or both bfloat16)")
@@ -97,7 +101,9 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         for i in T.unroll(acc_n):
             T.cuda.func_call("tvmfuse_fence_acc", acc[st * acc_n + i], source_code=FENCE_SRC)
         T.ptx.wgmma.fence.sync.aligned()
-        if not tile.stepped_desc:
+        if ablate == "mma":  # diagnostics: the loop without its wgmmas
+            T.evaluate(0)
+        elif not tile.stepped_desc:
             for kk in T.unroll(bk // 16):
                 T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), T.address_of(As[(g0 + kt) % stages, cw * 64 * bk + kk * 16]), 1, 64, 3)
                 T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), T.address_of(Bs[(g0 + kt) % stages, kk * 16]), 1, 64, 3)
@@ -122,17 +128,25 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                                  source_code=REMOTE_ARRIVE_SRC)
 
     @T.macro
+    def load_stage(bx, by, g0, kt, As, Bs, full, a_map, b_map, rank):
+        """k-tile kt of output tile (bx, by) by TMA into its stage, completing on its full barrier."""
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[(g0 + kt) % stages]), T.uint32(stage_bytes))
+        T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
+        if cluster == 2:  # this CTA's half of the B tile, to the same place in both CTAs
+            T.ptx[multicast](T.address_of(Bs[(g0 + kt) % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
+        else:
+            T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
+
+    @T.macro
     def load_tile(bx, by, g0, As, Bs, full, empty, a_map, b_map, rank):
         """The loader's k-tiles of output tile (bx, by), from the CTA's k-step g0 on."""
         for kt in T.serial(k_tiles):
             if g0 + kt >= stages:
                 T.cuda.mbarrier_wait(T.address_of(empty[(g0 + kt) % stages]), ((g0 + kt) // stages + 1) % 2)
-            T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[(g0 + kt) % stages]), T.uint32(stage_bytes))
-            T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
-            if cluster == 2:  # this CTA's half of the B tile, to the same place in both CTAs
-                T.ptx[multicast](T.address_of(Bs[(g0 + kt) % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
+            if ablate == "loads" and g0 + kt >= stages:  # diagnostics: the stage completes without its data
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(full[(g0 + kt) % stages]))
             else:
-                T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
+                load_stage(bx, by, g0, kt, As, Bs, full, a_map, b_map, rank)
 
     @T.macro
     def compute_tile(bx, by, g0, acc, As, Bs, full, empty, Cs, desc_a, desc_b, cw, tx, lane, warp, rank):
