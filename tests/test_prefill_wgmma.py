@@ -339,6 +339,10 @@ def _each_knob_value(s: dict) -> list[dict]:
     # persistent CTAs (not in the space: they lost): the default and the ping-pong sets, without clusters
     for k in chosen[:1] + [k for k in chosen if k["pingpong"]]:
         chosen += [dict(k, cluster=1, persistent=1)] if dict(k, cluster=1, persistent=1) not in chosen else []
+    # the output through shared memory and TMA stores (outside the space until measured): the default and the first
+    # ping-pong set with it
+    for k in chosen[:1] + [k for k in chosen if k["pingpong"]][:1]:
+        chosen += [dict(k, tma_store=1)] if dict(k, tma_store=1) not in chosen else []
     # with causality, query tiles first (outside the space until measured): the default with it
     if s["causal"]:
         chosen.append(dict(chosen[0], order=1))
@@ -564,6 +568,33 @@ def test_the_tail_tile_runs_its_softmax_and_p_v_over_the_keys_it_has(seq_k, bloc
         assert (pv0, ex20) == (2 * steps, 3 * per)  # without: the loop's softmax masked and not, P V at block_n
     else:  # one tile: its masked softmax and its P V
         assert (pv, ex2) == (last // 16, last // 2 + 2) and (pv0, ex20) == (steps, per)
+
+
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+def test_tma_store_stages_each_consumers_rows_in_q_and_stores_them_by_panel(layout):
+    """tma_store 1: the output goes through Q's buffer, written 128-byte swizzled, and leaves by one TMA store a
+    64-wide panel a consumer (the tensor map's box: 64 rows), once every write is fenced for the async proxy and the
+    consumer's warps meet; the CTA waits for the stores to read shared memory before it ends. Refused with
+    persistent CTAs (the next Q loads into that buffer)."""
+    s = normalize(dict(batch=1, heads=4, kv_heads=4, seq_q=300, seq_k=512, head_dim=128, dtype="float16",
+                       causal=False, arch="sm_90a", q_layout=layout, out_layout=layout))
+    knobs = dict(default_knobs(s), tma_store=1)
+    src, plain = _source(s, knobs), _source(s, default_knobs(s))
+    store = "tvm_builtin_ptx_cp_async_bulk_tensor_s2g_async_bulk_tensor_4d_global_shared__cta_bulk_group("
+    assert src.count(store) == 1 + 2 and store not in plain  # the helper; the two panels
+    assert "const __grid_constant__ CUtensorMap o_map" in src and "o_map" not in plain
+    assert src.count("tvm_builtin_ptx_cp_async_bulk_wait_group_async_bulk_wait_group_read_0()") == 1 + 1
+    assert src.count("tvmfuse_store_half2(") == plain.count("tvmfuse_store_half2(")  # the same 64 pairs, into Q
+    assert src.count("tvmfuse_bar_sync(") == plain.count("tvmfuse_bar_sync(") + 1  # each consumer's warps meet
+    fence = "fence_proxy_proxy_async_shared__cta();"  # the writes, visible to the TMA engine
+    assert src.count(fence) == plain.count(fence) + 1
+    fn = ATTENTION_PREFILL_WGMMA(s, knobs)
+    box = "64, 64, 1, 1, 1, 1, 1, 1, 0, 3, 3, 0" if layout == "BHSD" else "64, 1, 64, 1, 1, 1, 1, 1, 0, 3, 3, 0"
+    assert fn.script().count(box) == 1  # the output's map: 64 of D x 64 rows, 128-byte swizzle
+    with pytest.raises(ValueError, match="persistent CTAs"):
+        ATTENTION_PREFILL_WGMMA(s, dict(knobs, persistent=1, cluster=1))
+    if shutil.which("nvcc"):
+        assert len(_nvcc(src)) > 1000
 
 
 def test_chained_items_issue_the_next_s_before_storing_and_load_q_into_two_buffers():

@@ -45,6 +45,7 @@ ANCHOR_SRC = ('__device__ __forceinline__ void tvmfuse_softmax_anchor(float* p, 
               ':: "r"((unsigned)__cvta_generic_to_shared(p)), "f"(x) : "memory"); }')
 TMA_4D = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
 TMA_MC = TMA_4D + ".multicast::cluster"
+TMA_STORE = "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"
 # dynamic shared memory a knob set may take (a CTA may have 227 KB, 1 KB of it static here): 220 KB leaves out 128 keys
 # in 3 stages (224 KB), behind 2 stages in all 9 cases of attention_run13/14, and 192 keys (224 KB), where ptxas
 # spills and serializes the wgmmas (C7512)
@@ -113,6 +114,12 @@ def wgmma_attention(s: dict, knobs: dict):
     if chain and not (persistent and overlap and not pingpong and not causal):
         # (with causality ptxas serializes every wgmma of the chained kernel: C7515, accumulators defined in a stage)
         raise ValueError("chain needs persistent CTAs, the overlapped loop without ping-pong, and no causality")
+    # tma_store 1 (not persistent): each consumer writes its 64 rows of the output into its rows of Q's buffer (free
+    # once its last S is done), 128-byte swizzled as TMA reads them, and one thread stores each 64-wide panel by TMA:
+    # whole lines, asynchronous, where the half2 stores from registers write 16 bytes of a row each (0, the default)
+    tma_store = bool(knobs.get("tma_store", 0))
+    if tma_store and persistent:
+        raise ValueError("tma_store stages the output in Q's buffer, which persistent CTAs load the next Q into")
     order = int(knobs.get("order", 0))
     if order not in (0, 1):
         raise ValueError(f"order {order}: 0 (heads first) or 1 (query tiles first)")
@@ -150,6 +157,7 @@ def wgmma_attention(s: dict, knobs: dict):
     q_args, q_at = tma_map(lq, B, H, SQ, D, BM)
     k_args, k_at = tma_map(lk, B, HKV, L, D, BN)
     v_args, v_at = tma_map(lv, B, HV, L, D, BN)
+    o_args, o_at = tma_map(lo, B, H, SQ, D, 64)  # tma_store: one consumer's 64 rows a box
 
     TILES = QT * B * H
     GRID = min(TILES, SMS) if persistent else TILES  # CTAs
@@ -368,6 +376,9 @@ def wgmma_attention(s: dict, knobs: dict):
         T.call_packed("runtime.cuTensorMapEncodeTiled", k_map, dt, 4, K.data, *k_args)
         v_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", v_map, dt, 4, V.data, *v_args)
+        if tma_store:
+            o_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", o_map, dt, 4, O.data, *o_args)
 
         T.device_entry()
         if cluster == 2:
@@ -530,13 +541,29 @@ def wgmma_attention(s: dict, knobs: dict):
                     q_done(q_empty, lane, ti % QB)
                 for i in T.unroll(2):  # one division a row, then products: 64 IEEE divisions cost ~10 instructions each
                     st[2 + i] = T.float32(1) / T.cuda.warp_sum(st[2 + i], width=4)
-                for n in T.unroll(D // 8):
-                    for i in T.unroll(2):
-                        row = T.meta_var(qt * BM + cw * 64 + warp * 16 + lane // 4 + i * 8)
-                        if row < SQ:  # TVM drops the guard where the tiles divide seq_q
-                            T.cuda.func_call(store, T.address_of(O[at(lo, b, hd, row, n * 8 + lane % 4 * 2)]),
+                if tma_store:
+                    for n in T.unroll(D // 8):  # row r, 16-byte chunk n % 8 of panel n // 8 -> chunk (n % 8) ^ (r % 8)
+                        for i in T.unroll(2):
+                            r = T.meta_var(cw * 64 + warp * 16 + lane // 4 + i * 8)
+                            T.cuda.func_call(store, T.address_of(Qs[n // 8 * BM * PANEL + r * PANEL + (n % 8 ^ lane // 4) * 8 + lane % 4 * 2]),
                                              o[n * 4 + i * 2] * st[2 + i], o[n * 4 + i * 2 + 1] * st[2 + i],
                                              source_code=store_src)
+                    T.ptx.fence.proxy.async_.shared__cta()  # the writes, visible to the TMA engine
+                    T.cuda.func_call("tvmfuse_bar_sync", 3 + cw, 128, source_code=BAR_SRC)
+                    if tx % 128 == 0:
+                        for p in T.unroll(P):  # rows past seq_q are clipped by the tensor map
+                            T.ptx[TMA_STORE](T.address_of(o_map), *o_at(b, hd, qt * BM + cw * 64, p * PANEL),
+                                             T.address_of(Qs[p * BM * PANEL + cw * 64 * PANEL]))
+                        T.ptx["cp.async.bulk.commit_group"]()
+                        T.ptx["cp.async.bulk.wait_group.read"](0)  # the buffer is read before the CTA leaves
+                else:
+                    for n in T.unroll(D // 8):
+                        for i in T.unroll(2):
+                            row = T.meta_var(qt * BM + cw * 64 + warp * 16 + lane // 4 + i * 8)
+                            if row < SQ:  # TVM drops the guard where the tiles divide seq_q
+                                T.cuda.func_call(store, T.address_of(O[at(lo, b, hd, row, n * 8 + lane % 4 * 2)]),
+                                                 o[n * 4 + i * 2] * st[2 + i], o[n * 4 + i * 2 + 1] * st[2 + i],
+                                                 source_code=store_src)
                 if persistent:
                     gacc[0] = gacc[0] + kv_tiles(qt)
         if cluster == 2:  # neither CTA exits while the other may still multicast into it or arrive on its barriers
