@@ -165,7 +165,8 @@ def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked
     assert src.count("tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_1();") == (1 if knobs["overlap"] else 0)
     assert src.count("tvmfuse_softmax_anchor(") == (2 if knobs["overlap"] else 0)  # the helper and its one call
     # ping-pong: a turn taken before each of the 3 issue points, and consumer 1 lets consumer 0 go first
-    assert src.count("tvmfuse_bar_sync(") == (4 if knobs["pingpong"] else 0)  # + the helper
+    # (+ the helper), and each consumer's meeting before its output's TMA store (tma_store, the default)
+    assert src.count("tvmfuse_bar_sync(") == (4 if knobs["pingpong"] else 1) + 1
     assert ("tvmfuse_bar_arrive(1, 256)" in src) == bool(knobs["pingpong"])
     pack = "tvmfuse_pack_bf162(" if ab == "bf16" else "tvmfuse_pack_half2("
     assert src.count(pack) >= bn // 4
@@ -339,10 +340,8 @@ def _each_knob_value(s: dict) -> list[dict]:
     # persistent CTAs (not in the space: they lost): the default and the ping-pong sets, without clusters
     for k in chosen[:1] + [k for k in chosen if k["pingpong"]]:
         chosen += [dict(k, cluster=1, persistent=1)] if dict(k, cluster=1, persistent=1) not in chosen else []
-    # the output through shared memory and TMA stores (outside the space until measured): the default and the first
-    # ping-pong set with it
-    for k in chosen[:1] + [k for k in chosen if k["pingpong"]][:1]:
-        chosen += [dict(k, tma_store=1)] if dict(k, tma_store=1) not in chosen else []
+    # the output by half2 stores from registers (tma_store=0, outside the space: it lost): the default with it
+    chosen.append(dict(chosen[0], tma_store=0))
     # with causality, query tiles first (outside the space until measured): the default with it
     if s["causal"]:
         chosen.append(dict(chosen[0], order=1))
@@ -572,14 +571,14 @@ def test_the_tail_tile_runs_its_softmax_and_p_v_over_the_keys_it_has(seq_k, bloc
 
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_tma_store_stages_each_consumers_rows_in_q_and_stores_them_by_panel(layout):
-    """tma_store 1: the output goes through Q's buffer, written 128-byte swizzled, and leaves by one TMA store a
+    """tma_store (the default): the output goes through Q's buffer, written 128-byte swizzled, and leaves by one TMA store a
     64-wide panel a consumer (the tensor map's box: 64 rows), once every write is fenced for the async proxy and the
     consumer's warps meet; the CTA waits for the stores to read shared memory before it ends. Refused with
     persistent CTAs (the next Q loads into that buffer)."""
     s = normalize(dict(batch=1, heads=4, kv_heads=4, seq_q=300, seq_k=512, head_dim=128, dtype="float16",
                        causal=False, arch="sm_90a", q_layout=layout, out_layout=layout))
-    knobs = dict(default_knobs(s), tma_store=1)
-    src, plain = _source(s, knobs), _source(s, default_knobs(s))
+    knobs = default_knobs(s)  # tma_store is on by default
+    src, plain = _source(s, knobs), _source(s, dict(knobs, tma_store=0))
     store = "tvm_builtin_ptx_cp_async_bulk_tensor_s2g_async_bulk_tensor_4d_global_shared__cta_bulk_group("
     assert src.count(store) == 1 + 2 and store not in plain  # the helper; the two panels
     assert "const __grid_constant__ CUtensorMap o_map" in src and "o_map" not in plain
@@ -592,7 +591,8 @@ def test_tma_store_stages_each_consumers_rows_in_q_and_stores_them_by_panel(layo
     box = "64, 64, 1, 1, 1, 1, 1, 1, 0, 3, 3, 0" if layout == "BHSD" else "64, 1, 64, 1, 1, 1, 1, 1, 0, 3, 3, 0"
     assert fn.script().count(box) == 1  # the output's map: 64 of D x 64 rows, 128-byte swizzle
     with pytest.raises(ValueError, match="persistent CTAs"):
-        ATTENTION_PREFILL_WGMMA(s, dict(knobs, persistent=1, cluster=1))
+        ATTENTION_PREFILL_WGMMA(s, dict(knobs, persistent=1, cluster=1, tma_store=1))
+    assert store not in _source(s, dict(knobs, persistent=1, cluster=1))  # persistent: off unless asked for
     if shutil.which("nvcc"):
         assert len(_nvcc(src)) > 1000
 
