@@ -8,6 +8,6 @@ shift
 mkdir -p "$out"
 ncu --profile-from-start off --clock-control none --set full --import-source no -f -o "$out/prof" \
     python3 bench/ncu_kernels.py --out "$out/labels.json" "$@"
-python3 bench/ncu_summary.py "$out/prof.ncu-rep" "$out/labels.json" --out "$out/summary.json"
 ncu -i "$out/prof.ncu-rep" --page details --csv > "$out/details.csv" || true
 ncu -i "$out/prof.ncu-rep" --page source --csv --print-source sass > "$out/source.csv" 2> "$out/source.err" || true
+python3 bench/ncu_summary.py "$out/prof.ncu-rep" "$out/labels.json" --source "$out/source.csv" --out "$out/summary.json"

@@ -8,16 +8,23 @@ through Nsight Compute's own Python module (`extras/python/ncu_report`).
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
 import json
 import re
 import sys
 
 #: scalar metrics kept (by name) for every launch; the rest of the report stays in the .ncu-rep
-KEEP = re.compile(r"gpu__time_duration\.sum|sm__cycles_elapsed\.(avg|max)(\.per_second)?$|launch__|"
-                  r"pct_of_peak|tensor|gmma|smsp__average_warp|smsp__warp_issue_stalled|smsp__pcsamp_warps_issue|"
-                  r"dram__bytes|lts__t_bytes\.sum$|lts__t_sector_hit_rate|smsp__inst_executed\.sum$|"
-                  r"smsp__issue_active|sm__warps_active|l1tex__data_bank_conflicts")
+KEEP = re.compile(r"^(gpu__time_duration\.sum|sm__cycles_elapsed\.avg\.per_second|launch__grid_size|launch__block_size|"
+                  r"launch__registers_per_thread|launch__shared_mem_per_block_dynamic|launch__cluster_dim_x|"
+                  r"sm__throughput\.avg\.pct_of_peak_sustained_elapsed|"
+                  r"gpu__compute_memory_throughput\.avg\.pct_of_peak_sustained_elapsed|"
+                  r"lts__throughput\.avg\.pct_of_peak_sustained_elapsed|dram__throughput\.avg\.pct_of_peak_sustained_elapsed|"
+                  r"dram__bytes_read\.sum|dram__bytes_write\.sum|lts__t_sector_hit_rate\.pct|"
+                  r"sm__inst_executed_pipe_tensor_op_gmma\.avg\.pct_of_peak_sustained_active|"
+                  r"TPC\.TriageCompute\.sm__pipe_tensor_cycles_active_realtime\.avg\.pct_of_peak_sustained_elapsed|"
+                  r"smsp__issue_active\.avg\.pct_of_peak_sustained_active|smsp__inst_executed\.sum|"
+                  r"l1tex__data_bank_conflicts_pipe_lsu_mem_shared\.sum)$")
 
 
 def ncu_report_module():
@@ -42,7 +49,11 @@ def metric_value(metric):
 
 def stalls_by_pc(action, top: int) -> list[dict]:
     """The `top` instructions by sampled warps, each with its SASS and its largest stall reasons."""
-    sass = action.sass_by_pc() if hasattr(action, "sass_by_pc") else {}
+    def sass(pc):  # ncu_report 2025: sass_by_pc(address) -> the instruction's text
+        try:
+            return action.sass_by_pc(pc)
+        except Exception:  # noqa: BLE001  (no SASS in the report)
+            return ""
     per_pc: dict[int, dict] = {}
     for name in action.metric_names():
         if not name.startswith("smsp__pcsamp_warps_issue_stalled_") and name != "smsp__pcsamp_sample_count":
@@ -61,9 +72,41 @@ def stalls_by_pc(action, top: int) -> list[dict]:
         total = reasons.pop("smsp__pcsamp_sample_count", None) or sum(v for r, v in reasons.items()
                                                                         if not r.endswith("_not_issued"))
         big = sorted(((r, v) for r, v in reasons.items() if not r.endswith("_not_issued")), key=lambda rv: -rv[1])
-        rows.append({"pc": pc, "sass": sass.get(pc, ""), "samples": total, "stalls": dict(big[:4])})
+        rows.append({"pc": pc, "sass": sass(pc), "samples": total, "stalls": dict(big[:4])})
     rows.sort(key=lambda r: -r["samples"])
     return rows[:top]
+
+
+def stalls_from_source_page(path: str, top: int) -> dict[str, dict]:
+    """Per kernel name, from `ncu -i REPORT --page source --csv --print-source sass`: the sampled warps' stall reasons
+    (share of all samples) and the `top` instructions by samples, each with its largest reasons."""
+    blocks: dict[str, list[str]] = {}
+    name = None
+    for line in open(path, encoding="utf-8", errors="replace"):
+        if line.startswith('"Kernel Name"'):
+            name = next(csv.reader([line]))[1]
+            blocks.setdefault(name, [])
+        elif name is not None and line.strip():
+            blocks[name].append(line)
+    out = {}
+    for name, lines in blocks.items():
+        rows = list(csv.reader(lines))
+        if not rows or "Source" not in rows[0]:
+            continue
+        head, data = rows[0], rows[1:]
+        src, samples = head.index("Source"), head.index("Warp Stall Sampling (All Samples)")
+        reasons = [(j, h.removeprefix("stall_")) for j, h in enumerate(head)
+                   if h.startswith("stall_") and "Not Issued" not in h]
+        value = lambda row, j: float(row[j] or 0)  # noqa: E731
+        total = sum(value(r, samples) for r in data) or 1.0
+        by_reason = {h: round(sum(value(r, j) for r in data) / total * 100, 1) for j, h in reasons}
+        rows_top = sorted(data, key=lambda r: -value(r, samples))[:top]
+        out[name] = {"samples": total, "stall_pct": dict(sorted(by_reason.items(), key=lambda kv: -kv[1])[:10]),
+                     "top": [{"sass": " ".join(r[src].split()), "pct": round(value(r, samples) / total * 100, 1),
+                              "stalls_pct": {h: round(value(r, j) / total * 100, 1) for j, h in
+                                             sorted(reasons, key=lambda jh: -value(r, jh[0]))[:3] if value(r, j)}}
+                             for r in rows_top]}
+    return out
 
 
 def main():
@@ -72,21 +115,27 @@ def main():
     p.add_argument("labels")
     p.add_argument("--out", required=True)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--source", help="the report's source page as CSV (ncu -i REPORT --page source --csv "
+                   "--print-source sass): the stall table from it, per kernel")
     opts = p.parse_args()
     labels = json.load(open(opts.labels))
     ncu_report = ncu_report_module()
     ctx = ncu_report.load_report(opts.report)
     actions = [r.action_by_idx(i) for r in (ctx.range_by_idx(j) for j in range(ctx.num_ranges()))
                for i in range(r.num_actions())]
+    source = stalls_from_source_page(opts.source, opts.top) if opts.source else {}
     kernels = []
     for idx, action in enumerate(actions):
         names = action.metric_names()
         metrics = {n: metric_value(action.metric_by_name(n)) for n in names if KEEP.search(n)}
         row = {"launch": idx, "kernel": action.name(), "metrics": metrics}
-        try:
-            row["stalls_by_pc"] = stalls_by_pc(action, opts.top)
-        except Exception as err:  # noqa: BLE001  (an older ncu_report: the metrics alone)
-            row["stalls_by_pc_error"] = f"{type(err).__name__}: {err}"
+        if source and action.name() in source:
+            row["stalls"] = source[action.name()]
+        else:
+            try:
+                row["stalls_by_pc"] = stalls_by_pc(action, opts.top)
+            except Exception as err:  # noqa: BLE001  (an older ncu_report: the metrics alone)
+                row["stalls_by_pc_error"] = f"{type(err).__name__}: {err}"
         kernels.append(row)
         dur = metrics.get("gpu__time_duration.sum")
         clock = metrics.get("sm__cycles_elapsed.avg.per_second")

@@ -43,8 +43,8 @@ class _Action:
     def metric_by_name(self, name):
         return self.metrics[name]
 
-    def sass_by_pc(self):
-        return {0x10: "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2", 0x20: "WARPGROUP.DEPBAR.LE gsb0, 0x1"}
+    def sass_by_pc(self, pc):
+        return {0x10: "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2", 0x20: "WARPGROUP.DEPBAR.LE gsb0, 0x1"}[pc]
 
 
 def test_stalls_by_pc_ranks_instructions_by_samples_with_their_largest_reasons():
