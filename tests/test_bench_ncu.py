@@ -1,6 +1,6 @@
 """bench/ncu_summary.py: the per-instruction stall table it reads out of an Nsight Compute report."""
 
-from bench.ncu_summary import KEEP, stalls_by_pc
+from bench.ncu_summary import KEEP, stalls_by_pc, stalls_from_source_page
 
 
 class _Ids:
@@ -56,14 +56,26 @@ def test_stalls_by_pc_ranks_instructions_by_samples_with_their_largest_reasons()
     assert len(stalls_by_pc(_Action(), top=1)) == 1
 
 
-def test_the_kept_metrics_are_the_time_clock_throughputs_and_stalls():
-    kept = [n for n in ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second",
-                        "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-                        "smsp__average_warp_latency_issue_stalled_wait",
-                        "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
-                        "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum") if KEEP.search(n)]
-    assert kept[:5] == ["gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second",
-                        "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-                        "smsp__average_warp_latency_issue_stalled_wait",
-                        "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"]
-    assert len(kept) == 5
+def test_the_kept_metrics_are_the_time_clock_throughputs_and_the_tensor_pipe():
+    names = ["gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second",
+             "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+             "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active", "dram__bytes_read.sum",
+             "sm__cycles_elapsed.avg", "dram__bytes_read.sum.per_second",
+             "smsp__average_warp_latency_issue_stalled_wait", "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum"]
+    assert [n for n in names if KEEP.search(n)] == names[:5]  # whole names only: no unit or rollup variants
+
+
+def test_the_stall_table_is_read_from_the_source_page(tmp_path):
+    page = tmp_path / "source.csv"
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+            '"stall_long_sb","stall_wait","stall_long_sb (Not Issued)"')
+    page.write_text("\n".join([
+        '"Kernel Name","gemm_kernel",', head,
+        '"0x10","@!P0 BRA 0x2840","60","50","55","5","50"',
+        '"0x20","HGMMA.64x128x16.F32 R24, gdesc[UR4], R24","40","1","0","40","0"',
+        '"Kernel Name","other",', head, '"0x10","EXIT","10","0","0","10","0"']))
+    got = stalls_from_source_page(str(page), top=1)
+    assert set(got) == {"gemm_kernel", "other"}
+    assert got["gemm_kernel"]["samples"] == 100 and got["gemm_kernel"]["stall_pct"] == {"long_sb": 55.0, "wait": 45.0}
+    assert got["gemm_kernel"]["top"] == [{"sass": "@!P0 BRA 0x2840", "pct": 60.0,
+                                          "stalls_pct": {"long_sb": 55.0, "wait": 5.0}}]
