@@ -236,12 +236,12 @@ def gpu_body(s: dict, knobs: dict, ext: dict):
                                 T.tvm_storage_sync("shared")  # every warp is done with this stage before it is refilled
                             for t in T.unroll(MT):
                                 for i in T.unroll(2):
-                                    st[t * 10 + 2 + i] = T.float32(1) / T.cuda.warp_sum(st[t * 10 + 2 + i], width=4)
+                                    st[t * 10 + 2 + i] = T.cuda.warp_sum(st[t * 10 + 2 + i], width=4)
                                     st[t * 10 + 8 + i] = T.cuda.warp_max(st[t * 10 + 8 + i], width=4)
                                 for n in T.unroll(D // 8):
                                     for c in T.unroll(4):
                                         if stored(r0 + t * 16 * W + c // 2 * 8):
                                             out[at(lo, b, h, r0 + t * 16 * W + c // 2 * 8, n * 8 + c0 + c % 2)] = T.Cast(
-                                                dt, final(oa[t * (D // 2) + n * 4 + c] * st[t * 10 + 2 + c // 2], st[t * 10 + 8 + c // 2]))
+                                                dt, final(oa[t * (D // 2) + n * 4 + c] / st[t * 10 + 2 + c // 2], st[t * 10 + 8 + c // 2]))
 
     return body
