@@ -3,6 +3,7 @@ the tile apply_hopper_kernels takes from them (measured by a stand-in builder an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import Future
 
@@ -14,7 +15,8 @@ from test_smallm import _projection
 from tvm.s_tir import meta_schedule as ms
 
 from tvmfuse.kernels.hopper import apply_hopper_kernels, choose_smallm_tile, choose_tile
-from tvmfuse.kernels.hopper.gemm_tiles import HOPPER_GEMMS, hopper_gemm_sites, measured_tiles, smallm_space, wgmma_space
+from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, HOPPER_GEMMS, hopper_gemm_sites, measured_tiles,
+                                               smallm_space, wgmma_space)
 from tvmfuse.kernels.hopper.mma_smallm import check_smallm_shape
 from tvmfuse.kernels.hopper.select import gemm_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
@@ -28,13 +30,24 @@ SHAPES = [(512, 4096, 4096), (2048, 11008, 4096), (512, 768, 3072), (130, 1000, 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_wgmma_space_is_the_fitted_pick_first_then_every_tile_that_fits(m, n, k):
-    """The rules' pick first (what --trials 0 builds, so a tuned build is never slower); every candidate fits the
+    """The rules' pick first (what --trials 0 builds, so a tuned build is never slower), then its deepest ring that
+    fits (the 128x128 dual tile: 6 stages, alone and with stepped descriptors + setmaxnreg); every candidate fits the
     shape, none twice; each fitted tile in both CTA orders; the pick's knob variants last."""
     space = wgmma_space(m, n, k)
-    assert space[0] == choose_tile(m, n, k)
+    pick = space[0]
+    assert pick == choose_tile(m, n, k)
     assert len(space) == len(set(space)) and all(check_wgmma_shape(m, n, k, t) is None for t in space)
     assert {t.group_m for t in space} == {4, 16}
-    assert any(t.stepped_desc for t in space[-4:]) and not any(t.stepped_desc for t in space[:-4])
+    deep = [t for t in space if t.stages > pick.stages and t.bn == pick.bn and t.bm == pick.bm and t.dual == pick.dual]
+    if pick.stages < DEEP_STAGES and pick.smem_bytes + (pick.bm + pick.bn) * 128 <= 200 * 1024:  # one more fits
+        assert space[1:3] == deep == [dataclasses.replace(pick, stages=deep[0].stages),
+                                      dataclasses.replace(pick, stages=deep[0].stages, stepped_desc=True,
+                                                          setmaxnreg=pick.bm == 128)]
+        deeper = dataclasses.replace(pick, stages=deep[0].stages + 1)
+        assert deep[0].stages == DEEP_STAGES or check_wgmma_shape(m, n, k, deeper)  # the deepest that fits
+    else:
+        assert deep == []
+    assert any(t.stepped_desc for t in space[-4:]) and not any(t.stepped_desc for t in space[3 if deep else 1:-4])
     assert all(t.bm == 128 or not t.setmaxnreg for t in space)  # one computing warpgroup: ptxas ignores setmaxnreg
     assert wgmma_space(32, n, k) == []  # below every tile (the family gives such rows the small-M kernel)
 

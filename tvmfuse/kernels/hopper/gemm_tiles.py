@@ -26,13 +26,30 @@ GROUPS = (16, 4)
 #: knobs that are measured on the fitted pick alone (each correct on the GPU, gpu_tests_run31_hopper.txt)
 PICK_VARIANTS = ({"stepped_desc": True}, {"persistent": True}, {"setmaxnreg": True},
                  {"stepped_desc": True, "setmaxnreg": True})
+#: the deepest stage ring measured on the fitted pick (right after it): with 4 stages of the 128x128 tile about 2 are
+#: loading while the consumers hold the others, and at 512x4096x4096 the consumers waited for data in 27% of
+#: Nsight Compute's samples; 6 stages took it from 30.7 to 29.4 µs, with stepped descriptors and setmaxnreg 28.4
+#: (cuBLAS 26.4; wgmma_run12.json, ncu_run1.json, H100)
+DEEP_STAGES = 6
 #: the small-M kernel's candidates: columns (8 * n8) a block, warps splitting K, K chunks loaded ahead
 SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
 
 
+def deeper_rings(m: int, n: int, k: int, pick: WgmmaTile) -> list[WgmmaTile]:
+    """The pick with the most stages up to DEEP_STAGES that fit, alone and with stepped descriptors (and setmaxnreg
+    where it has two computing warpgroups); none where the pick's ring cannot grow."""
+    deep = max((d for d in range(pick.stages + 1, DEEP_STAGES + 1)
+                if check_wgmma_shape(m, n, k, dataclasses.replace(pick, stages=d)) is None), default=None)
+    if deep is None:
+        return []
+    tuned = dict(stepped_desc=True, setmaxnreg=pick.bm == 128)
+    return [dataclasses.replace(pick, stages=deep), dataclasses.replace(pick, stages=deep, **tuned)]
+
+
 def wgmma_space(m: int, n: int, k: int) -> list[WgmmaTile]:
-    """The fitted pick (`choose_tile`) first, then every TILE_COSTS tile in each CTA order of GROUPS that fits,
-    cheapest estimate first, then the pick with each of PICK_VARIANTS: what `--trials N` measures, in that order."""
+    """The fitted pick (`choose_tile`) first, then its deeper rings (`deeper_rings`), then every TILE_COSTS tile
+    in each CTA order of GROUPS that fits, cheapest estimate first, then the pick with each of PICK_VARIANTS: what
+    `--trials N` measures, in that order."""
     pick = choose_tile(m, n, k)
     if pick is None:
         return []
@@ -41,7 +58,8 @@ def wgmma_space(m: int, n: int, k: int) -> list[WgmmaTile]:
                     key=lambda t: (estimate_us(m, n, k, dataclasses.replace(t, group_m=WgmmaTile.group_m)),
                                    GROUPS.index(t.group_m)))
     variants = [dataclasses.replace(pick, **v) for v in PICK_VARIANTS]
-    space = [pick] + ranked + [t for t in variants if check_wgmma_shape(m, n, k, t) is None]
+    variants = [t for t in variants if check_wgmma_shape(m, n, k, t) is None]
+    space = [pick] + deeper_rings(m, n, k, pick) + ranked + variants
     return list(dict.fromkeys(space))
 
 
