@@ -114,13 +114,14 @@ def wgmma_attention(s: dict, knobs: dict):
     if chain and not (persistent and overlap and not pingpong and not causal):
         # (with causality ptxas serializes every wgmma of the chained kernel: C7515, accumulators defined in a stage)
         raise ValueError("chain needs persistent CTAs, the overlapped loop without ping-pong, and no causality")
-    # tma_store (on wherever it applies: not with persistent CTAs): each consumer writes its 64 rows of the output
-    # into its rows of Q's buffer (free once its last S is done), 128-byte swizzled as TMA reads them, and one thread
-    # stores each 64-wide panel by TMA: whole lines, asynchronous, where the half2 stores from registers (tma_store=0,
-    # only there to time it) write 16 bytes of a row each; non-causal 2048 129.0 -> 123.6 µs (attention_run16.json)
+    # tma_store (not with persistent CTAs): each consumer writes its 64 rows of the output into its rows of Q's buffer
+    # (free once its last S is done), 128-byte swizzled as TMA reads them, and one thread stores each 64-wide panel by
+    # TMA: whole lines, asynchronous, where the half2 stores from registers (tma_store=0) write 16 bytes of a row each;
+    # non-causal 2048 129.0 -> 123.6 µs (attention_run16.json). On by default for BHSD outputs, the layout it has run
+    # with on a GPU; off for the others (the models' head-merged BSHD) until it has
     if knobs.get("tma_store") and persistent:
         raise ValueError("tma_store stages the output in Q's buffer, which persistent CTAs load the next Q into")
-    tma_store = bool(knobs.get("tma_store", 1)) and not persistent
+    tma_store = bool(knobs.get("tma_store", s["out_layout"] == "BHSD")) and not persistent
     order = int(knobs.get("order", 0))
     if order not in (0, 1):
         raise ValueError(f"order {order}: 0 (heads first) or 1 (query tiles first)")
