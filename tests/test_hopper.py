@@ -29,7 +29,7 @@ from tvmfuse.kernels.hopper.select import (
     gemm_kernel_from_fused,
 )
 from tvmfuse.kernels.hopper.mma_smallm import SmallMTile, check_smallm_shape
-from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
+from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, consumer_regs
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
 from tvmfuse.targets import resolve_target
 
@@ -103,6 +103,11 @@ def test_tile_choice_and_shape_checks():
     assert "below one 128-row tile" in check_wgmma_shape(100, 512, 512, WgmmaTile(128, 4))
     assert estimate_us(512, 4096, 4096, WgmmaTile(256, 4)) > estimate_us(512, 4096, 4096, WgmmaTile(128, 4, dual=True))
     assert "registers" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 4, dual=True))
+    assert "three computing warpgroups" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, 192, dual=True))
+    assert "three computing warpgroups" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 3, 192))
+    assert "unsupported tile" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, 256))
+    assert check_wgmma_shape(512, 512, 512, WgmmaTile(192, 4, 192, setmaxnreg=True)) is None
+    assert [consumer_regs(c) for c in (2, 3)] == [232, 152]  # 128 x 40 + 128 x c x regs <= 65536
     assert "shared memory" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 8))
     assert "setmaxnreg needs two computing warpgroups" in check_wgmma_shape(
         512, 512, 512, WgmmaTile(128, 6, bm=64, dual=True, setmaxnreg=True))
@@ -539,6 +544,11 @@ def test_bf16_fp32_output_matches_numpy_on_the_gpu():
 
 #: the wgmma kernel's pipelining variants: (tile, what its CUDA source must hold, what it must not)
 WGMMA_VARIANTS = [
+    # three computing warpgroups (192 rows; 512 threads, so 128 registers each, 152 with setmaxnreg): M = 512 makes
+    # a ragged third row tile
+    (WgmmaTile(192, 4, 192, setmaxnreg=True), ("__launch_bounds__(512)", "setmaxnreg_inc_sync_aligned_u32_152",
+                                               "setmaxnreg_dec_sync_aligned_u32_40"), ("multicast",)),
+    (WgmmaTile(192, 4, 192), ("__launch_bounds__(512)", "wgmma.wait_group.sync.aligned 0;"), ("setmaxnreg",)),
     (WgmmaTile(256, 4, inflight=1), ("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;"),
      ("multicast",)),
     (WgmmaTile(256, 4), ("wgmma.wait_group.sync.aligned 0;",), ("aligned 1;", "multicast")),

@@ -42,7 +42,7 @@ def deeper_rings(m: int, n: int, k: int, pick: WgmmaTile) -> list[WgmmaTile]:
                 if check_wgmma_shape(m, n, k, dataclasses.replace(pick, stages=d)) is None), default=None)
     if deep is None:
         return []
-    tuned = dict(stepped_desc=True, setmaxnreg=pick.bm == 128)
+    tuned = dict(stepped_desc=True, setmaxnreg=pick.bm >= 128)
     return [dataclasses.replace(pick, stages=deep), dataclasses.replace(pick, stages=deep, **tuned)]
 
 

@@ -30,6 +30,12 @@ PAIR_STORES = {
 #: rise to CONSUMER_REGS (CUTLASS's split: 128 x 40 + 256 x 232 of the SM's 65536)
 LOADER_REGS, CONSUMER_REGS = 40, 232
 
+
+def consumer_regs(consumers: int) -> int:
+    """Registers a computing thread rises to with setmaxnreg beside the loader's LOADER_REGS: CONSUMER_REGS for two
+    computing warpgroups, 152 for three (the SM's 65536 shared, in steps of 8)."""
+    return min(CONSUMER_REGS, (65536 - 128 * LOADER_REGS) // (128 * consumers) // 8 * 8)
+
 #: attribute marking a PrimFunc written in TIRx (compiled by TVM's tirx pipeline, never scheduled); its value names
 #: the kernel ("wgmma", "mma_smallm") for the manifest
 TIRX_ATTR = "tvmfuse.tirx"
@@ -250,7 +256,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                     load_tile(bx, by, 0, As, Bs, full, empty, a_map, b_map, rank)
         else:
             if tile.setmaxnreg:
-                T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                T.ptx["setmaxnreg.inc.sync.aligned.u32"](consumer_regs(cons))
             if persistent:
                 for ti in T.serial((tiles_n * tiles_m - bid + grid - 1) // grid):
                     compute_tile(tile_of(bid + ti * grid, tiles_m, tiles_n, group, T.min)[0],

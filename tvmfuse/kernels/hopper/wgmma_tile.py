@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WgmmaTile:
-    """One kernel configuration: a CTA of one loading warpgroup and bm / 64 computing warpgroups (each 64 rows)
-    makes bm x bn, K in 64s through a ring of `stages` shared-memory stages."""
+    """One kernel configuration: a CTA of one loading warpgroup and bm / 64 computing warpgroups (each 64 rows; bm 64,
+    128 or 192) makes bm x bn, K in 64s through a ring of `stages` shared-memory stages."""
 
     bn: int = 128
     stages: int = 4
@@ -67,7 +67,7 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"M={m} is below one {tile.bm}-row tile (small M: the GEMV schedules)"
     if k % 8:
         return f"K={k} is not a multiple of 8 (TMA needs 16-byte row strides)"
-    if tile.bm not in (64, 128) or tile.bn % 16 or not 64 <= tile.bn <= 256 or tile.stages < 2:
+    if tile.bm not in (64, 128, 192) or tile.bn % 16 or not 64 <= tile.bn <= 256 or tile.stages < 2:
         return f"unsupported tile {tile}"
     if tile.inflight not in (0, 1) or (tile.dual and tile.inflight):
         return f"unsupported tile {tile}: inflight 0 or 1, and 0 with two accumulator sets (they keep one in flight)"
@@ -82,6 +82,8 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"tile {tile}: setmaxnreg needs two computing warpgroups (with one, ptxas ignores it: C7508)"
     if tile.dual and tile.bn > 128:
         return f"tile {tile}: two accumulator sets of m64n{tile.bn} do not fit the registers"
+    if tile.bm == 192 and (tile.dual or tile.bn > 192):  # 512 threads: 128 registers each, 152 with setmaxnreg
+        return f"tile {tile}: three computing warpgroups hold one accumulator set of at most m64n192"
     if tile.smem_bytes > 200 * 1024:
         return f"tile {tile} needs {tile.smem_bytes} bytes of shared memory"
     return None
