@@ -15,8 +15,8 @@ from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, tshape
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
-from tvmfuse.kernels.hopper.wgmma_gemm import (BAR_SRC, CONSUMER_REGS, FENCE_SRC, LOADER_REGS, PAIR_STORES,
-                                                REMOTE_ARRIVE_SRC, TIRX_ATTR)
+from tvmfuse.kernels.hopper.wgmma_gemm import (BAR_SRC, FENCE_SRC, LOADER_REGS, PAIR_STORES, REMOTE_ARRIVE_SRC,
+                                                TIRX_ATTR, consumer_regs)
 from tvmfuse.targets import SMS
 
 #: keeps the compiler from reusing a P fragment register while the wgmma that reads it is in flight
@@ -253,15 +253,26 @@ def wgmma_attention(s: dict, knobs: dict):
             logits(sacc, st, qt, jt, cw, warp, lane, False, width)
 
     @T.macro
-    def fence(sacc, o, pa, width=BN):
-        """The registers wgmma reads or writes, pinned: the compiler moves none of them across an in-flight group (of
-        S and P, the first `width` columns)."""
+    def fence_s(sacc, width):
+        """S's registers (its first `width` columns) pinned: the compiler moves none of them across an in-flight
+        group."""
         for i in T.unroll(width // 2):
             T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
+
+    @T.macro
+    def fence_pv(o, pa, width):
+        """The registers P V reads or writes pinned: O, and P (its first `width` columns)."""
         for i in T.unroll(o_n):
             T.cuda.func_call("tvmfuse_fence_acc", o[i], source_code=FENCE_SRC)
         for r in T.unroll(width // 4):
             T.cuda.func_call("tvmfuse_fence_u32", pa[r], source_code=FENCE_U32_SRC)
+
+    @T.macro
+    def fence(sacc, o, pa, width=BN):
+        """The registers wgmma reads or writes, pinned: the compiler moves none of them across an in-flight group (of
+        S and P, the first `width` columns)."""
+        fence_s(sacc, width)
+        fence_pv(o, pa, width)
 
     @T.macro
     def issue_s(sacc, Qs, Ks, k_full, desc_q, desc_k, jt, cw, qb):
@@ -335,8 +346,7 @@ def wgmma_attention(s: dict, knobs: dict):
         their_turn(cw, False)
         if overlap:
             T.ptx.wgmma.wait_group.sync.aligned(1)  # S of tile jt is done; P V of jt - 1 may still run
-            for i in T.unroll(width // 2):
-                T.cuda.func_call("tvmfuse_fence_acc", sacc[i], source_code=FENCE_SRC)
+            fence_s(sacc, width)
             release(k_empty, g0 + jt, lane, rank)
             softmax(sacc, o, st, pa, qt, jt, cw, warp, lane, width)
             T.cuda.func_call("tvmfuse_softmax_anchor", T.address_of(anchor[0]), st[2] + st[3], source_code=ANCHOR_SRC)
@@ -469,7 +479,7 @@ def wgmma_attention(s: dict, knobs: dict):
                         gacc[0] = gacc[0] + kv_tiles(qt)
         else:
             if regs:
-                T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                T.ptx["setmaxnreg.inc.sync.aligned.u32"](consumer_regs(C))
             if persistent:
                 gacc[0] = 0
             if chain:  # the first item's first S; each item issues the next one's after its last P V
@@ -528,10 +538,7 @@ def wgmma_attention(s: dict, knobs: dict):
                             T.ptx.wgmma.wait_group.sync.aligned(1)
                         else:
                             T.ptx.wgmma.wait_group.sync.aligned(0)
-                        for i in T.unroll(o_n):  # P V is done; S may still run: its registers are not touched
-                            T.cuda.func_call("tvmfuse_fence_acc", o[i], source_code=FENCE_SRC)
-                        for r in T.unroll(BN // 4):
-                            T.cuda.func_call("tvmfuse_fence_u32", pa[r], source_code=FENCE_U32_SRC)
+                        fence_pv(o, pa, BN)  # P V is done; S may still run: its registers are not touched
                     else:
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         fence(sacc, o, pa)
