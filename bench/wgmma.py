@@ -57,6 +57,7 @@ PREFILL_TILES = ("128x256x4", "128x192x4", "128x176x4", "128x160x4", "128x144x4"
 
 
 def _tile(kernel, spec):
+    """(the tile a spec names, its diagnostic ablation: "", "loads" or "mma")."""
     from tvmfuse.kernels.hopper.mma_smallm import SmallMTile
     from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile
     # "128x176x4g4": groups of 4 row tiles, rows fastest (g1: columns); "d": two accumulator sets; "i1": one wgmma
@@ -64,14 +65,14 @@ def _tile(kernel, spec):
     found = re.fullmatch(r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d))?(s?)(p?)(r?)(?:g(\d+))?(?:-(loads|mma))?", spec)
     if not found:
         raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2][s][p][r][gG][-loads|-mma]")
-    dims, dual, inflight, cluster, stepped, persistent, regs, group, _ = found.groups()
+    dims, dual, inflight, cluster, stepped, persistent, regs, group, ablate = found.groups()
     vals = [int(v) for v in dims.split("x")]
     if kernel == "smallm":
-        return SmallMTile(*vals)
+        return SmallMTile(*vals), ablate or ""
     return WgmmaTile(bn=vals[-2], stages=vals[-1], bm=vals[0] if len(vals) == 3 else 128, dual=bool(dual),
                      inflight=int(inflight or 0), cluster=int(cluster or 1), stepped_desc=bool(stepped),
                      persistent=bool(persistent), setmaxnreg=bool(regs),
-                     group_m=int(group) if group else WgmmaTile.group_m)
+                     group_m=int(group) if group else WgmmaTile.group_m), ablate or ""
 
 
 def tile_spec(t) -> str:
@@ -134,13 +135,13 @@ def _build(kernel, job):
     from tvmfuse.kernels.hopper.mma_smallm import check_smallm_shape, make_smallm_gemm
     from tvmfuse.kernels.hopper.wgmma_tile import check_wgmma_shape
     check, make = (check_smallm_shape, make_smallm_gemm) if kernel == "smallm" else (check_wgmma_shape, make_wgmma_gemm)
-    tile = _tile(kernel, spec)
+    tile, ablate = _tile(kernel, spec)
     why = check(m, n, k, tile)
     if why:
         return None, why
     try:
-        ablate = {"ablate": spec.partition("-")[2]} if "-" in spec else {}  # diagnostics: -loads, -mma
-        func = make(m, n, k, tile, "bias_gelu" if gelu else "none", dtype, **ablate)
+        extra = {"ablate": ablate} if ablate else {}  # diagnostics: -loads, -mma
+        func = make(m, n, k, tile, "bias_gelu" if gelu else "none", dtype, **extra)
         return tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx").mod, None
     except Exception as err:  # noqa: BLE001  (record the build error, keep sweeping)
         return None, str(err).strip().splitlines()[-1][:300]
