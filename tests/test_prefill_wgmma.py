@@ -164,6 +164,7 @@ def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked
     assert (src.count("barrier.cluster.wait") > 0) == (cluster == 2)
     assert src.count("tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_1();") == (1 if knobs["overlap"] else 0)
     assert src.count("tvmfuse_softmax_anchor(") == (2 if knobs["overlap"] else 0)  # the helper and its one call
+    assert ("anchor_ptr[1]" in src) == bool(knobs["overlap"])  # its 4 bytes of shared memory: overlapped loops only
     # ping-pong: a turn taken before each of the 3 issue points, and consumer 1 lets consumer 0 go first
     # (+ the helper), and each consumer's meeting before its output's TMA store (tma_store: by default, BHSD outputs)
     tma_store = s["out_layout"] == "BHSD"

@@ -417,8 +417,10 @@ def wgmma_attention(s: dict, knobs: dict):
         desc_k: T.uint64
         desc_v: T.uint64
         gacc = T.alloc_local((1,), "int32")  # persistent: K/V tiles of this CTA's earlier work items (stage counter)
-        if overlap or batched:
-            anchor = T.alloc_shared((1,), "float32")  # never written (ANCHOR_SRC; overlapped loops only)
+        if overlap:
+            anchor = T.alloc_shared((1,), "float32")  # never written (ANCHOR_SRC)
+        else:
+            anchor = T.meta_var(None)  # (the batched loops share overlapped_tile, which reads it only when overlapped)
         cw = T.meta_var(tx // 128 - 1)
         warp = T.meta_var(tx % 128 // 32)
         lane = T.meta_var(tx % 32)
