@@ -1,0 +1,36 @@
+"""bench/fit_tile_costs.py: TILE_COSTS' per-k-step costs recovered from wgmma.py results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.fit_tile_costs import fit, measured
+from tvmfuse.targets import SMS
+
+
+def _results(path, costs, fixed, shapes, wrong=()):
+    from bench.wgmma import _tile
+    cases = {}
+    for m, k, n in shapes:
+        rows = []
+        for spec, c in costs.items():
+            tile, _ = _tile("wgmma", spec)
+            waves = -(-(-(-m // tile.bm) * -(-n // tile.bn)) // SMS)
+            err = 1.0 if (m, spec) in wrong else 0.004
+            rows.append({"tile": spec, "us": waves * (k // 64 * c + fixed), "max_abs_err": err})
+        rows.append({"tile": "128x128x4d-mma", "us": 1.0, "max_abs_err": 9.0})  # a diagnostic: never fitted
+        cases[f"m{m}_k{k}_n{n}"] = {"m": m, "k": k, "n": n, "dtype": "float16", "tiles": rows}
+    path.write_text(json.dumps({"cases": cases}))
+    return str(path)
+
+
+def test_fit_recovers_the_costs_the_times_were_made_from_and_skips_wrong_rows(tmp_path):
+    costs = {"128x128x6dsr": 0.41, "128x256x4sr": 0.74, "192x192x4sr": 0.80}
+    shapes = [(512, 4096, 4096), (2048, 4096, 11008), (512, 768, 2304)]
+    path = _results(tmp_path / "r.json", costs, 1.0, shapes, wrong={(512, "192x192x4sr")})
+    times = measured([path])
+    assert "192x192x4sr" not in times["m512_k4096_n4096"] and "128x128x4d-mma" not in times["m512_k4096_n4096"]
+    got = fit(times, list(costs), 1.0)
+    assert got == pytest.approx(costs, rel=1e-9)
