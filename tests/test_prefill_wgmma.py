@@ -166,8 +166,9 @@ def test_kernel_source_is_tma_loads_and_two_wgmma_forms(s, knobs, panels, masked
     assert src.count("tvmfuse_softmax_anchor(") == (2 if knobs["overlap"] else 0)  # the helper and its one call
     assert ("anchor_ptr[1]" in src) == bool(knobs["overlap"])  # its 4 bytes of shared memory: overlapped loops only
     # ping-pong: a turn taken before each of the 3 issue points, and consumer 1 lets consumer 0 go first
-    # (+ the helper), and each consumer's meeting before its output's TMA store (tma_store: by default, BHSD outputs)
-    tma_store = s["out_layout"] == "BHSD"
+    # (+ the helper), and each consumer's meeting before its output's TMA store (tma_store: by default, BHSD and BSHD
+    # outputs)
+    tma_store = s["out_layout"] in ("BHSD", "BSHD")
     meet = (2 - knobs["pingpong"]) if tma_store else 0  # (+ the helper where ping-pong has none)
     assert src.count("tvmfuse_bar_sync(") == (4 if knobs["pingpong"] else 0) + meet
     assert ("tvmfuse_bar_arrive(1, 256)" in src) == bool(knobs["pingpong"])
@@ -344,8 +345,8 @@ def _each_knob_value(s: dict) -> list[dict]:
     for k in chosen[:1] + [k for k in chosen if k["pingpong"]]:
         chosen += [dict(k, cluster=1, persistent=1)] if dict(k, cluster=1, persistent=1) not in chosen else []
     # the default with the other output store: half2 stores from registers where the TMA store is the default (BHSD
-    # outputs), the TMA store where it is not yet (BSHD)
-    chosen.append(dict(chosen[0], tma_store=0 if s["out_layout"] == "BHSD" else 1))
+    # and BSHD outputs), the TMA store where it is not
+    chosen.append(dict(chosen[0], tma_store=0 if s["out_layout"] in ("BHSD", "BSHD") else 1))
     # with causality, query tiles first (outside the space until measured): the default with it
     if s["causal"]:
         chosen.append(dict(chosen[0], order=1))
@@ -575,15 +576,15 @@ def test_the_tail_tile_runs_its_softmax_and_p_v_over_the_keys_it_has(seq_k, bloc
 
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_tma_store_stages_each_consumers_rows_in_q_and_stores_them_by_panel(layout):
-    """tma_store (the default for BHSD outputs, not yet for BSHD ones): the output goes through Q's buffer, written
+    """tma_store (the default for BHSD and BSHD outputs, both run on a GPU): the output goes through Q's buffer, written
     128-byte swizzled, and leaves by one TMA store a 64-wide panel a consumer (the tensor map's box: 64 rows), once
     every write is fenced for the async proxy and the consumer's warps meet; the CTA waits for the stores to read
     shared memory before it ends. Refused with persistent CTAs (the next Q loads into that buffer)."""
     s = normalize(dict(batch=1, heads=4, kv_heads=4, seq_q=300, seq_k=512, head_dim=128, dtype="float16",
                        causal=False, arch="sm_90a", q_layout=layout, out_layout=layout))
-    knobs = dict(default_knobs(s), tma_store=1)  # the default for BHSD outputs, asked for with BSHD ones
+    knobs = dict(default_knobs(s), tma_store=1)
     src, plain = _source(s, knobs), _source(s, dict(knobs, tma_store=0))
-    assert _source(s, default_knobs(s)) == (src if layout == "BHSD" else plain)
+    assert _source(s, default_knobs(s)) == src
     store = "tvm_builtin_ptx_cp_async_bulk_tensor_s2g_async_bulk_tensor_4d_global_shared__cta_bulk_group("
     assert src.count(store) == 1 + 2 and store not in plain  # the helper; the two panels
     assert "const __grid_constant__ CUtensorMap o_map" in src and "o_map" not in plain

@@ -40,6 +40,8 @@ EX2_SRC = ('__device__ __forceinline__ float tvmfuse_ex2(float x) '
 #: the row max, before all 64 EX2s (the causal loop's mask branch kept them apart), and P V overlapped nothing; shared
 #: memory accesses stay on their side of it, so a store of the row sums (every probability adds into them), predicated
 #: on a sum below zero (never: NaN compares false), pins every EX2 ahead of the wait for 4 instructions a tile
+#: output layouts whose TMA store (`tma_store`) has run on a GPU, where it is on by default
+TMA_STORE_LAYOUTS = ("BHSD", "BSHD")
 ANCHOR_SRC = ('__device__ __forceinline__ void tvmfuse_softmax_anchor(float* p, float x) '
               '{ asm volatile("{ .reg .pred p; setp.lt.f32 p, %1, 0f00000000; @p st.shared.f32 [%0], %1; }" '
               ':: "r"((unsigned)__cvta_generic_to_shared(p)), "f"(x) : "memory"); }')
@@ -117,11 +119,11 @@ def wgmma_attention(s: dict, knobs: dict):
     # tma_store (not with persistent CTAs): each consumer writes its 64 rows of the output into its rows of Q's buffer
     # (free once its last S is done), 128-byte swizzled as TMA reads them, and one thread stores each 64-wide panel by
     # TMA: whole lines, asynchronous, where the half2 stores from registers (tma_store=0) write 16 bytes of a row each;
-    # non-causal 2048 129.0 -> 123.6 µs (attention_run16.json). On by default for BHSD outputs, the layout it has run
-    # with on a GPU; off for the others (the models' head-merged BSHD) until it has
+    # non-causal 2048 129.0 -> 123.6 µs (attention_run16.json). On by default for the layouts it has run with on a
+    # GPU: BHSD, and the models' head-merged BSHD (gpu_tests_run45.txt)
     if knobs.get("tma_store") and persistent:
         raise ValueError("tma_store stages the output in Q's buffer, which persistent CTAs load the next Q into")
-    tma_store = bool(knobs.get("tma_store", s["out_layout"] == "BHSD")) and not persistent
+    tma_store = bool(knobs.get("tma_store", s["out_layout"] in TMA_STORE_LAYOUTS)) and not persistent
     order = int(knobs.get("order", 0))
     if order not in (0, 1):
         raise ValueError(f"order {order}: 0 (heads first) or 1 (query tiles first)")
