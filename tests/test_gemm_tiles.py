@@ -15,10 +15,10 @@ from test_smallm import _projection
 from tvm.s_tir import meta_schedule as ms
 
 from tvmfuse.kernels.hopper import apply_hopper_kernels, choose_smallm_tile, choose_tile
-from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, HOPPER_GEMMS, hopper_gemm_sites, measured_tiles,
-                                               smallm_space, wgmma_space)
+from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, GROUPS, HOPPER_GEMMS, PICK_VARIANTS, hopper_gemm_sites,
+                                               measured_tiles, smallm_space, wgmma_space)
 from tvmfuse.kernels.hopper.mma_smallm import check_smallm_shape
-from tvmfuse.kernels.hopper.select import gemm_kernel_from_fused
+from tvmfuse.kernels.hopper.select import TILE_COSTS, gemm_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
 from tvmfuse.records import TuningDatabase
 from tvmfuse.records.keys import knob_key
@@ -47,8 +47,13 @@ def test_wgmma_space_is_the_fitted_pick_first_then_every_tile_that_fits(m, n, k)
         assert deep[0].stages == DEEP_STAGES or check_wgmma_shape(m, n, k, deeper)  # the deepest that fits
     else:
         assert deep == []
-    assert any(t.stepped_desc for t in space[-4:]) and not any(t.stepped_desc for t in space[3 if deep else 1:-4])
-    assert all(t.bm == 128 or not t.setmaxnreg for t in space)  # one computing warpgroup: ptxas ignores setmaxnreg
+    ranked = [dataclasses.replace(t, group_m=g) for t in TILE_COSTS for g in GROUPS]
+    assert {t for t in ranked if check_wgmma_shape(m, n, k, t) is None} <= set(space)  # every rules' tile that fits
+    variants = [dataclasses.replace(pick, **v) for v in PICK_VARIANTS]
+    assert {t for t in variants if check_wgmma_shape(m, n, k, t) is None} <= set(space)
+    assert space.index(pick) == 0 and all(space.index(t) >= len(space) - 4 for t in variants if t in space[1:]
+                                          and t not in ranked and t not in deep)  # the pick's variants come last
+    assert all(t.bm >= 128 or not t.setmaxnreg for t in space)  # one computing warpgroup: ptxas ignores setmaxnreg
     assert wgmma_space(32, n, k) == []  # below every tile (the family gives such rows the small-M kernel)
 
 

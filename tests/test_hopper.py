@@ -22,7 +22,10 @@ from tvmfuse.build.compile import (
 from tvmfuse.fuse.fusion import lower
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, gemm_dtypes_refused
 from tvmfuse.kernels.hopper.select import (
+    DEEP_RING,
+    TILE_COSTS,
     apply_hopper_kernels,
+    check_deep_ring,
     choose_smallm_tile,
     choose_tile,
     estimate_us,
@@ -93,15 +96,23 @@ def test_an_epilogue_that_reads_the_product_transposed_is_refused():
 
 
 def test_tile_choice_and_shape_checks():
-    # the measured best tiles (wgmma_run4.json, wgmma_run5.json in bench/results/archive-sessions-5-7.tar.xz)
-    assert choose_tile(4096, 11008, 4096) == WgmmaTile(256, 4)  # 1376 tiles of 128x256
-    assert choose_tile(512, 4096, 4096) == WgmmaTile(128, 4, dual=True)  # 64 of 128x256 would leave SMs idle
+    # the measured best tiles (wgmma_run4.json, wgmma_run5.json in bench/results/archive-sessions-5-7.tar.xz;
+    # wgmma_run13_*.json)
+    sr = dict(stepped_desc=True, setmaxnreg=True)
+    assert choose_tile(2048, 4096, 4096) == WgmmaTile(256, 4, **sr)  # 256 tiles of 128x256: two full waves
+    assert choose_tile(2048, 11008, 4096) == WgmmaTile(192, 4, 192, **sr)  # 638 tiles: 4.8 waves, 128x256's 5.2
+    assert choose_tile(512, 4096, 4096) == DEEP_RING  # 128 tiles: one wave, 64 k-steps
+    assert choose_tile(512, 4096, 11008) == DEEP_RING
+    assert choose_tile(2048, 4096, 11008) == WgmmaTile(256, 4, **sr)  # (512 128x128 tiles: no deep ring)
     assert choose_tile(512, 11008, 4096) == WgmmaTile(176, 4)  # 252 tiles: two full waves
     assert choose_tile(512, 768, 3072) == WgmmaTile(64, 8, 64, dual=True)  # GPT-2's MLP down: 96 64x64 tiles
-    assert choose_tile(512, 50257, 768) == WgmmaTile(256, 4)
+    assert choose_tile(512, 50257, 768) == WgmmaTile(256, 4, **sr)
+    assert "one wave" in check_deep_ring(2048, 4096, 4096, DEEP_RING)  # 512 tiles
+    assert "K >= 4096" in check_deep_ring(512, 4096, 3072, DEEP_RING)
+    assert check_deep_ring(512, 4096, 4096, DEEP_RING) is None and check_deep_ring(2048, 1, 1, WgmmaTile()) is None
     assert choose_tile(100, 512, 512).bm == 64  # 65 <= M < 128: the 64-row tiles only
     assert "below one 128-row tile" in check_wgmma_shape(100, 512, 512, WgmmaTile(128, 4))
-    assert estimate_us(512, 4096, 4096, WgmmaTile(256, 4)) > estimate_us(512, 4096, 4096, WgmmaTile(128, 4, dual=True))
+    assert estimate_us(512, 4096, 4096, WgmmaTile(256, 4, **sr)) > estimate_us(512, 4096, 4096, WgmmaTile(128, 4, dual=True))
     assert "registers" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 4, dual=True))
     assert "three computing warpgroups" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, 192, dual=True))
     assert "three computing warpgroups" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 3, 192))
@@ -629,6 +640,29 @@ def test_wgmma_variants_match_numpy_on_the_gpu(tile, dtype):
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
     want = _bf16_gelu_reference(x, w, b)
     np.testing.assert_allclose(out.numpy().astype("float32"), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_192_row_tiles_stage_odd_n_rows_and_match_numpy_on_the_gpu(dtype):
+    """The rules' 192x192 tile (three computing warpgroups, stepped descriptors, setmaxnreg) at odd N, whose rows
+    go through shared memory (GPT-2's LM head), with a ragged third row tile."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+
+    m, n, k = 500, 1001, 512
+    tile = WgmmaTile(192, 4, 192, stepped_desc=True, setmaxnreg=True)
+    assert tile in TILE_COSTS
+    lib = tvm.compile(tvm.IRModule({"main": make_wgmma_gemm(m, n, k, tile, "bias_gelu", dtype)}),
+                      target=hopper_target(), tir_pipeline="tirx")
+    rng = np.random.default_rng(5)
+    np_dtype = BF16 if dtype == "bfloat16" else "float16"
+    x = rng.standard_normal((m, k)).astype(np_dtype)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np_dtype)
+    b = (rng.standard_normal(n) * 0.1).astype(np_dtype)
+    dev = tvm.cuda(0)
+    out = tvm.runtime.empty((m, n), dtype, dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
+    np.testing.assert_allclose(out.numpy().astype("float32"), _bf16_gelu_reference(x, w, b), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("tile", [WgmmaTile(256, 4, persistent=True), WgmmaTile(128, 4, dual=True, persistent=True),

@@ -19,10 +19,24 @@ from tvmfuse.targets import SMS  # one CTA of these tiles each at a time on each
 #: microseconds one CTA of each tile spends per 64-deep k-step on the H200, and per tile besides (pipeline fill,
 #: epilogue): fitted to wgmma_run4.json and wgmma_run5.json (bench/results/archive-sessions-5-7.tar.xz; 17 GPT-2 /
 #: Llama prefill projections, 6-11 tiles each), where the cheapest estimate is the measured best tile at 16 shapes
-#: and within 4% at the 17th
-TILE_COSTS = {WgmmaTile(256, 4): 0.83, WgmmaTile(192, 4): 0.70, WgmmaTile(176, 4): 0.62, WgmmaTile(144, 4): 0.55,
-              WgmmaTile(128, 4, dual=True): 0.47, WgmmaTile(128, 6, 64, dual=True): 0.35,
-              WgmmaTile(64, 8, 64, dual=True): 0.21}
+#: and within 4% at the 17th. Three tiles were added from wgmma_run13_llama.json / wgmma_run13_gpt2.json (an H100,
+#: 14 Llama-2-7B / GPT-2 / BERT projections, 9-11 tiles each), each at its measured ratio to a tile above:
+#: 128x256 with stepped descriptors and setmaxnreg (0.4-2.4% faster than without at all 6 shapes measured);
+#: 192x192 (three computing warpgroups) at 1.10x the 128x256's cost (2048x4096 @ 11008: 638 tiles, 4.8 waves
+#: where 128x256 makes 688 and 5.2: 313.9 against 334.9 µs; 2048x768 @ 2304: 21.0 against 23.9 for 128x176);
+#: and the 128x128 dual tile's 6-stage ring (DEEP_RING) at 0.905x the 4-stage one's
+TILE_COSTS = {WgmmaTile(256, 4, stepped_desc=True, setmaxnreg=True): 0.83, WgmmaTile(192, 4): 0.70,
+              WgmmaTile(176, 4): 0.62, WgmmaTile(144, 4): 0.55, WgmmaTile(128, 4, dual=True): 0.47,
+              WgmmaTile(128, 6, 64, dual=True): 0.35, WgmmaTile(64, 8, 64, dual=True): 0.21,
+              WgmmaTile(192, 4, 192, stepped_desc=True, setmaxnreg=True): 0.91}
+#: the 128x128 dual tile with 6 stages, stepped descriptors and setmaxnreg. Where every CTA runs at once (one wave)
+#: over a long loop it is 8.5-10% faster than 4 stages (512x4096x4096 28.1 against 30.7 µs, cuBLAS 26.0;
+#: 512x11008x4096 67.6 against 75.1, cuBLAS 64.9): the loads of all CTAs compete, and with 4 stages the ring is
+#: latency-bound (loads alone: 26.5 µs with 4 stages, 22.3 with 6; wgmma_run11.json, wgmma_run13_ablate.json).
+#: Elsewhere it lost: 2-8% slower at the three 2048-row Llama shapes (several waves) and at 2048x3072x768 (K 3072)
+DEEP_RING = WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True)
+TILE_COSTS[DEEP_RING] = 0.425
+DEEP_RING_MIN_K = 4096
 TILE_FIXED_US = 1.0
 SPLIT_BYTES_PER_US = 3.3e6  # a copy kernel's bytes per µs on the H200 (copy bandwidth 3.3-4.3 TB/s in the bench runs)
 
@@ -43,9 +57,21 @@ def estimate_us(m: int, n: int, k: int, tile: WgmmaTile) -> float:
     return waves * (-(-k // tile.bk) * TILE_COSTS[tile] + TILE_FIXED_US)
 
 
+def check_deep_ring(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
+    """Why the rules do not pick `tile` at this shape (DEEP_RING where its CTAs make more than one wave, or K is
+    below DEEP_RING_MIN_K), or None."""
+    if tile != DEEP_RING:
+        return None
+    tiles = -(-m // tile.bm) * -(-n // tile.bn)
+    if tiles > SMS or k < DEEP_RING_MIN_K:
+        return f"{tiles} tiles over K={k}: the 6-stage ring pays in one wave over K >= {DEEP_RING_MIN_K} only"
+    return None
+
+
 def choose_tile(m: int, n: int, k: int) -> WgmmaTile | None:
-    """The tile of TILE_COSTS with the lowest estimate (wave quantization included); None when none fits."""
-    fits = [t for t in TILE_COSTS if check_wgmma_shape(m, n, k, t) is None]
+    """The tile of TILE_COSTS with the lowest estimate (wave quantization included) among those that fit and
+    `check_deep_ring` lets through; None when none fits."""
+    fits = [t for t in TILE_COSTS if check_wgmma_shape(m, n, k, t) is None and check_deep_ring(m, n, k, t) is None]
     return min(fits, key=lambda t: estimate_us(m, n, k, t)) if fits else None
 
 
