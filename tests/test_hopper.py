@@ -571,6 +571,10 @@ WGMMA_VARIANTS = [
      ()),
     (WgmmaTile(128, 4, dual=True, persistent=True), ("for (int ti = 0; ti < ",), ("multicast",)),
     (WgmmaTile(256, 4, setmaxnreg=True), ("setmaxnreg.dec.sync.aligned.u32", "setmaxnreg.inc.sync.aligned.u32"), ()),
+    # barrier waits by a try-wait without a suspend-time hint (no NANOSLEEP in the SASS between tries)
+    (WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True, spin_wait=True),
+     ("tvmfuse_mbar_spin(", "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra LSPIN;"),
+     ("tvm_builtin_cuda_mbarrier_wait(",)),
 ]
 
 

@@ -26,6 +26,14 @@ PAIR_STORES = {
     "bfloat16": ("tvmfuse_store_bf162", "__device__ __forceinline__ void tvmfuse_store_bf162(nv_bfloat16* p, float a, "
                  "float b) { *reinterpret_cast<nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b); }")}
 
+#: wait for an mbarrier's phase by `mbarrier.try_wait` without a suspend-time hint (`WgmmaTile.spin_wait`): ptxas
+#: then loops on the try-wait alone, where TVM's `mbarrier_wait` (CUTLASS's ticks, 0x989680) gets a
+#: `NANOSLEEP.SYNCS` of up to 10 ms after each failed try (the thread sleeps until the barrier changes)
+SPIN_WAIT_SRC = ('__device__ __forceinline__ void tvmfuse_mbar_spin(void* bar, int phase) { unsigned a = '
+                 '(unsigned)__cvta_generic_to_shared(bar); asm volatile("{ .reg .pred p; LSPIN: '
+                 'mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra LSPIN; }" :: "r"(a), "r"(phase) '
+                 ': "memory"); }')
+
 #: registers per thread with `WgmmaTile.setmaxnreg`: the loading warpgroup drops to LOADER_REGS and the computing ones
 #: rise to CONSUMER_REGS (CUTLASS's split: 128 x 40 + 256 x 232 of the SM's 65536)
 LOADER_REGS, CONSUMER_REGS = 40, 232
@@ -100,10 +108,18 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
 
     # fmt: off
     @T.macro
+    def wait(bar, phase):
+        """Until mbarrier `bar` completes the phase of parity `phase`."""
+        if tile.spin_wait:
+            T.cuda.func_call("tvmfuse_mbar_spin", T.address_of(bar), phase, source_code=SPIN_WAIT_SRC)
+        else:
+            T.cuda.mbarrier_wait(T.address_of(bar), phase)
+
+    @T.macro
     def k_step(acc, st, kt, g0, As, Bs, full, empty, desc_a, desc_b, cw, tx, rank):
         """k-tile kt into accumulator set st (g0 + kt: the CTA's k-step count, which picks the stage and its
         phase); releases the stage of the k-tile whose group is done."""
-        T.cuda.mbarrier_wait(T.address_of(full[(g0 + kt) % stages]), ((g0 + kt) // stages) % 2)
+        wait(full[(g0 + kt) % stages], ((g0 + kt) // stages) % 2)
         for i in T.unroll(acc_n):
             T.cuda.func_call("tvmfuse_fence_acc", acc[st * acc_n + i], source_code=FENCE_SRC)
         T.ptx.wgmma.fence.sync.aligned()
@@ -148,7 +164,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         """The loader's k-tiles of output tile (bx, by), from the CTA's k-step g0 on."""
         for kt in T.serial(k_tiles):
             if g0 + kt >= stages:
-                T.cuda.mbarrier_wait(T.address_of(empty[(g0 + kt) % stages]), ((g0 + kt) // stages + 1) % 2)
+                wait(empty[(g0 + kt) % stages], ((g0 + kt) // stages + 1) % 2)
             if ablate == "loads" and g0 + kt >= stages:  # diagnostics: the stage completes without its data
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(full[(g0 + kt) % stages]))
             else:

@@ -41,6 +41,9 @@ class WgmmaTile:
     #: Right on the GPU (gpu_tests_run31_hopper.txt); with stepped descriptors 0.1-2.4% faster than them alone
     #: (wgmma_run10.json). Off by default; --trials measures it on each GEMM's pick
     setmaxnreg: bool = False
+    #: the full and empty barriers waited for by a spinning try-wait without a suspend-time hint (no NANOSLEEP between
+    #: tries, `wgmma_gemm.SPIN_WAIT_SRC`); False: TVM's mbarrier_wait. Not yet measured: off by default
+    spin_wait: bool = False
     #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
     #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
     #: prefill projections 10% faster in all than 1 (4: 8%), the wide ones most: 2048x50257x768 410 -> 334 µs,
