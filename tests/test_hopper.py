@@ -33,7 +33,7 @@ from tvmfuse.kernels.hopper.select import (
 )
 from tvmfuse.kernels.hopper.mma_smallm import SmallMTile, check_smallm_shape
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, consumer_regs
-from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
+from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, pair_tile_of, tile_of
 from tvmfuse.targets import resolve_target
 
 
@@ -126,6 +126,10 @@ def test_tile_choice_and_shape_checks():
     assert check_wgmma_shape(2048, 50257, 768, WgmmaTile(128, 4)) is None  # GPT-2's LM head: ragged N
     assert "multiple of 8" in check_wgmma_shape(512, 4096, 4100, WgmmaTile(128, 4))
     assert "odd number of 128-row tiles" in check_wgmma_shape(384, 512, 512, WgmmaTile(128, 4, cluster=2))
+    assert check_wgmma_shape(384, 512, 512, WgmmaTile(128, 4, cluster=2, multicast="a")) is None  # pairs columns
+    assert "odd number of 128-column tiles" in check_wgmma_shape(512, 384, 512, WgmmaTile(128, 4, cluster=2,
+                                                                                          multicast="a"))
+    assert "sharing A or B" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, cluster=2, multicast="c"))
     assert check_wgmma_shape(250, 512, 512, WgmmaTile(128, 4, cluster=2)) is None  # two row tiles, one ragged
     assert "even group_m" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, cluster=2, group_m=3))
     assert "keep one in flight" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, dual=True, inflight=1))
@@ -260,6 +264,15 @@ def test_cta_order_covers_every_tile_once_rows_fastest_in_groups(tiles_m, tiles_
     assert sorted(order) == [(x, y) for x in range(tiles_n) for y in range(tiles_m)]
     first = order[:group]  # the first CTAs: one column tile (one B tile), consecutive row tiles
     assert [x for x, _ in first] == [0] * group and [y for _, y in first] == list(range(group))
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n,group", [(4, 32, 4), (4, 86, 16), (5, 8, 2), (3, 6, 8)])
+def test_clusters_sharing_a_pair_neighbouring_columns_of_one_row_and_cover_every_tile_once(tiles_m, tiles_n, group):
+    group = min(group, tiles_m)
+    order = [pair_tile_of(bid, tiles_m, tiles_n, group) for bid in range(tiles_m * tiles_n)]
+    assert sorted(order) == [(x, y) for x in range(tiles_n) for y in range(tiles_m)]
+    for (x0, y0), (x1, y1) in zip(order[::2], order[1::2]):  # a cluster: CTAs 2i and 2i + 1
+        assert y0 == y1 and x0 % 2 == 0 and x1 == x0 + 1
 
 
 @pytest.mark.gpu
@@ -571,6 +584,9 @@ WGMMA_VARIANTS = [
      ()),
     (WgmmaTile(128, 4, dual=True, persistent=True), ("for (int ti = 0; ti < ",), ("multicast",)),
     (WgmmaTile(256, 4, setmaxnreg=True), ("setmaxnreg.dec.sync.aligned.u32", "setmaxnreg.inc.sync.aligned.u32"), ()),
+    # clusters whose two CTAs share the A tile (neighbouring column tiles of one row tile), as cuBLAS's 1x2
+    (WgmmaTile(128, 6, dual=True, cluster=2, multicast="a", stepped_desc=True, setmaxnreg=True),
+     ("multicast::cluster [", "mapa.shared::cluster.u32", "barrier.cluster.arrive"), ()),
     # barrier waits by a try-wait without a suspend-time hint (no NANOSLEEP in the SASS between tries)
     (WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True, spin_wait=True),
      ("tvmfuse_mbar_spin(", "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra LSPIN;"),
@@ -594,8 +610,10 @@ def test_wgmma_variants_emit_their_pipelining(tile, wants, lacks):
     for text in lacks:
         assert text not in src, text
     assert src.count("tvm_builtin_ptx_prefetch_tensormap(") == 1 + 2  # the helper; A's and B's descriptors, once
-    if tile.cluster == 2:  # the B map's box is half the tile's columns: each CTA loads its half
-        assert func.script().count(f"b_map, \"float16\", 2, b.data, 1024, 1000, 2048, 64, {tile.bn // 2},") == 1
+    if tile.cluster == 2:  # the shared tile's map has a box of half its rows: each CTA loads its half
+        a_rows, b_rows = (tile.bm // 2, tile.bn) if tile.multicast == "a" else (tile.bm, tile.bn // 2)
+        assert func.script().count(f"a_map, \"float16\", 2, a.data, 1024, 512, 2048, 64, {a_rows},") == 1
+        assert func.script().count(f"b_map, \"float16\", 2, b.data, 1024, 1000, 2048, 64, {b_rows},") == 1
     if shutil.which("nvcc"):
         assert len(_nvcc_fatbin(src, hopper_target())) > 1000
 

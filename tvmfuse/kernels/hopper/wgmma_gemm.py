@@ -6,7 +6,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
-from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, tile_of
+from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, pair_tile_of, tile_of
 from tvmfuse.targets import SMS
 
 # keeps the compiler from moving accumulator registers across an in-flight wgmma (CUTLASS's warpgroup_fence_operand)
@@ -75,7 +75,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     bm, bn, bk, stages, cons = tile.bm, tile.bn, tile.bk, tile.stages, tile.consumers
     inflight = 1 if tile.dual else tile.inflight  # wgmma groups left in flight after each k-tile's is issued
     cluster = tile.cluster
-    half = bn // cluster  # B rows each CTA of a cluster loads (and multicasts to both)
+    share_a = cluster == 2 and tile.multicast == "a"  # the pair shares A (one row tile, two column tiles), else B
+    half = (bm if share_a else bn) // cluster  # rows of the shared tile each CTA of a cluster loads and multicasts
     persistent = tile.persistent
     k_tiles = -(-k // bk)
     tiles_n, tiles_m = -(-n // bn), -(-m // bm)
@@ -86,7 +87,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     stage_bytes = (a_stage + b_stage) * 2
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{ab}.{ab}"
     tma = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-    a_args, b_args = _tma_args(k, m, bm), _tma_args(k, n, half)
+    a_args = _tma_args(k, m, half if share_a else bm)
+    b_args = _tma_args(k, n, bn if share_a else half)
     multicast = tma + ".multicast::cluster"
     A, B = a, b
 
@@ -153,10 +155,14 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     def load_stage(bx, by, g0, kt, As, Bs, full, a_map, b_map, rank):
         """k-tile kt of output tile (bx, by) by TMA into its stage, completing on its full barrier."""
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[(g0 + kt) % stages]), T.uint32(stage_bytes))
-        T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
-        if cluster == 2:  # this CTA's half of the B tile, to the same place in both CTAs
-            T.ptx[multicast](T.address_of(Bs[(g0 + kt) % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
+        if share_a:  # this CTA's half of the A tile, to the same place in both CTAs; B whole, its own
+            T.ptx[multicast](T.address_of(As[(g0 + kt) % stages, rank * half * bk]), T.address_of(a_map), kt * bk, by * bm + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
+            T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
         else:
+            T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
+        if cluster == 2 and not share_a:  # this CTA's half of the B tile, to the same place in both CTAs
+            T.ptx[multicast](T.address_of(Bs[(g0 + kt) % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
+        elif not share_a:
             T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
 
     @T.macro
@@ -231,8 +237,12 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         else:
             rank = T.meta_var(0)
         bid = T.cta_id([grid])
-        bx = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
-        by = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
+        if share_a:
+            bx = T.meta_var(pair_tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
+            by = T.meta_var(pair_tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
+        else:
+            bx = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
+            by = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
         tx = T.thread_id([128 * (1 + cons)])
         arena = T.alloc_buffer((stages * (a_stage + b_stage),), dt, scope="shared.dyn", align=1024)
         As = T.decl_buffer((stages, a_stage), dt, data=arena.data, scope="shared.dyn")

@@ -26,6 +26,11 @@ class WgmmaTile:
     #: row tiles and an even `group_m`. On the H200 2 was slower than 1 in all 32 tile and shape pairs measured (by
     #: 0.7-27%, median 8.8%; bench/results/wgmma_run8.json): L2 bandwidth is not what holds these tiles back
     cluster: int = 1
+    #: with `cluster` 2, which operand the pair shares: "b" (neighbouring row tiles of one column tile share the B
+    #: tile, the weights) or "a" (neighbouring column tiles of one row tile share the A tile, as cuBLAS's 1x2
+    #: clusters at 512x4096x4096: at 512 rows each A tile is read by every column tile, 32 CTAs, each B tile by 4).
+    #: "a" needs an even number of column tiles. Not yet run on a GPU
+    multicast: str = "b"
     #: encode the shared-memory descriptors once a k-tile and step their start address by 32 bytes a k16 step, as
     #: CUTLASS does (7 instructions between wgmmas in the SASS instead of 17); False: encode each wgmma's from its
     #: address. Right on the GPU (gpu_tests_run31_hopper.txt, an H100); on the 128x128 tile 0.4-4.1% faster at three
@@ -74,13 +79,16 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"unsupported tile {tile}"
     if tile.inflight not in (0, 1) or (tile.dual and tile.inflight):
         return f"unsupported tile {tile}: inflight 0 or 1, and 0 with two accumulator sets (they keep one in flight)"
-    if tile.cluster not in (1, 2) or tile.cluster == 2 and tile.group_m % 2:
-        return f"unsupported tile {tile}: clusters of 1 or 2 CTAs (2: an even group_m)"
+    if tile.cluster not in (1, 2) or tile.multicast not in ("a", "b") or (
+            tile.cluster == 2 and tile.multicast == "b" and tile.group_m % 2):
+        return f"unsupported tile {tile}: clusters of 1 or 2 CTAs sharing A or B (B: an even group_m)"
     if tile.persistent and (tile.cluster != 1 or n % 2):
         return (f"tile {tile}: persistent CTAs take no clusters, nor an odd N (its epilogue stages rows in the ring "
                 "the loader refills)")
-    if tile.cluster == 2 and -(-m // tile.bm) % 2:
+    if tile.cluster == 2 and tile.multicast == "b" and -(-m // tile.bm) % 2:
         return f"M={m} makes an odd number of {tile.bm}-row tiles (clusters of 2 pair them)"
+    if tile.cluster == 2 and tile.multicast == "a" and -(-n // tile.bn) % 2:
+        return f"N={n} makes an odd number of {tile.bn}-column tiles (clusters of 2 sharing A pair them)"
     if tile.setmaxnreg and tile.bm < 128:  # ptxas: "'setmaxnreg' ignored; unable to determine register count"
         return f"tile {tile}: setmaxnreg needs two computing warpgroups (with one, ptxas ignores it: C7508)"
     if tile.dual and tile.bn > 128:
@@ -96,3 +104,10 @@ def tile_of(bid, tiles_m: int, tiles_n: int, group: int, minimum=min):
     """(column tile, row tile) of CTA `bid`: groups of `group` row tiles, rows fastest within a group."""
     rows = group if tiles_m % group == 0 else minimum(tiles_m - bid // (group * tiles_n) * group, group)
     return bid % (group * tiles_n) // rows, bid // (group * tiles_n) * group + bid % (group * tiles_n) % rows
+
+
+def pair_tile_of(bid, tiles_m: int, tiles_n: int, group: int, minimum=min):
+    """(column tile, row tile) of CTA `bid` in clusters of two sharing the A tile: pair bid // 2 walks tiles of one
+    row and two columns as `tile_of` walks single tiles, and its CTAs take the two columns (tiles_n even)."""
+    col, row = tile_of(bid // 2, tiles_m, tiles_n // 2, group, minimum)
+    return col * 2 + bid % 2, row
