@@ -31,6 +31,8 @@ PACKS = {
                  "{ __nv_bfloat162 h = __floats2bfloat162_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }")}
 ARRIVE_SRC = ('__device__ __forceinline__ void tvmfuse_bar_arrive(int id, int n) '
               '{ asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory"); }')
+#: output layouts whose TMA store (`tma_store`) has run on a GPU, where it is on by default
+TMA_STORE_LAYOUTS = ("BHSD", "BSHD")
 #: 2^x by the SFU alone (`ex2.approx.ftz`, relative error 2^-22): exp2f adds range scaling around it, 2 FMULs an
 #: element at each probability
 EX2_SRC = ('__device__ __forceinline__ float tvmfuse_ex2(float x) '
@@ -40,8 +42,6 @@ EX2_SRC = ('__device__ __forceinline__ float tvmfuse_ex2(float x) '
 #: the row max, before all 64 EX2s (the causal loop's mask branch kept them apart), and P V overlapped nothing; shared
 #: memory accesses stay on their side of it, so a store of the row sums (every probability adds into them), predicated
 #: on a sum below zero (never: NaN compares false), pins every EX2 ahead of the wait for 4 instructions a tile
-#: output layouts whose TMA store (`tma_store`) has run on a GPU, where it is on by default
-TMA_STORE_LAYOUTS = ("BHSD", "BSHD")
 ANCHOR_SRC = ('__device__ __forceinline__ void tvmfuse_softmax_anchor(float* p, float x) '
               '{ asm volatile("{ .reg .pred p; setp.lt.f32 p, %1, 0f00000000; @p st.shared.f32 [%0], %1; }" '
               ':: "r"((unsigned)__cvta_generic_to_shared(p)), "f"(x) : "memory"); }')

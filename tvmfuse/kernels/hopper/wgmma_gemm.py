@@ -158,11 +158,11 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         if share_a:  # this CTA's half of the A tile, to the same place in both CTAs; B whole, its own
             T.ptx[multicast](T.address_of(As[(g0 + kt) % stages, rank * half * bk]), T.address_of(a_map), kt * bk, by * bm + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
             T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
+        elif cluster == 2:  # A whole, its own; this CTA's half of the B tile, to the same place in both CTAs
+            T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
+            T.ptx[multicast](T.address_of(Bs[(g0 + kt) % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
         else:
             T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
-        if cluster == 2 and not share_a:  # this CTA's half of the B tile, to the same place in both CTAs
-            T.ptx[multicast](T.address_of(Bs[(g0 + kt) % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
-        elif not share_a:
             T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
 
     @T.macro

@@ -24,7 +24,9 @@ class WgmmaTile:
     #: CTAs per cluster: 2 pairs CTAs of neighbouring row tiles and one column tile, each loading half the B (weight)
     #: tile and multicasting it to both (a quarter to a third fewer bytes from L2 a k-step); needs an even number of
     #: row tiles and an even `group_m`. On the H200 2 was slower than 1 in all 32 tile and shape pairs measured (by
-    #: 0.7-27%, median 8.8%; bench/results/wgmma_run8.json): L2 bandwidth is not what holds these tiles back
+    #: 0.7-27%, median 8.8%; bench/results/wgmma_run8.json); on an H100 the loads alone were slower with the cluster
+    #: than without at 4 and at 6 stages (wgmma_run11.json, wgmma_run13_ablate.json): our multicast costs more than
+    #: the L2 bytes it saves
     cluster: int = 1
     #: with `cluster` 2, which operand the pair shares: "b" (neighbouring row tiles of one column tile share the B
     #: tile, the weights) or "a" (neighbouring column tiles of one row tile share the A tile, as cuBLAS's 1x2
@@ -47,7 +49,8 @@ class WgmmaTile:
     #: (wgmma_run10.json). Off by default; --trials measures it on each GEMM's pick
     setmaxnreg: bool = False
     #: the full and empty barriers waited for by a spinning try-wait without a suspend-time hint (no NANOSLEEP between
-    #: tries, `wgmma_gemm.SPIN_WAIT_SRC`); False: TVM's mbarrier_wait. Not yet measured: off by default
+    #: tries, `wgmma_gemm.SPIN_WAIT_SRC`); False: TVM's mbarrier_wait. On an H100 from 2.6% faster to 2.5% slower over
+    #: 6 tile and shape pairs (wgmma_run14.json): off
     spin_wait: bool = False
     #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
     #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
