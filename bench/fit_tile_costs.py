@@ -1,6 +1,7 @@
 """Fit `TILE_COSTS` (tvmfuse/kernels/hopper/select.py) to `bench/wgmma.py --prefill` results: for each tile, the µs
 one CTA spends per 64-deep k-step, with the fixed cost a tile `TILE_FIXED_US`, by least squares over the shapes it
-was measured at; then how the estimate's pick at each shape compares with the measured best there.
+was measured at; then how the fitted estimate's pick and the product's (`choose_tile`) at each shape compare with the
+measured best there.
 
     python3 bench/fit_tile_costs.py bench/results/wgmma_run13_llama.json bench/results/wgmma_run13_gpt2.json \
         [--tiles 128x128x6dsr 128x256x4sr ...]   # the tiles to fit (default: every tile measured at every shape)
@@ -51,6 +52,14 @@ def fit(times: dict[str, dict], tiles: list[str], fixed_us: float) -> dict[str, 
     return costs
 
 
+def rules_pick(m: int, n: int, k: int) -> str | None:
+    """The product's tile at an m x n x k GEMM (`select.choose_tile`) as a spec without its CTA order."""
+    from bench.wgmma import tile_spec
+    from tvmfuse.kernels.hopper.select import choose_tile
+    tile = choose_tile(m, n, k)
+    return tile and tile_spec(tile).split("g")[0]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+")
@@ -78,8 +87,9 @@ def main():
         pick = min(est, key=est.get)
         best = min((s for s in rows if s != "_shape"), key=lambda s: rows[s])
         total_best, total_pick = total_best + rows[best], total_pick + rows[pick]
+        rule = rules_pick(m, n, k)
         print(f"{name:>28}: pick {pick} {rows[pick]:.1f} µs, best {best} {rows[best]:.1f} "
-              f"({rows[best] / rows[pick]:.2f}x)")
+              f"({rows[best] / rows[pick]:.2f}x); the rules' {rule} {rows.get(rule, float('nan')):.1f}")
     print(f"all shapes: picks {total_pick:.1f} µs, best {total_best:.1f}")
 
 
