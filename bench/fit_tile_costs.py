@@ -34,6 +34,7 @@ def measured(paths: list[str]) -> dict[str, dict[str, float]]:
 
 def fit(times: dict[str, dict], tiles: list[str], fixed_us: float) -> dict[str, float]:
     """Per tile: c minimising sum (waves * (k_steps * c + fixed_us) - us)^2 over the shapes it was measured at."""
+    from tvmfuse.kernels.hopper.select import output_tiles
     from tvmfuse.targets import SMS
     costs = {}
     for spec in tiles:
@@ -43,7 +44,7 @@ def fit(times: dict[str, dict], tiles: list[str], fixed_us: float) -> dict[str, 
             if spec not in rows:
                 continue
             m, n, k = rows["_shape"]
-            waves = -(-(-(-m // tile.bm) * -(-n // tile.bn)) // SMS)
+            waves = -(-output_tiles(m, n, tile) // SMS)
             steps = -(-k // tile.bk)
             num += waves * steps * (rows[spec] - waves * fixed_us)
             den += (waves * steps) ** 2
@@ -65,23 +66,17 @@ def main():
     p.add_argument("results", nargs="+")
     p.add_argument("--tiles", nargs="*", help="tile specs to fit (default: those measured at every shape)")
     opts = p.parse_args()
-    from tvmfuse.kernels.hopper.select import TILE_FIXED_US
-    from tvmfuse.targets import SMS
+    from tvmfuse.kernels.hopper.select import TILE_FIXED_US, estimate_us
     times = measured(opts.results)
     everywhere = set.intersection(*(set(r) - {"_shape"} for r in times.values()))
-    tiles = opts.tiles or sorted(everywhere)
-    costs = fit(times, tiles, TILE_FIXED_US)
+    costs = fit(times, opts.tiles or sorted(everywhere), TILE_FIXED_US)
     for spec, c in sorted(costs.items(), key=lambda kv: kv[1]):
         print(f"{spec:>16}  {c:.3f} µs a k-step")
     total_best = total_pick = 0.0
     for name, rows in times.items():
         m, n, k = rows["_shape"]
-        est = {}
-        for spec, c in costs.items():
-            tile, _ = _tile("wgmma", spec)
-            if spec in rows:
-                waves = -(-(-(-m // tile.bm) * -(-n // tile.bn)) // SMS)
-                est[spec] = waves * (-(-k // tile.bk) * c + TILE_FIXED_US)
+        tiles = {spec: _tile("wgmma", spec)[0] for spec in costs if spec in rows}
+        est = {spec: estimate_us(m, n, k, tile, {tile: costs[spec]}) for spec, tile in tiles.items()}
         if not est:
             continue
         pick = min(est, key=est.get)

@@ -50,11 +50,16 @@ def is_hopper(target: tvm.target.Target) -> bool:
     return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) == "sm_90a"
 
 
-def estimate_us(m: int, n: int, k: int, tile: WgmmaTile) -> float:
-    """TILE_COSTS' estimate of an m x n x k GEMM with `tile`: waves of SMS CTAs, each k-steps x cost + fixed."""
-    tiles = -(-m // tile.bm) * -(-n // tile.bn)
-    waves = -(-tiles // SMS)
-    return waves * (-(-k // tile.bk) * TILE_COSTS[tile] + TILE_FIXED_US)
+def output_tiles(m: int, n: int, tile: WgmmaTile) -> int:
+    """How many bm x bn output tiles (CTAs) an m x n output takes."""
+    return -(-m // tile.bm) * -(-n // tile.bn)
+
+
+def estimate_us(m: int, n: int, k: int, tile: WgmmaTile, costs: dict | None = None) -> float:
+    """TILE_COSTS' (or `costs`') estimate of an m x n x k GEMM with `tile`: waves of SMS CTAs, each k-steps x cost
+    + fixed."""
+    waves = -(-output_tiles(m, n, tile) // SMS)
+    return waves * (-(-k // tile.bk) * (costs or TILE_COSTS)[tile] + TILE_FIXED_US)
 
 
 def check_deep_ring(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
@@ -62,7 +67,7 @@ def check_deep_ring(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
     below DEEP_RING_MIN_K), or None."""
     if tile != DEEP_RING:
         return None
-    tiles = -(-m // tile.bm) * -(-n // tile.bn)
+    tiles = output_tiles(m, n, tile)
     if tiles > SMS or k < DEEP_RING_MIN_K:
         return f"{tiles} tiles over K={k}: the 6-stage ring pays in one wave over K >= {DEEP_RING_MIN_K} only"
     return None

@@ -77,6 +77,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     cluster = tile.cluster
     share_a = cluster == 2 and tile.multicast == "a"  # the pair shares A (one row tile, two column tiles), else B
     half = (bm if share_a else bn) // cluster  # rows of the shared tile each CTA of a cluster loads and multicasts
+    cta_tile = pair_tile_of if share_a else tile_of  # (column tile, row tile) of a CTA
     persistent = tile.persistent
     k_tiles = -(-k // bk)
     tiles_n, tiles_m = -(-n // bn), -(-m // bm)
@@ -237,12 +238,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         else:
             rank = T.meta_var(0)
         bid = T.cta_id([grid])
-        if share_a:
-            bx = T.meta_var(pair_tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
-            by = T.meta_var(pair_tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
-        else:
-            bx = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[0])
-            by = T.meta_var(tile_of(bid, tiles_m, tiles_n, group, T.min)[1])
+        bx = T.meta_var(cta_tile(bid, tiles_m, tiles_n, group, T.min)[0])
+        by = T.meta_var(cta_tile(bid, tiles_m, tiles_n, group, T.min)[1])
         tx = T.thread_id([128 * (1 + cons)])
         arena = T.alloc_buffer((stages * (a_stage + b_stage),), dt, scope="shared.dyn", align=1024)
         As = T.decl_buffer((stages, a_stage), dt, data=arena.data, scope="shared.dyn")
