@@ -12,7 +12,8 @@ from tvmfuse.decide.decision import Plan, decide
 from tvmfuse.prepare import bind_params
 from tvmfuse.prepare.names import unique_binding_names
 from tvmfuse.fuse.legalize import LEGALIZE, one_kernel_splits
-from tvmfuse.fuse.opmath_groups import opmath_composites
+from tvmfuse.fuse.opmath_groups import OPMATH_EPILOGUES, opmath_composites
+from tvmfuse.fuse.scalar_params import inline_scalar_params
 from tvmfuse.fuse.views import rewrite_dataflow_reshape
 from tvmfuse.patterns import Recorder, fusion_patterns, start, stop
 from tvmfuse.patterns.attention import batched_transpose_source
@@ -63,6 +64,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
             composite[gv.name_hint] = str(fn.attrs["Composite"])
             if "tvmfuse.candidate" in fn.attrs:
                 candidate[gv.name_hint] = str(fn.attrs["tvmfuse.candidate"])
+    mod = inline_scalar_params(mod, OPMATH_EPILOGUES)  # the epilogues' 0-d constants (GELU's) as literals
     mod = opmath_composites(mod)  # fp16/bf16 groups that compute in fp32 between their loads and their store
     mod = one_kernel_splits(mod)  # a split whose part a fused group reads: one kernel writes every part
     mod = tvm.transform.Sequential([

@@ -12,7 +12,7 @@ from tvmfuse.fuse.legalize_scan import LEGALIZE as SCAN_LEGALIZE  # cumsum / cum
 MAX_PRODUCT_EXPONENT = 4
 
 
-def _integer_exponent(expr) -> int | None:
+def integer_exponent(expr) -> int | None:
     value = getattr(expr, "value", None)  # a constant (tvm.ir.GenericConst in TVM 0.27)
     if value is None or not hasattr(value, "numpy") or value.numpy().size != 1:
         return None
@@ -25,7 +25,7 @@ def legalize_power(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
     CUDA builds use --use_fast_math, where powf(x, 3) is exp2(3*log2(x)): NaN for every x < 0 (GPT-2's tanh-GELU
     cube and RMSNorm's square gave NaN/inf on the H200; llvm's exact pow hid it). A product is exact and cheaper."""
-    n = _integer_exponent(call.args[1])
+    n = integer_exponent(call.args[1])
     if n is None:  # e.g. the exponent is a parameter of a fused composite function (its value unknown here)
         return bb.call_te(_signed_power, call.args[0], call.args[1])
 

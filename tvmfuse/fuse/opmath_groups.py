@@ -6,7 +6,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.patterns import PATTERN_TABLE
-from tvmfuse.prepare.opmath import BFLOAT16, FLOAT16, FLOAT32, dtype_of
+from tvmfuse.prepare.opmath import BFLOAT16, FLOAT16, FLOAT32, Const, dtype_of, exact_scalar
 
 
 #: fused groups whose arithmetic runs in fp32 between their fp16/bf16 loads and their one fp16/bf16 store: the
@@ -55,7 +55,7 @@ def _cast_result(body, dtype: str):
 class _ComputeFp32(relax.PyExprMutator):
     def __init__(self, mod, keep_fp32: bool = False):
         super().__init__(mod)
-        self.keep_fp32 = keep_fp32
+        self.mod, self.keep_fp32 = mod, keep_fp32
 
     def visit_call_(self, call):  # pylint: disable=arguments-renamed
         if not isinstance(call.op, tvm.ir.Op):
@@ -68,6 +68,12 @@ class _ComputeFp32(relax.PyExprMutator):
         dts = {dtype_of(a) for a in fields}
         low = {FLOAT16, BFLOAT16}
         if dts & low and (call.op.name in _ARITH or FLOAT32 in dts):
-            fields = [relax.op.astype(a, FLOAT32) if dtype_of(a) in low else a for a in fields]
+            fields = [self._up(a) if dtype_of(a) in low else a for a in fields]
         args = [relax.Tuple(fields)] + [self.visit_expr(a) for a in call.args[1:]] if concat else fields
         return self.builder_.normalize(relax.Call(call.op, args, call.attrs, call.ty_args))
+
+    def _up(self, arg):
+        """`arg` cast to fp32; a 0-d constant (an inlined scalar) becomes the fp32 value it was rounded from."""
+        if isinstance(arg, Const) and arg.ty.ndim == 0:
+            return relax.const(exact_scalar(self.mod, float(arg.value.numpy().astype(FLOAT32))), FLOAT32)
+        return relax.op.astype(arg, FLOAT32)
