@@ -15,21 +15,21 @@ def inline_scalar_params(mod: tvm.IRModule, names: tuple[str, ...]) -> tvm.IRMod
     """Each parameter of a composite function (FuseOpsByPattern's, `bind_constants=False`) named in `names` that
     every call passes the same 0-d constant becomes that constant, and leaves the signature and the calls.
 
-    Without this, an exported GELU's `x / sqrt 2`, `+ 1` and `* 0.5` read 0-d buffers in the fused kernel: the
-    compiler cannot see the divisor, and each division is an IEEE divide with a called slow path (BERT's FFN
-    epilogue: 64 a thread). Inline, LegalizeOps writes them as literals (TVM's binary legalization takes 0-d
-    constants as scalars). Shapes lifted the same way are `fusion.inline_shape_params`'s. Groups that a kernel
+    Without this, an exported GELU's `x / sqrt 2`, `+ 1` and `* 0.5` are 0-d buffers the fused kernel loads, and
+    an fp32 epilogue reads their fp16/bf16 roundings (sqrt 2 as 1.4140625). Inline, LegalizeOps writes them as
+    literals (TVM's binary legalization takes 0-d constants as scalars), and `opmath_groups` gives the fp32 ones
+    the model's values. Shapes lifted the same way are `fusion.inline_shape_params`'s. Groups that a kernel
     template takes (attention) read their scalars as arguments, by role: they are not named."""
     calls = {gv: sites for gv, sites in _composite_calls(mod).items() if str(mod[gv].attrs["Composite"]) in names}
     renamed: dict = {}  # old GlobalVar: (a new one, typed with the new signature; the kept parameter indices)
     out = tvm.IRModule({}, attrs=mod.attrs, global_infos=mod.global_infos)
     for gv, fn in mod.functions.items():
-        keep = list(range(len(fn.params))) if gv not in calls else \
-            [i for i, p in enumerate(fn.params) if not _inlinable(fn, p, _shared_scalar(calls[gv], i))]
-        if gv not in calls or len(keep) == len(fn.params):
+        shared = [_shared_scalar(calls[gv], i) for i in range(len(fn.params))] if gv in calls else []
+        consts = {p: c for p, c in zip(fn.params, shared) if c is not None and check_literal_uses(fn, p, c)}
+        if not consts:
             out[gv] = fn
             continue
-        consts = {fn.params[i]: _shared_scalar(calls[gv], i) for i in range(len(fn.params)) if i not in keep}
+        keep = [i for i, p in enumerate(fn.params) if p not in consts]
         new = relax.Function([fn.params[i] for i in keep], _Replace(consts).visit_expr(fn.body), fn.ret_ty,
                              fn.is_pure, fn.attrs, fn.span)
         new_gv = relax.GlobalVar(gv.name_hint)
@@ -82,10 +82,6 @@ def check_literal_uses(fn: relax.Function, param: relax.Var, const) -> bool:
     return all(isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op)
                and (e.op.name in BINARY_OPS or e.op.name == "relax.power" and i == 1 and integer_exponent(const))
                for e, i in uses) and not fn.body.body.same_as(param)
-
-
-def _inlinable(fn: relax.Function, param: relax.Var, const) -> bool:
-    return const is not None and check_literal_uses(fn, param, const)
 
 
 def _shared_scalar(sites: list, index: int):
