@@ -137,6 +137,14 @@ def test_tile_choice_and_shape_checks():
     assert "odd N" in check_wgmma_shape(512, 1001, 512, WgmmaTile(128, 4, persistent=True))
 
 
+def test_the_log_line_names_each_knob_off_its_default():
+    from tvmfuse.kernels.hopper.select import _knob_notes
+
+    assert _knob_notes(WgmmaTile(128, 6, dual=True, cluster=2, multicast="a", stepped_desc=True, setmaxnreg=True)) \
+        == ", clusters of 2, sharing A, stepped descriptors, setmaxnreg"
+    assert _knob_notes(WgmmaTile(128, 4, dual=True)) == ""
+
+
 def test_the_log_says_why_a_gemm_keeps_its_generic_schedule():
     """A GEMM neither kernel takes keeps its generic schedule, and the log says so; kernels that are no GEMM are
     not named."""

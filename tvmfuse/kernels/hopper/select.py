@@ -146,7 +146,8 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str,
 def _knob_notes(tile: WgmmaTile) -> str:
     """The tile's knobs that differ from WgmmaTile's defaults, for the log line (', CTA groups of 4 rows')."""
     notes = {"group_m": f"CTA groups of {tile.group_m} rows", "inflight": "one group in flight",
-             "cluster": f"clusters of {tile.cluster}", "stepped_desc": "stepped descriptors",
+             "cluster": f"clusters of {tile.cluster}", "multicast": f"sharing {tile.multicast.upper()}",
+             "stepped_desc": "stepped descriptors",
              "persistent": "persistent CTAs", "setmaxnreg": "setmaxnreg"}
     return "".join(f", {text}" for key, text in notes.items() if getattr(tile, key) != getattr(WgmmaTile, key))
 

@@ -31,7 +31,9 @@ class WgmmaTile:
     #: with `cluster` 2, which operand the pair shares: "b" (neighbouring row tiles of one column tile share the B
     #: tile, the weights) or "a" (neighbouring column tiles of one row tile share the A tile, as cuBLAS's 1x2
     #: clusters at 512x4096x4096: at 512 rows each A tile is read by every column tile, 32 CTAs, each B tile by 4).
-    #: "a" needs an even number of column tiles. Not yet run on a GPU
+    #: "a" needs an even number of column tiles. Right on an H100 (gpu_tests_run47.txt) but slower there at the three
+    #: 512-row Llama shapes: 128x128 dual, 6 stages, `sr` 34.2 against 28.7 µs at 512x4096x4096, 82.3 against 68.1
+    #: at K = 11008; its loads alone took longer than the whole kernel without a cluster (wgmma_run15_c2a.json)
     multicast: str = "b"
     #: encode the shared-memory descriptors once a k-tile and step their start address by 32 bytes a k16 step, as
     #: CUTLASS does (7 instructions between wgmmas in the SASS instead of 17); False: encode each wgmma's from its
