@@ -159,7 +159,8 @@ def _product(name: str, case: str, opts: dict, path: str, folder: str, target, l
           "kernels": len(called_prim_funcs(mod)), "launches": launches(mod), "fused": result.fused,
           "tuned": result.tuned, "main_dtypes": _main_dtypes(mod),
           "patterns": dict(collections.Counter(k["pattern"] for k in manifest.get("kernels", []))),
-          "templates": [ln.split("] ", 1)[-1] for ln in lines if ": template " in ln or ": generic" in ln]}
+          "templates": [ln.split("] ", 1)[-1] for ln in lines if ": template " in ln or ": generic" in ln
+                        or ": wgmma " in ln or ": mma.sync small-M " in ln]}
     if result.ok:
         tv["export"] = result.output
     else:  # measure what it built anyway; the row says why run_job failed
@@ -175,5 +176,11 @@ def _graph_build(mod, target, tv: dict, path: str) -> dict:
     ex = compile_module(mod, target, cuda_graph=True)
     return {"library": _export(ex, path), "main_dtypes": tv["main_dtypes"],
             "graph_captures": ex.as_text().count("call  vm.builtin.cuda_graph.run_or_capture"),
-            "build_s": round(time.time() - t, 1)}
+            "build_s": round(time.time() - t, 1),
+            "product": {k: tv[k] for k in PRODUCT_KEYS if k in tv}}  # the run_job build it compiles again
+
+
+#: what the CUDA-graph contender's row repeats of the product build it compiles (its tuning and kernel choices)
+PRODUCT_KEYS = ("build_s", "tune_s", "trials", "tuned", "kernels", "launches", "verification_vs_onnxruntime",
+                "templates")
 
