@@ -185,6 +185,49 @@ def test_hopper_build_is_one_wgmma_kernel_with_tma_loads_and_the_epilogue():
     assert "erff(" in src and "tvmfuse_store_half2" in src  # the graph's GELU, written two halves at a time
 
 
+@pytest.mark.parametrize("dtype, low", [("fp16", "half"), ("bf16", "nv_bfloat16")])
+def test_an_exported_gelus_fp32_epilogue_is_rounded_once_by_the_store(dtype, low):
+    """An exported (opset 17) GELU's epilogue computes in fp32 and the group ends in a cast to the compute dtype:
+    the store rounds the fp32 value itself, with no round trip through the low dtype and back to fp32 first."""
+    mod, logged, _ = _exported_gelu_on_hopper(dtype)
+    assert any("wgmma 256x384x512" in line for line in logged), logged
+    (src,) = cuda_sources(compile_module(apply_default_schedules(mod, resolve_target("cuda")), resolve_target("cuda")))
+    assert "erff(" in src and f"((float)(({low})" not in src
+
+
+def _exported_gelu_on_hopper(dtype: str, rows: int = 256):
+    """(the module with its Hopper kernels, the log) of x @ W + b then GELU as torch.onnx writes it at opset 17
+    (Div, Erf, Add, Mul: no Gelu op), x [rows, 512], W [512, 384], in `dtype` (fp32 interface)."""
+    import test_patterns
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.frontend.importer import import_model
+    from tvmfuse.prepare import prepare_module
+
+    model = test_patterns.matmul_bias("gelu", m=rows, k=512, n=384)
+    model.opset_import[0].version = 17
+    cuda = resolve_target("cuda")
+    bound = prepare_module(import_model(model, {}), dtype)
+    logged: list = []
+    return apply_hopper_kernels(lower(bound, plan=decide(bound, cuda)).mod, cuda, logged.append), logged, model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("fp16", 2e-2), ("bf16", 8e-2)])
+def test_an_exported_gelus_wgmma_kernel_matches_onnxruntime_on_the_gpu(dtype, tol):
+    """The exported GELU's kernel (constants inline, fp32 epilogue rounded once at the store) against onnxruntime
+    in fp32, at 300 rows (a ragged row tile)."""
+    from tvmfuse.verify.outputs import onnxruntime_outputs
+
+    mod, logged, model = _exported_gelu_on_hopper(dtype, rows=300)
+    assert any("wgmma 300x384x512" in line for line in logged), logged
+    cuda = resolve_target("cuda")
+    vm = relax.VirtualMachine(compile_module(apply_default_schedules(mod, cuda), cuda), tvm.cuda(0))
+    x = np.random.default_rng(0).standard_normal((300, 512)).astype("float32")
+    got = vm["main"](tvm.runtime.tensor(x, tvm.cuda(0))).numpy()
+    (want,) = onnxruntime_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
 def test_a_matmul_without_epilogue_writes_its_fp32_sums():
     cuda = resolve_target("cuda")
     logged = []

@@ -106,10 +106,11 @@ def analyze_gemm(func: tirx.PrimFunc) -> tuple[dict | None, str]:
 
 
 def epilogue(info: dict, fresh: dict) -> tuple[Callable, Callable, Callable]:
-    """(finish, place, setup) for the GEMM kernels: the output block's value with the accumulator substituted and
-    the parameters read through their `fresh` buffers, the output indices of (row, col), and what the kernel runs
-    first: 1-element views of the 0-d parameters (scalar constants such as gelu_new's 0.044715), which TVM's TIRx
-    pipeline cannot read in place ("used before its definition")."""
+    """(finish, place, setup) for the GEMM kernels: the output block's value with the accumulator substituted (its final
+    cast to the output dtype left to the kernel's store) and the parameters read through their `fresh` buffers,
+    the output indices of (row, col), and what the kernel runs first: 1-element views of the 0-d parameters
+    (scalar constants such as gelu_new's 0.044715), which TVM's TIRx pipeline cannot read in place ("used before
+    its definition")."""
     views: dict = {}
 
     def setup():
@@ -129,8 +130,12 @@ def epilogue(info: dict, fresh: dict) -> tuple[Callable, Callable, Callable]:
         return tuple(tirx.const(0, d) if ext == 1 else tirx.Cast(d, flat // math.prod(shape[r + 1:]) % ext)
                      for r, (ext, d) in enumerate(zip(shape, dtypes)))
 
+    # the group's own cast to the output dtype is left to the store, which rounds the fp32 value once, as it does:
+    # float(half(x)) stored as half is half(x) (the round trip is exact), two conversions an element fewer
+    last = value.value if isinstance(value, tirx.Cast) and str(value.value.ty.dtype) == "float32" else value
+
     def finish(acc, row, col):
-        return tirx.Cast("float32", _rebuild(value, ovars, list(place(row, col)), acc_buf, acc, fresh, shape, views))
+        return tirx.Cast("float32", _rebuild(last, ovars, list(place(row, col)), acc_buf, acc, fresh, shape, views))
 
     return finish, place, setup
 
