@@ -8,7 +8,7 @@ at decode shapes; checked against torch (cuBLAS) and timed beside it.
 Tiles (wgmma): `bn x stages` or `bm x bn x stages`, then `d` for two accumulator sets, `i1` for one wgmma group in
 flight over one set, `c2` for clusters of two CTAs sharing the B tile (`c2a`: the A tile), `s` for descriptors
 encoded once a k-tile and stepped, `p` for persistent CTAs, `r` for setmaxnreg, `w` for barrier waits that spin (no
-suspend-time hint), `gG` for groups of G row tiles; (smallm) `n8 x warps x vec x unroll`; diagnostics (wrong
+suspend-time hint), `e` for one stage release a warpgroup, `gG` for groups of G row tiles; (smallm) `n8 x warps x vec x unroll`; diagnostics (wrong
 outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no wgmma. Each case also records the kernels
 torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of 32 MiB or less stay in the H200's L2
 between timed runs (time_evaluator), so those cases time L2-resident weights, torch's too.
@@ -63,18 +63,18 @@ def _tile(kernel, spec):
     # "128x176x4g4": groups of 4 row tiles, rows fastest (g1: columns); "d": two accumulator sets; "i1": one wgmma
     # group left in flight over one set ("i0", the default: none); "c2": clusters of 2 CTAs multicasting the B tile
     # ("c2a": the A tile)
-    pattern = r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d)(a?))?(s?)(p?)(r?)(w?)(?:g(\d+))?(?:-(loads|mma))?"
+    pattern = r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d)(a?))?(s?)(p?)(r?)(w?)(e?)(?:g(\d+))?(?:-(loads|mma))?"
     found = re.fullmatch(pattern, spec)
     if not found:
-        raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2[a]][s][p][r][w][gG][-loads|-mma]")
-    dims, dual, inflight, cluster, share_a, stepped, persistent, regs, spin, group, ablate = found.groups()
+        raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2[a]][s][p][r][w][e][gG][-loads|-mma]")
+    dims, dual, inflight, cluster, share_a, stepped, persistent, regs, spin, wg, group, ablate = found.groups()
     vals = [int(v) for v in dims.split("x")]
     if kernel == "smallm":
         return SmallMTile(*vals), ablate or ""
     return WgmmaTile(bn=vals[-2], stages=vals[-1], bm=vals[0] if len(vals) == 3 else 128, dual=bool(dual),
                      inflight=int(inflight or 0), cluster=int(cluster or 1), multicast="a" if share_a else "b",
                      stepped_desc=bool(stepped),
-                     persistent=bool(persistent), setmaxnreg=bool(regs), spin_wait=bool(spin),
+                     persistent=bool(persistent), setmaxnreg=bool(regs), spin_wait=bool(spin), wg_release=bool(wg),
                      group_m=int(group) if group else WgmmaTile.group_m), ablate or ""
 
 
@@ -84,7 +84,7 @@ def tile_spec(t) -> str:
             + ("" if t.cluster == 1 else f"c{t.cluster}" + ("a" if t.multicast == "a" else ""))
             + ("s" if t.stepped_desc else "")
             + ("p" if t.persistent else "") + ("r" if t.setmaxnreg else "") + ("w" if t.spin_wait else "")
-            + f"g{t.group_m}")
+            + ("e" if t.wg_release else "") + f"g{t.group_m}")
 
 
 def _chosen(m, k, n):

@@ -135,6 +135,7 @@ def test_tile_choice_and_shape_checks():
     assert "keep one in flight" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, dual=True, inflight=1))
     assert "persistent" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, cluster=2, persistent=True))
     assert "odd N" in check_wgmma_shape(512, 1001, 512, WgmmaTile(128, 4, persistent=True))
+    assert "no wg_release" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, persistent=True, wg_release=True))
 
 
 def test_the_log_line_names_each_knob_off_its_default():
@@ -143,6 +144,7 @@ def test_the_log_line_names_each_knob_off_its_default():
     assert _knob_notes(WgmmaTile(128, 6, dual=True, cluster=2, multicast="a", stepped_desc=True, setmaxnreg=True)) \
         == ", clusters of 2, sharing A, stepped descriptors, setmaxnreg"
     assert _knob_notes(WgmmaTile(128, 4, dual=True)) == ""
+    assert _knob_notes(WgmmaTile(128, 4, dual=True, wg_release=True)) == ", one release a warpgroup"
 
 
 def test_the_log_says_why_a_gemm_keeps_its_generic_schedule():
@@ -642,6 +644,12 @@ WGMMA_VARIANTS = [
     (WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True, spin_wait=True),
      ("tvmfuse_mbar_spin(", "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra LSPIN;"),
      ("tvm_builtin_cuda_mbarrier_wait(",)),
+    # one stage release a consumer warpgroup, after its four warps meet (as CUTLASS's sm90 pipeline): the empty
+    # barriers count 1 arrival a warpgroup a CTA (2 warpgroups, 2 CTAs: 4; without a cluster: 2), not 4 a warpgroup
+    (WgmmaTile(128, 6, dual=True, cluster=2, stepped_desc=True, setmaxnreg=True, wg_release=True),
+     ("(empty_ptr[0]))), (uint)4);", "tvmfuse_bar_sync(", "multicast::cluster ["), ("(empty_ptr[0]))), (uint)16);",)),
+    (WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True, wg_release=True),
+     ("(empty_ptr[0]))), (uint)2);", "tvmfuse_bar_sync("), ("(empty_ptr[0]))), (uint)8);", "multicast")),
 ]
 
 

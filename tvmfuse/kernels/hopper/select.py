@@ -148,7 +148,7 @@ def _knob_notes(tile: WgmmaTile) -> str:
     notes = {"group_m": f"CTA groups of {tile.group_m} rows", "inflight": "one group in flight",
              "cluster": f"clusters of {tile.cluster}", "multicast": f"sharing {tile.multicast.upper()}",
              "stepped_desc": "stepped descriptors",
-             "persistent": "persistent CTAs", "setmaxnreg": "setmaxnreg"}
+             "persistent": "persistent CTAs", "setmaxnreg": "setmaxnreg", "wg_release": "one release a warpgroup"}
     return "".join(f", {text}" for key, text in notes.items() if getattr(tile, key) != getattr(WgmmaTile, key))
 
 

@@ -75,6 +75,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     bm, bn, bk, stages, cons = tile.bm, tile.bn, tile.bk, tile.stages, tile.consumers
     inflight = 1 if tile.dual else tile.inflight  # wgmma groups left in flight after each k-tile's is issued
     cluster = tile.cluster
+    releases = 1 if tile.wg_release else 4  # arrivals a stage gets from each consumer warpgroup of each CTA
     share_a = cluster == 2 and tile.multicast == "a"  # the pair shares A (one row tile, two column tiles), else B
     half = (bm if share_a else bn) // cluster  # rows of the shared tile each CTA of a cluster loads and multicasts
     cta_tile = pair_tile_of if share_a else tile_of  # (column tile, row tile) of a CTA
@@ -145,8 +146,17 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                 T.cuda.func_call("tvmfuse_fence_acc", acc[(1 - st) * acc_n + i], source_code=FENCE_SRC)
         # every consumer warp releases a stage once its own group that read it is done: warp 0 alone (one arrival
         # per warpgroup) let the loader overwrite a stage that warps 1-3 were still reading (on the H200: wrong
-        # rows 16-63 of each 64 behind a GELU epilogue); `inflight` 0: the group just issued; 1: the one before
-        if tx % 32 == 0 and kt >= inflight:
+        # rows 16-63 of each 64 behind a GELU epilogue); `inflight` 0: the group just issued; 1: the one before.
+        # `wg_release`: the warpgroup's four warps meet at its named barrier first, then one thread releases
+        if tile.wg_release:
+            if kt >= inflight:
+                T.cuda.func_call("tvmfuse_bar_sync", 2 + cw, 128, source_code=BAR_SRC)
+                if tx % 128 == 0:
+                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(g0 + kt - inflight) % stages]))
+                    if cluster == 2:
+                        T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[(g0 + kt - inflight) % stages]), 1 - rank,
+                                         source_code=REMOTE_ARRIVE_SRC)
+        elif tx % 32 == 0 and kt >= inflight:
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(g0 + kt - inflight) % stages]))
             if cluster == 2:  # the other CTA's loader multicasts into this stage too
                 T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[(g0 + kt - inflight) % stages]), 1 - rank,
@@ -259,7 +269,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
             T.ptx.prefetch.tensormap(T.address_of(b_map))
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(full[s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(4 * cons * cluster))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(releases * cons * cluster))
         T.ptx.fence.proxy.async_.shared__cta()
         if cluster == 2:  # the other CTA arrives on these barriers and its loads complete on them
             T.ptx.fence.mbarrier_init.release.cluster()

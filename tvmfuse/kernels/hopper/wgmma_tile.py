@@ -54,6 +54,10 @@ class WgmmaTile:
     #: tries, `wgmma_gemm.SPIN_WAIT_SRC`); False: TVM's mbarrier_wait. On an H100 from 2.6% faster to 2.5% slower over
     #: 6 tile and shape pairs (wgmma_run14.json): off
     spin_wait: bool = False
+    #: each consumer warpgroup releases a stage with one arrival (in each CTA of a cluster) after its four warps meet
+    #: at a named barrier, as CUTLASS's sm90 pipeline releases one a warpgroup; False: every warp arrives (4 times
+    #: the arrivals; with clusters, half of them remote). Not yet run on a GPU
+    wg_release: bool = False
     #: CTAs walk groups of `group_m` row tiles, rows fastest, so the CTAs in flight share B (weight) tiles in L2;
     #: 1: columns fastest, each wave of row tiles streams all of B again. On the H200 16 made the 17 GPT-2 / Llama
     #: prefill projections 10% faster in all than 1 (4: 8%), the wide ones most: 2048x50257x768 410 -> 334 µs,
@@ -87,6 +91,8 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
     if tile.cluster not in (1, 2) or tile.multicast not in ("a", "b") or (
             tile.cluster == 2 and tile.multicast == "b" and tile.group_m % 2):
         return f"unsupported tile {tile}: clusters of 1 or 2 CTAs sharing A or B (B: an even group_m)"
+    if tile.persistent and tile.wg_release:
+        return f"tile {tile}: persistent CTAs release their last stage a warp at a time (no wg_release)"
     if tile.persistent and (tile.cluster != 1 or n % 2):
         return (f"tile {tile}: persistent CTAs take no clusters, nor an odd N (its epilogue stages rows in the ring "
                 "the loader refills)")
