@@ -61,9 +61,10 @@ def like(args: list, seed: int = 0) -> list:
     out = []
     for a in args:
         if isinstance(a, tvm.runtime.Tensor) and "float" in str(a.dtype):
-            x = a.numpy().astype("float32")
+            host = a.numpy()  # one copy from the device
+            x = host.astype("float32")
             r = rng.standard_normal(x.shape).astype("float32") * float(x.std()) + float(x.mean())
-            out.append(tvm.runtime.tensor(r.astype(a.numpy().dtype), a.device))
+            out.append(tvm.runtime.tensor(r.astype(host.dtype), a.device))
         else:
             out.append(a)
     return out

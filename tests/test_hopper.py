@@ -198,15 +198,14 @@ def test_an_exported_gelus_fp32_epilogue_is_rounded_once_by_the_store(dtype, low
 
 
 def _exported_gelu_on_hopper(dtype: str, rows: int = 256):
-    """(the module with its Hopper kernels, the log) of x @ W + b then GELU as torch.onnx writes it at opset 17
-    (Div, Erf, Add, Mul: no Gelu op), x [rows, 512], W [512, 384], in `dtype` (fp32 interface)."""
-    import test_patterns
+    """(the module with its Hopper kernels, the log, the ONNX model) of x @ W + b then GELU as torch.onnx writes it
+    at opset 17 (Div, Erf, Add, Mul: no Gelu op), x [rows, 512], W [512, 384], in `dtype` (fp32 interface)."""
+    from test_scalar_params import exported_gelu
     from tvmfuse.decide.decision import decide
     from tvmfuse.frontend.importer import import_model
     from tvmfuse.prepare import prepare_module
 
-    model = test_patterns.matmul_bias("gelu", m=rows, k=512, n=384)
-    model.opset_import[0].version = 17
+    model = exported_gelu("gelu", m=rows, k=512, n=384)
     cuda = resolve_target("cuda")
     bound = prepare_module(import_model(model, {}), dtype)
     logged: list = []

@@ -23,9 +23,10 @@ from tvmfuse.verify.outputs import onnxruntime_outputs, run_vm
 EXACT = {"gelu": ["1.4142135381698608"], "gelu_tanh": ["0.79788458347320557", "0.044714998453855515"]}
 
 
-def _exported_gelu(act: str):
-    """x @ W + b, then GELU as opset-17 exporters write it (Div/Erf/Add/Mul; Pow/Tanh): no Gelu op to fold into."""
-    model = test_patterns.matmul_bias(act, m=16, k=32, n=64)
+def exported_gelu(act: str, m: int = 16, k: int = 32, n: int = 64):
+    """x [m, k] @ W [k, n] + b, then GELU as opset-17 exporters write it (Div/Erf/Add/Mul; Pow/Tanh): no Gelu op to
+    fold into."""
+    model = test_patterns.matmul_bias(act, m=m, k=k, n=n)
     model.opset_import[0].version = 17
     return model
 
@@ -46,7 +47,7 @@ def _gemm_kernel(fused) -> tvm.tirx.PrimFunc:
 def test_exported_gelu_constants_are_literals_with_the_models_values(act, dtype):
     """The GEMM's epilogue reads W, x and b and nothing else; its constants are the fp32 values the model holds,
     not their fp16/bf16 roundings (the epilogue computes in fp32)."""
-    fused = _fused(_exported_gelu(act), dtype)
+    fused = _fused(exported_gelu(act), dtype)
     func = _gemm_kernel(fused)
     assert "erf" in func.script() or "tanh" in func.script()
     assert len(func.params) == 4  # W, x, b, the output: no 0-d buffer
@@ -58,7 +59,7 @@ def test_exported_gelu_constants_are_literals_with_the_models_values(act, dtype)
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
 def test_exported_gelu_with_inline_constants_matches_onnxruntime(act):
     """fp16 build on llvm against onnxruntime in fp32, fp16's tolerance, every element."""
-    model = _exported_gelu(act)
+    model = exported_gelu(act)
     imported = import_model(model, {})
     ex, _ = build(_fused(model, "fp16").mod, resolve_target("llvm"))
     feeds = random_inputs(imported.inputs, dims={})

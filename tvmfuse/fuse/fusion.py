@@ -14,6 +14,7 @@ from tvmfuse.prepare.names import unique_binding_names
 from tvmfuse.fuse.legalize import LEGALIZE, one_kernel_splits
 from tvmfuse.fuse.opmath_groups import OPMATH_EPILOGUES, opmath_composites
 from tvmfuse.fuse.scalar_params import inline_scalar_params
+from tvmfuse.fuse.substitute import Substitute
 from tvmfuse.fuse.views import rewrite_dataflow_reshape
 from tvmfuse.patterns import Recorder, fusion_patterns, start, stop
 from tvmfuse.patterns.attention import batched_transpose_source
@@ -108,23 +109,8 @@ def dedup_prim_funcs(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, str]]:
                        global_infos=mod.global_infos)
     for gv, fn in list(out.functions.items()):
         if isinstance(fn, relax.Function):
-            out[gv] = _Substitute(alias).visit_expr(fn)
+            out[gv] = Substitute(alias).visit_expr(fn)
     return out, {gv.name_hint: k.name_hint for gv, k in alias.items()}
-
-
-@relax.expr_functor.mutator
-class _Substitute(relax.PyExprMutator):
-    """Replaces the global vars and vars that `mapping` names (a kernel by its twin, a shape param by its value)."""
-
-    def __init__(self, mapping):
-        super().__init__()
-        self.mapping = mapping
-
-    def visit_global_var_(self, gv):  # pylint: disable=arguments-renamed
-        return self.mapping.get(gv, gv)
-
-    def visit_var_(self, var):  # pylint: disable=arguments-renamed
-        return self.mapping.get(var, var)
 
 
 @tvm.transform.module_pass(opt_level=0, name="InlineShapeParams")
@@ -137,7 +123,7 @@ def inline_shape_params(mod: tvm.IRModule, _ctx=None) -> tvm.IRModule:
         shapes = {p: relax.ShapeExpr(p.ty.values) for p in fn.params
                   if isinstance(p.ty, relax.ShapeType) and p.ty.values is not None}
         if shapes:
-            mod[gv] = _Substitute(shapes).visit_expr(fn)
+            mod[gv] = Substitute(shapes).visit_expr(fn)
     return mod
 
 

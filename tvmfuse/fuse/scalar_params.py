@@ -7,6 +7,7 @@ import tvm
 from tvm import relax
 
 from tvmfuse.fuse.legalize import integer_exponent
+from tvmfuse.fuse.substitute import Substitute
 
 Const = tvm.ir.GenericConst  # relax.Constant in TVM 0.27
 
@@ -30,7 +31,7 @@ def inline_scalar_params(mod: tvm.IRModule, names: tuple[str, ...]) -> tvm.IRMod
             out[gv] = fn
             continue
         keep = [i for i, p in enumerate(fn.params) if p not in consts]
-        new = relax.Function([fn.params[i] for i in keep], _Replace(consts).visit_expr(fn.body), fn.ret_ty,
+        new = relax.Function([fn.params[i] for i in keep], Substitute(consts).visit_expr(fn.body), fn.ret_ty,
                              fn.is_pure, fn.attrs, fn.span)
         new_gv = relax.GlobalVar(gv.name_hint)
         relax.expr._update_type(new_gv, new.ty)  # pylint: disable=protected-access
@@ -96,18 +97,6 @@ def _shared_scalar(sites: list, index: int):
                and str(a.ty.dtype) == str(first.ty.dtype) and np.array_equal(a.value.numpy(), value, equal_nan=True)
                for a in args[1:])
     return first if same else None
-
-
-@relax.expr_functor.mutator
-class _Replace(relax.PyExprMutator):
-    """Each var in `mapping` becomes its constant."""
-
-    def __init__(self, mapping: dict):
-        super().__init__()
-        self.mapping = mapping
-
-    def visit_var_(self, var):  # pylint: disable=arguments-renamed
-        return self.mapping.get(var, var)
 
 
 @relax.expr_functor.mutator

@@ -76,6 +76,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     inflight = 1 if tile.dual else tile.inflight  # wgmma groups left in flight after each k-tile's is issued
     cluster = tile.cluster
     releases = 1 if tile.wg_release else 4  # arrivals a stage gets from each consumer warpgroup of each CTA
+    releaser = 128 // releases  # threads per arrival: the first of each warpgroup, or of each warp
     share_a = cluster == 2 and tile.multicast == "a"  # the pair shares A (one row tile, two column tiles), else B
     half = (bm if share_a else bn) // cluster  # rows of the shared tile each CTA of a cluster loads and multicasts
     cta_tile = pair_tile_of if share_a else tile_of  # (column tile, row tile) of a CTA
@@ -151,12 +152,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         if tile.wg_release:
             if kt >= inflight:
                 T.cuda.func_call("tvmfuse_bar_sync", 2 + cw, 128, source_code=BAR_SRC)
-                if tx % 128 == 0:
-                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(g0 + kt - inflight) % stages]))
-                    if cluster == 2:
-                        T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[(g0 + kt - inflight) % stages]), 1 - rank,
-                                         source_code=REMOTE_ARRIVE_SRC)
-        elif tx % 32 == 0 and kt >= inflight:
+        if tx % releaser == 0 and kt >= inflight:
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(g0 + kt - inflight) % stages]))
             if cluster == 2:  # the other CTA's loader multicasts into this stage too
                 T.cuda.func_call("tvmfuse_arrive_cluster", T.address_of(empty[(g0 + kt - inflight) % stages]), 1 - rank,
