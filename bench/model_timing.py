@@ -3,6 +3,7 @@ optional per-kernel profile), torch eager and torch.compile; every output checke
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -68,21 +69,52 @@ def gpu_kernels(fn, calls: int = 3, top: int = 16, name_chars: int = 120) -> dic
     return kernel_summary(prof, calls, top, name_chars)
 
 
-def kernel_summary(prof, calls: int, top: int = 16, name_chars: int = 120) -> dict:
-    """`gpu_kernels`' summary of a finished torch.profiler run that made `calls` calls."""
+def kernel_summary(prof, calls: int, top: int = 16, name_chars: int = 120, gaps: int = 6,
+                   synced: bool = True) -> dict:
+    """`gpu_kernels`' summary of a finished torch.profiler run that made `calls` calls: per kernel name, launches and
+    microseconds per call; the busy time (kernel time summed) against the span of one call (its first start to its
+    last end), whose difference is the device's idle time inside a call; and the largest idle gaps inside a call,
+    each named by the kernels either side (a CUDA graph's kernels run back to back unless something holds one).
+    `synced=False`: calls queued back to back (no host sync between them), measured as one run shared out."""
     from torch.autograd import DeviceType
-    evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    evs = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return summarise_kernels(evs, calls, top, name_chars, gaps, synced)
+
+
+def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int = 16, name_chars: int = 120,
+                      gaps: int = 6, synced: bool = True) -> dict:
+    """`kernel_summary` of (name, start us, end us) device events. Synced calls are told apart by the `calls - 1`
+    longest pauses between events (the host's syncs between calls); the others are one run, shared out."""
     agg: dict[str, list] = {}
-    for e in evs:
-        a = agg.setdefault(e.name, [0, 0.0])
-        a[0], a[1] = a[0] + 1, a[1] + e.time_range.elapsed_us()
+    for name, start, end in evs:
+        a = agg.setdefault(name, [0, 0.0])
+        a[0], a[1] = a[0] + 1, a[1] + (end - start)
     busy = sum(a[1] for a in agg.values()) / calls
-    span = (max(e.time_range.end for e in evs) - min(e.time_range.start for e in evs)) / calls if evs else 0.0
     ranked = sorted(agg.items(), key=lambda kv: -kv[1][1])
-    return {"kernels_per_call": round(sum(a[0] for a in agg.values()) / calls, 1), "busy_us": round(busy, 1),
-            "span_us": round(span, 1),
-            "top": [{"name": k[:name_chars], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1)}
-                    for k, v in ranked[:top]]}
+    out = {"kernels_per_call": round(sum(a[0] for a in agg.values()) / calls, 1), "busy_us": round(busy, 1)}
+    order = sorted(evs, key=lambda e: e[1])
+    ends = list(itertools.accumulate((e[2] for e in order), max))
+    pauses = [(order[i + 1][1] - ends[i], i + 1) for i in range(len(order) - 1)]
+    cuts = sorted(i for _, i in sorted(pauses, reverse=True)[:max(calls - 1, 0)]) if synced else []
+    groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, len(order)]) if b > a]
+    share = len(groups) if synced else calls
+    if groups:
+        out["span_us"] = round(sum(max(e[2] for e in g) - g[0][1] for g in groups) / share, 1)
+        out["idle_in_call_us"] = round(max(out["span_us"] - busy, 0.0), 1)
+        held: dict[tuple[str, str], float] = {}
+        for g in groups:
+            last_end, last_name = g[0][2], g[0][0]
+            for name, start, end in g[1:]:
+                if start > last_end:
+                    key = (last_name[:name_chars], name[:name_chars])
+                    held[key] = held.get(key, 0.0) + start - last_end
+                if end >= last_end:
+                    last_end, last_name = end, name
+        out["gaps"] = [{"after": a, "before": b, "us": round(us / share, 2)}
+                       for (a, b), us in sorted(held.items(), key=lambda kv: -kv[1])[:gaps]]
+    out["top"] = [{"name": k[:name_chars], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1)}
+                  for k, v in ranked[:top]]
+    return out
 
 
 def kernel_profile(vm, dev, args, top: int = 8) -> dict:

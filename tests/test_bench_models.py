@@ -109,4 +109,6 @@ def test_before_builds_each_case_again_without_the_templates_from_the_same_expor
     for row in rows.values():
         assert "error" not in row and row["within_tol"] and row["run_job_ok"], row
     assert rows["tvmfuse_before"]["without_templates"] == ["attention_prefill"]
+    schedules = rows["tvmfuse"]["schedules"]  # the manifest's kernels: what a --trials N build changed shows here
+    assert schedules and {v["schedule"] for v in schedules.values()} == {"default"}, schedules
     assert rows["tvmfuse"]["export_s"] == rows["tvmfuse_before"]["export_s"]  # one export

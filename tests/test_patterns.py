@@ -28,7 +28,7 @@ def _c(name, value, np_dtype=np.float32):
 
 def _model(nodes, inputs, outputs, inits):
     m = helper.make_model(helper.make_graph(nodes, "t", inputs, outputs, inits),
-                          opset_imports=[helper.make_opsetid("", 20)])
+                          opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
     onnx.checker.check_model(m)
     return m
 

@@ -1,0 +1,36 @@
+"""bench/model_timing.py: the CUPTI summary's busy time, span and idle gaps inside a call."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.model_timing import summarise_kernels
+
+
+def _calls(offsets, gap_before_c: float):
+    """Per call: a 10 us, b 5 us right after it, c 20 us after `gap_before_c` us of idle."""
+    evs = []
+    for t in offsets:
+        evs += [("a", t, t + 10), ("b", t + 10, t + 15), ("c", t + 15 + gap_before_c, t + 35 + gap_before_c)]
+    return evs
+
+
+def test_idle_inside_a_call_is_named_by_the_kernels_either_side():
+    s = summarise_kernels(_calls([0, 1000, 2500], 4.0), calls=3)
+    assert s["busy_us"] == pytest.approx(35.0)
+    assert s["span_us"] == pytest.approx(39.0)  # the host's pauses between calls are not in it
+    assert s["idle_in_call_us"] == pytest.approx(4.0)
+    assert s["gaps"] == [{"after": "b", "before": "c", "us": 4.0}]
+    assert [t["name"] for t in s["top"]] == ["c", "a", "b"]
+
+
+def test_back_to_back_calls_are_one_run_shared_out():
+    s = summarise_kernels(_calls([0, 50], 0.0), calls=2, synced=False)
+    assert s["span_us"] == pytest.approx(42.5)  # 85 us for two calls
+    assert s["gaps"] == [{"after": "c", "before": "a", "us": 7.5}]
+
+
+def test_an_overlapping_kernel_does_not_count_as_a_gap():
+    evs = [("a", 0, 30), ("b", 5, 10), ("c", 30, 40)]  # b runs inside a's time (another stream)
+    s = summarise_kernels(evs, calls=1)
+    assert s["gaps"] == [] and s["idle_in_call_us"] == 0.0
