@@ -83,8 +83,9 @@ def kernel_summary(prof, calls: int, top: int = 16, name_chars: int = 120, gaps:
 
 def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int = 16, name_chars: int = 120,
                       gaps: int = 6, synced: bool = True) -> dict:
-    """`kernel_summary` of (name, start us, end us) device events. Synced calls are told apart by the `calls - 1`
-    longest pauses between events (the host's syncs between calls); the others are one run, shared out."""
+    """`kernel_summary` of (name, start us, end us) device events. Synced calls are told apart by count where each
+    ran as many kernels, else by the `calls - 1` longest pauses (the host's syncs between calls: a call whose host
+    pauses between its own launches can be cut wrongly); the others are one run, shared out."""
     agg: dict[str, list] = {}
     for name, start, end in evs:
         a = agg.setdefault(name, [0, 0.0])
@@ -95,7 +96,12 @@ def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int 
     order = sorted(evs, key=lambda e: e[1])
     ends = list(itertools.accumulate((e[2] for e in order), max))
     pauses = [(order[i + 1][1] - ends[i], i + 1) for i in range(len(order) - 1)]
-    cuts = sorted(i for _, i in sorted(pauses, reverse=True)[:max(calls - 1, 0)]) if synced else []
+    if not synced:
+        cuts = []
+    elif len(order) % calls == 0:  # every call ran the same kernels: the calls are consecutive runs of that many
+        cuts = list(range(len(order) // calls, len(order), len(order) // calls))
+    else:
+        cuts = sorted(i for _, i in sorted(pauses, reverse=True)[:max(calls - 1, 0)])
     groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, len(order)]) if b > a]
     share = len(groups) if synced else calls
     if groups:

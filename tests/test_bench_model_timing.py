@@ -34,3 +34,14 @@ def test_an_overlapping_kernel_does_not_count_as_a_gap():
     evs = [("a", 0, 30), ("b", 5, 10), ("c", 30, 40)]  # b runs inside a's time (another stream)
     s = summarise_kernels(evs, calls=1)
     assert s["gaps"] == [] and s["idle_in_call_us"] == 0.0
+
+
+def test_calls_of_equal_length_are_cut_by_count_not_by_their_longest_pauses():
+    """A call whose host pauses 40 us before its second launch (kernels launched outside a CUDA graph): the
+    pause is idle inside the call, not a cut between calls."""
+    evs = []
+    for t in (0, 100, 200):
+        evs += [("mask", t, t + 2), ("embed", t + 42, t + 44), ("graph", t + 44, t + 90)]
+    s = summarise_kernels(evs, calls=3)
+    assert s["span_us"] == pytest.approx(90.0) and s["idle_in_call_us"] == pytest.approx(40.0)
+    assert s["gaps"] == [{"after": "mask", "before": "embed", "us": 40.0}]

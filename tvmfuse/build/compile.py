@@ -11,6 +11,7 @@ from tvm import relax, tirx
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
+from tvmfuse.build.dependent_launch import tag_dependent_launch
 from tvmfuse.fuse.views import rewrite_dataflow_reshape
 from tvmfuse.isolation import OUTPUT_CHECK, REPLAY
 from tvmfuse.isolation import record as record_failure
@@ -45,8 +46,8 @@ def _current_context_with(config: dict) -> tvm.transform.PassContext:
 def _mixed_tir_pipeline():
     """TVM lowers a module through one TIR pipeline; the wgmma kernels (tvmfuse.hopper) need the tirx one and
     every scheduled kernel the s_tir one (the kernels marked NO_CSE_ATTR with its CSE switched off), so this runs
-    each on its own functions and merges the results."""
-    s_pass, host, device = tvm.tirx.get_tir_pipeline("s_tir")
+    each on its own functions and merges the results. The device passes end with `tag_dependent_launch`."""
+    s_pass, host, s_device = tvm.tirx.get_tir_pipeline("s_tir")
     x_pass = tvm.tirx.get_tir_pipeline("tirx")[0]
 
     @tvm.transform.module_pass(opt_level=0, name="tvmfuse.MixedTIRPipeline")
@@ -64,6 +65,9 @@ def _mixed_tir_pipeline():
                 for gv, func in s_pass(tvm.IRModule(no_cse, attrs=mod.attrs)).functions.items():
                     merged[gv] = func
         return merged
+
+    def device() -> tvm.transform.Pass:
+        return tvm.transform.Sequential([s_device(), tag_dependent_launch])
 
     return run, host, device
 

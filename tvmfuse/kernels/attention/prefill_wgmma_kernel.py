@@ -14,6 +14,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, tshape
+from tvmfuse.kernels.dependent_launch import dependent_launch
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_gemm import (BAR_SRC, FENCE_SRC, LOADER_REGS, PAIR_STORES, REMOTE_ARRIVE_SRC,
                                                 TIRX_ATTR, consumer_regs)
@@ -201,6 +202,7 @@ def wgmma_attention(s: dict, knobs: dict):
     def ex2(x):
         return T.cuda.func_call("tvmfuse_ex2", x, source_code=EX2_SRC, return_type="float32")
 
+    pdl = dependent_launch()  # kernels.dependent_launch
     # fmt: off
     @T.macro
     def logits(sacc, st, qt, jt, cw, warp, lane, masked, width):
@@ -447,6 +449,9 @@ def wgmma_attention(s: dict, knobs: dict):
             T.cuda.cluster_sync()
         else:
             T.cuda.cta_sync()
+        if pdl:  # the kernel before has finished and its writes are seen; the next may launch
+            T.ptx.griddepcontrol.wait()
+            T.ptx.griddepcontrol.launch_dependents()
         if tx < 128:
             if regs:
                 T.ptx["setmaxnreg.dec.sync.aligned.u32"](LOADER_REGS)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from tvmfuse.kernels.dependent_launch import dependent_launch
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
 
@@ -87,6 +88,7 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     mma, mma_src = mma_helper(dt)
     A, B = a, b
 
+    pdl = dependent_launch()  # kernels.dependent_launch
     # fmt: off
     @T.prim_func(check_well_formed=False)
     def gemm():
@@ -102,6 +104,9 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         tot = T.alloc_local((1,), "float32")
         warp = T.meta_var(tx // 32)
         lane = T.meta_var(tx % 32)
+        if pdl:  # the kernel before has finished and its writes are seen; the next may launch
+            T.ptx.griddepcontrol.wait()
+            T.ptx.griddepcontrol.launch_dependents()
         for i in T.unroll(mt * n8 * 4):
             acc[i] = T.float32(0)
         for r in T.serial(rounds):

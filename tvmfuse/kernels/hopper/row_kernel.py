@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from tvmfuse.kernels.dependent_launch import dependent_launch
 from tvmfuse.kernels.hopper.row_analysis import analyze_rows, conv, find
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
 
@@ -161,12 +162,16 @@ def row_kernel(info: dict, knobs: RowKnobs, name: str) -> tirx.PrimFunc:
             if str(buf.dtype) != _F32:  # the sum in the fused function's own accumulation dtype
                 T.buffer_store(acc, tirx.Cast(_F32, tirx.Cast(str(buf.dtype), acc[j])), [j])
 
+    pdl = dependent_launch()  # kernels.dependent_launch
     # fmt: off
     @T.prim_func(check_well_formed=False)
     def kernel():
         T.device_entry()
         bid = T.cta_id([r // rpc])
         tx = T.thread_id([rpc * w * 32])
+        if pdl:  # the kernel before has finished and its writes are seen; the next may launch
+            T.ptx.griddepcontrol.wait()
+            T.ptx.griddepcontrol.launch_dependents()
         emit(bid, tx)
     # fmt: on
     return tirx.PrimFunc([b for _, b in fresh], kernel.body).with_attrs(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from tvmfuse.kernels.dependent_launch import dependent_launch
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, pair_tile_of, tile_of
 from tvmfuse.targets import SMS
@@ -111,6 +112,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
     def total(acc, i):  # the sum of accumulator i over the sets
         return acc[i] + acc[acc_n + i] if sets == 2 else acc[i]
 
+    pdl = dependent_launch()  # kernels.dependent_launch
     # fmt: off
     @T.macro
     def wait(bar, phase):
@@ -272,6 +274,9 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
             T.cuda.cluster_sync()
         else:
             T.cuda.cta_sync()
+        if pdl:  # the kernel before has finished and its writes are seen; the next may launch
+            T.ptx.griddepcontrol.wait()
+            T.ptx.griddepcontrol.launch_dependents()
         if tx < 128:
             if tile.setmaxnreg:  # the loading warpgroup gives registers back for the consumers' accumulators
                 T.ptx["setmaxnreg.dec.sync.aligned.u32"](LOADER_REGS)
