@@ -159,8 +159,8 @@ def _product(name: str, case: str, opts: dict, path: str, folder: str, target, l
           "kernels": len(called_prim_funcs(mod)), "launches": launches(mod), "fused": result.fused,
           "tuned": result.tuned, "main_dtypes": _main_dtypes(mod),
           "patterns": dict(collections.Counter(k["pattern"] for k in manifest.get("kernels", []))),
-          "schedules": {k["name"]: {"schedule": k["schedule"], "trials": k["trials"], "best_us": k["best_us"]}
-                        for k in manifest.get("kernels", [])},
+          "schedules": {k["name"]: {"schedule": k["schedule"], "trials": k["trials"], "best_us": k["best_us"],
+                                    "kernel": k.get("kernel")} for k in manifest.get("kernels", [])},
           "templates": [ln.split("] ", 1)[-1] for ln in lines if ": template " in ln or ": generic" in ln
                         or ": wgmma " in ln or ": mma.sync small-M " in ln]}
     if result.ok:

@@ -3,6 +3,7 @@ wgmma, P in registers), its checks and knob space, its CUDA source, and the site
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -461,6 +462,10 @@ def test_a_dynamic_dynamo_export_takes_it_in_its_batch_and_seq_bucket(tmp_path, 
     lines = [ln for ln in out.splitlines() if ": template attention" in ln]
     assert [ln.split("] ", 1)[1].startswith("main_batch1_seq128: ") for ln in lines if "prefill_wgmma" in ln] == [True]
     assert any("template attention_step" in ln and "main_batch1_seq128" not in ln for ln in lines), lines
+    (manifest,) = (tmp_path / "o").glob("*/manifest.json")  # the kernel stage's choice is in the manifest too
+    bucket = [k for k in json.loads(manifest.read_text())["kernels"] if k["name"].endswith("_batch1_seq128")]
+    assert [k["kernel"].split(",")[0] for k in bucket if k["pattern"] == "tvmfuse.attention"] == [
+        "template attention_prefill_wgmma"], bucket
 
 
 def test_the_benchmark_knob_filter_reads_name_int_pairs():

@@ -170,16 +170,22 @@ def kernels_phase(fused: Fused, target: tvm.target.Target, database: TuningDatab
     where they fit. One log line per kernel considered."""
     if target.kind.name != "cuda":
         return fused
+
+    def log_choice(line: str) -> None:  # "kernel: what it runs as", kept for the manifest too
+        kernel, _, choice = line.partition(": ")
+        fused.kernel_choices[kernel] = choice
+        log(line)
+
     tune_templates(fused.mod, fused.kernel_patterns, target, database, trials, rpc=rpc, on_progress=on_progress,
                    say=log, make_check=VariantCheck)  # wrong knob sets, one line each
     outcomes: list = []
     fused.mod = substitute(fused.mod, fused.kernel_patterns, target=target, log=outcomes, database=database)
     for kernel, outcome in outcomes:
-        log(f"{kernel}: {outcome}")
+        log_choice(f"{kernel}: {outcome}")
     if trials > 0:  # with --trials 0 nothing is measured: the tiles come from the records and rules alone
         tune_sites(hopper_gemm_sites(fused.mod, target), fused.mod, target, database, trials, rpc=rpc,
                    on_progress=on_progress, say=log, make_check=VariantCheck)
-    fused.mod = apply_hopper_kernels(fused.mod, target, log, tile_for=measured_tiles(database, target))
+    fused.mod = apply_hopper_kernels(fused.mod, target, log_choice, tile_for=measured_tiles(database, target))
     return fused
 
 

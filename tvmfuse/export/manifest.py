@@ -27,7 +27,8 @@ def make_manifest(job, target: tvm.target.Target, source: str, imported, bound: 
         "precision": precision_info(bound, job.dtype, job.io_dtype),
         "cuda_graph": bool(job.cuda_graph and target.kind.name == "cuda"),
         "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
-                     "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1]}
+                     "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1],
+                     **({"kernel": fused.kernel_choices[k]} if k in fused.kernel_choices else {})}
                     for k in kernels],
         "rejected_matches": [{"pattern": p, "at": at, "reason": why} for p, at, why in fused.rejections],
         "verification": verification,

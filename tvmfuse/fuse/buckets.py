@@ -89,7 +89,7 @@ def lower_buckets(mod: tvm.IRModule, generic: Fused, buckets: dict[str, list[int
     """For each bucket shape, bind the symbolic dims of `mod`'s `main` to its values, fuse that static copy
     with `fuse(mod, name)` (decide, fuse, templates: static kernels tuning can take) and add it to the generic
     module as `main_<dim><value>`. Structurally equal kernels across buckets are kept once."""
-    merged, patterns = generic.mod, dict(generic.kernel_patterns)
+    merged, patterns, choices = generic.mod, dict(generic.kernel_patterns), dict(generic.kernel_choices)
     shapes: dict[str, dict[str, int]] = {}
     kernels_of = {"main": generic.kernels()}
     for shape in bucket_shapes(buckets):
@@ -100,8 +100,9 @@ def lower_buckets(mod: tvm.IRModule, generic: Fused, buckets: dict[str, list[int
         merged, renamed = _merge(merged, fused.mod, name)
         kernels_of[name] = [renamed[k] for k in fused.kernels()]
         patterns.update({renamed[k]: p for k, p in fused.kernel_patterns.items() if k in renamed})
+        choices.update({renamed[k]: c for k, c in fused.kernel_choices.items() if k in renamed})
         shapes[name] = shape
-    return Bucketed(Fused(merged, patterns, generic.rejections, generic.plan, generic.candidate_kernels),
+    return Bucketed(Fused(merged, patterns, generic.rejections, generic.plan, generic.candidate_kernels, choices),
                     shapes, kernels_of)
 
 

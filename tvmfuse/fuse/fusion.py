@@ -32,6 +32,7 @@ class Fused:
     rejections: list[tuple[str, str, str]] = field(default_factory=list)
     plan: Plan | None = None
     candidate_kernels: dict[str, str] = field(default_factory=dict)  # "pattern@root" -> kernel (shared ones too)
+    kernel_choices: dict[str, str] = field(default_factory=dict)  # kernel -> the kernel stage's choice (its log line)
 
     def kernels(self) -> list[str]:
         """PrimFuncs the Relax `main` calls, in call order (what runs on the device)."""
