@@ -3,15 +3,18 @@ they touch global memory, and exactly the kernels that wait are launched with pr
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tvm
 from checks import cuda_sources
 from test_hopper import _gelu_projection
+from tvm import relax
 from tvm.script import tirx as T
 from tvm.tirx.build import split_host_device_mods
 
 from tvmfuse.build.compile import TIR_PIPELINE, compile_module
 from tvmfuse.build.dependent_launch import TAG, with_dependent_launch
+from tvmfuse.fuse.fusion import lower
 from tvmfuse.kernels.dependent_launch import SWITCH
 from tvmfuse.kernels.hopper.select import apply_hopper_kernels
 from tvmfuse.spaces.defaults import apply_default_schedules
@@ -64,13 +67,72 @@ def _gemm_source(rows: int) -> str:
 
 @pytest.mark.parametrize("rows, first_global", [(256, "cp_async_bulk_tensor_g2s"),  # wgmma: TMA loads
                                                 (16, "tvmfuse_ld_stream(")])  # small M: streamed weight loads
-def test_the_hopper_gemms_wait_before_their_first_global_access_and_release_the_next(rows, first_global):
+def test_the_hopper_gemms_wait_before_their_first_global_access_and_release_the_next(rows, first_global,
+                                                                                       monkeypatch):
+    monkeypatch.setenv(SWITCH, "1")
     kernel = _gemm_source(rows)
     wait, release = kernel.find("griddepcontrol_wait()"), kernel.find("griddepcontrol_launch_dependents()")
     assert 0 < wait < release < kernel.find(first_global), kernel[:3000]
     assert kernel.count("griddepcontrol_wait()") == 1
 
 
-def test_the_switch_builds_kernels_that_neither_wait_nor_release(monkeypatch):
-    monkeypatch.setenv(SWITCH, "0")
+def test_by_default_kernels_neither_wait_nor_release(monkeypatch):
+    """Off until it has run on a GPU (`test_dependent_kernels_in_a_cuda_graph_match_numpy_on_the_gpu`)."""
+    monkeypatch.delenv(SWITCH, raising=False)
     assert "griddepcontrol" not in _gemm_source(256)
+
+
+def _chain(rows: int = 256, k: int = 512, seed: int = 0):
+    """x -> four GEMMs in a row, each reading the one before (weights constants, fp16 out). Built with CUDA graphs,
+    the middle two run in the graph (the first reads the input, the last writes the output), so one dependent launch
+    is between two of the graph's kernels."""
+    rng = np.random.default_rng(seed)
+    ws = [(rng.standard_normal((k, k)) / np.sqrt(k)).astype("float16") for _ in range(4)]
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, rows, k), "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            h = x
+            for w in ws:
+                wt = bb.emit(relax.op.permute_dims(relax.const(w)))
+                h = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(h, wt, out_dtype="float32")), "float16"))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    return lower(bb.get()).mod, ws
+
+
+def _build_chain(monkeypatch, cuda_graph: bool):
+    monkeypatch.setenv(SWITCH, "1")
+    cuda = resolve_target("cuda")
+    mod, ws = _chain()
+    logged = []
+    mod = apply_default_schedules(apply_hopper_kernels(mod, cuda, logged.append), cuda)
+    assert len(logged) == 1 and ": wgmma 256x512x512" in logged[0], logged  # one kernel, called four times
+    return compile_module(mod, cuda, cuda_graph=cuda_graph), ws
+
+
+def test_the_chain_builds_four_waiting_gemms_two_of_them_in_a_cuda_graph(monkeypatch):
+    ex, _ = _build_chain(monkeypatch, cuda_graph=True)
+    text = ex.as_text()
+    assert text.count("call  vm.builtin.cuda_graph.run_or_capture") == 1
+    capture = text[text.index("@main_cuda_graph_capture:"):].split("\n@", 1)[0]  # the captured function
+    assert capture.count("call  fused_relax_permute_dims_relax_matmul_relax_astype in") == 2, capture
+    (src,) = cuda_sources(ex)
+    assert src.count("griddepcontrol_wait();") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_dependent_kernels_in_a_cuda_graph_match_numpy_on_the_gpu(monkeypatch, cuda_graph):
+    """Each GEMM reads what the one before wrote: a kernel that read before its predecessor finished would read
+    stale values (the output buffers are reused across the 20 calls with new inputs each time)."""
+    ex, ws = _build_chain(monkeypatch, cuda_graph)
+    vm = relax.VirtualMachine(ex, tvm.cuda(0))
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        x = rng.standard_normal((1, 256, 512)).astype("float16")
+        got = vm["main"](tvm.runtime.tensor(x, tvm.cuda(0))).numpy().astype("float32")
+        want = x
+        for w in ws:
+            want = (want.astype("float32") @ w.astype("float32").T).astype("float16")
+        np.testing.assert_allclose(got, want.astype("float32"), atol=3e-2, rtol=3e-2)
