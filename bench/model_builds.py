@@ -41,16 +41,28 @@ def spying(modules: dict, seen: dict):
 def without_templates(names: tuple[str, ...]):
     """The template table without the templates `names` (by Template.name) while the block runs: the build falls
     back to the next template or the generic kernel, as a target without them would (a before/after pair in one
-    run: `bench/models.py --without-templates attention_prefill_wgmma`)."""
+    run: `bench/models.py --without-templates attention_prefill_wgmma`). DEPENDENT_LAUNCH among them: the Hopper
+    kernels are built without programmatic dependent launch (`bench/models.py --dependent-launch --before
+    dependent_launch`: with and without it from one export)."""
+    from tvmfuse.kernels.dependent_launch import SWITCH
     from tvmfuse.kernels.table import TABLE
 
-    saved = dict(TABLE)
+    saved, switch = dict(TABLE), os.environ.get(SWITCH)
     for key, entry in saved.items():
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
+    if DEPENDENT_LAUNCH in names:
+        os.environ[SWITCH] = "0"
     try:
         yield
     finally:
         TABLE.update(saved)
+        if switch is None:
+            os.environ.pop(SWITCH, None)
+        else:
+            os.environ[SWITCH] = switch
+
+
+DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for the kernels' dependent launch
 
 
 def case_dir(name: str, case: str, dtype: str) -> str:

@@ -1,6 +1,7 @@
 """bench/models.py --smoke in-process: a tiny GPT-2 at decode (KV cache) through the product, stock TVM and torch."""
 
 import json
+import os
 import math
 import sys
 from pathlib import Path
@@ -94,6 +95,21 @@ def test_without_templates_leaves_a_template_out_of_the_table_for_the_build_only
     with without_templates(("attention_prefill_wgmma",)):
         assert names() == [n for n in whole if n != "attention_prefill_wgmma"]
     assert names() == whole
+
+
+def test_without_dependent_launch_builds_kernels_that_do_not_wait_and_restores_the_switch(monkeypatch):
+    """`--dependent-launch --before dependent_launch`: the before build has the switch off, the other keeps it."""
+    from bench.model_builds import DEPENDENT_LAUNCH, without_templates
+    from tvmfuse.kernels.dependent_launch import SWITCH, dependent_launch
+
+    monkeypatch.setenv(SWITCH, "1")
+    with without_templates((DEPENDENT_LAUNCH,)):
+        assert not dependent_launch()
+    assert dependent_launch()
+    monkeypatch.delenv(SWITCH)
+    with without_templates((DEPENDENT_LAUNCH,)):
+        assert not dependent_launch()
+    assert SWITCH not in os.environ
 
 
 def test_before_builds_each_case_again_without_the_templates_from_the_same_export(tmp_path):
