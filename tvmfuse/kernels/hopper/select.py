@@ -85,7 +85,8 @@ def sibling_merge_pays(m: int, n: int, k: int, count: int) -> bool:
     GEMM and the split after it: the wgmma kernel takes both (m > 64), and `estimate_us` of the merged GEMM plus the
     split's copy (`SPLIT_BYTES_PER_US` each way, and a launch) is below the siblings' one after the other. BERT-base's
     Q, K and V at 512 rows: 3 x 3.5 µs against 6.6 + 2.4 (measured apart, wgmma_run6.json: 3 x 4.9-6.2 against 8.8);
-    at 2048 rows, and Llama-2-7B's at 512 (each fills its wave already), the merge would not pay."""
+    at 2048 rows, with the 192x192 tile for the merged GEMM: 3 x 6.6 against 11.9 + 6.7 (not measured apart).
+    Llama-2-7B's at 512 (each fills its wave already): the merge would not pay."""
     if m <= MAX_M:  # decode rows: the GEMV and small-M kernels, bandwidth-bound either way
         return False
     one, merged = choose_tile(m, n, k), choose_tile(m, n * count, k)
