@@ -44,9 +44,22 @@ def _kernel(waits: bool) -> tvm.tirx.PrimFunc:
     return main.with_attrs({"global_symbol": "main", "tirx.noalias": True, "tvmfuse.tirx": "test"})
 
 
-def test_a_kernel_that_waits_is_launched_dependent_and_one_that_does_not_is_not():
+def test_a_kernel_that_waits_is_launched_dependent_and_one_that_does_not_is_not(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
     assert _launch_params(_kernel(True)) == {"main_kernel": ["blockIdx.x", "threadIdx.x", TAG]}
     assert _launch_params(_kernel(False)) == {"main_kernel": ["blockIdx.x", "threadIdx.x"]}
+
+
+def test_with_the_switch_on_a_generic_kernel_waits_at_its_top_and_is_launched_dependent(monkeypatch):
+    """The kernels TVM schedules (no griddepcontrol of their own) wait before anything else, so that no kernel of a
+    graph breaks the chain of dependent launches."""
+    monkeypatch.setenv(SWITCH, "1")
+    assert _launch_params(_kernel(False)) == {"main_kernel": ["blockIdx.x", "threadIdx.x", TAG]}
+    cuda = resolve_target("cuda")
+    (src,) = cuda_sources(compile_module(apply_default_schedules(_gelu_projection(256, 512, 384), cuda), cuda))
+    kernel = src.split("__global__")[-1]  # dlight's GEMM (no Hopper kernel asked for)
+    body = kernel[kernel.index("{"):]
+    assert body.index("griddepcontrol_wait()") < body.index("griddepcontrol_launch_dependents()") < body.index("[")
 
 
 def test_the_tag_goes_before_the_dynamic_shared_memory_tag_and_only_once():
