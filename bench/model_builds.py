@@ -126,8 +126,9 @@ def build(name: str, case: str, opts: dict, path: str, exported: dict) -> dict:
     if opts.get("before"):  # the same export built again without these templates: the "before" of the pair
         left_out = tuple(opts.get("without_templates", ())) + tuple(opts["before"])
         before, before_mod, _ = _product(name, case, opts, path, os.path.join(folder, "before"), target, left_out)
-        if opts["graph"]:  # measure its CUDA-graph library, as tvmfuse_cuda_graph
-            graph = _graph_build(before_mod, target, before, os.path.join(folder, "before", "cuda_graph.so"))
+        if opts["graph"]:  # measure its CUDA-graph library, as tvmfuse_cuda_graph (compiled as it was built)
+            with without_templates(left_out):
+                graph = _graph_build(before_mod, target, before, os.path.join(folder, "before", "cuda_graph.so"))
             before.update(library=graph["library"], graph_captures=graph["graph_captures"])
             before.pop("export", None)
         info["tvmfuse_before"] = dict(before, without_templates=list(left_out))
