@@ -1,5 +1,6 @@
-"""kernels/dependent_launch.py and build/dependent_launch.py: the Hopper kernels wait for their predecessor before
-they touch global memory, and exactly the kernels that wait are launched with programmatic dependent launch."""
+"""kernels/dependent_launch.py and build/dependent_launch.py: with the switch on, the Hopper kernels wait for their
+predecessor before they touch global memory and every other kernel waits first; exactly the kernels that wait are
+launched with programmatic dependent launch; off by default."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def _launch_params(func: tvm.tirx.PrimFunc) -> dict[str, list[str]]:
     """Each device kernel of `func` lowered through tvmfuse's TIR pipeline, with its launch parameters."""
     cuda = resolve_target("cuda")
     mod = tvm.IRModule({"main": func.with_attr("target", tvm.target.Target(cuda, host="llvm"))})
-    lower, _host, device = tvm.tirx.get_tir_pipeline(TIR_PIPELINE)
-    _, by_target = split_host_device_mods(lower(mod))
+    lower_tir, _host, device = tvm.tirx.get_tir_pipeline(TIR_PIPELINE)
+    _, by_target = split_host_device_mods(lower_tir(mod))
     return {gv.name_hint: [str(t) for t in f.attrs["tirx.kernel_launch_params"]]
             for dev in by_target.values() for gv, f in device()(dev).functions.items()}
 
