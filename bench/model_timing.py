@@ -54,7 +54,7 @@ def measure_vm(vm, dtypes: list[str], ctx: dict) -> dict:
     return row
 
 
-def gpu_kernels(fn, calls: int = 3, top: int = 16, name_chars: int = 120) -> dict:
+def gpu_kernels(fn, calls: int = 10, top: int = 16, name_chars: int = 120) -> dict:
     """The device's own record of what `fn` ran (CUPTI through torch.profiler; sees TVM's launches and the
     kernels inside CUDA graphs): per kernel name, launches and microseconds per call, and the sum against the
     busy span (first start to last end per call), whose difference is the idle time between kernels."""
