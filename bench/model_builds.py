@@ -37,11 +37,14 @@ def spying(modules: dict, seen: dict):
             setattr(m, n, orig[m, n])
 
 
+DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for the kernels' dependent launch
+
+
 @contextlib.contextmanager
 def without_templates(names: tuple[str, ...]):
     """The template table without the templates `names` (by Template.name) while the block runs: the build falls
     back to the next template or the generic kernel, as a target without them would (a before/after pair in one
-    run: `bench/models.py --without-templates attention_prefill_wgmma`). DEPENDENT_LAUNCH among them: the Hopper
+    run: `bench/models.py --without-templates attention_prefill_wgmma`). DEPENDENT_LAUNCH among them: the
     kernels are built without programmatic dependent launch (`bench/models.py --dependent-launch --before
     dependent_launch`: with and without it from one export)."""
     from tvmfuse.kernels.dependent_launch import SWITCH
@@ -60,9 +63,6 @@ def without_templates(names: tuple[str, ...]):
             os.environ.pop(SWITCH, None)
         else:
             os.environ[SWITCH] = switch
-
-
-DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for the kernels' dependent launch
 
 
 def case_dir(name: str, case: str, dtype: str) -> str:

@@ -36,11 +36,6 @@ def _griddep_actions(stmt) -> set[str]:
     return found
 
 
-def waits_for_predecessor(stmt) -> bool:
-    """Whether a kernel body executes `griddepcontrol.wait`."""
-    return "wait" in _griddep_actions(stmt)
-
-
 def _griddep(action: str) -> tirx.Evaluate:
     return tirx.Evaluate(tirx.call_intrin("void", _GRIDDEP, tvm.ir.StringImm(action), tvm.ir.StringImm("")))
 
