@@ -45,8 +45,8 @@ def without_templates(names: tuple[str, ...]):
     """The template table without the templates `names` (by Template.name) while the block runs: the build falls
     back to the next template or the generic kernel, as a target without them would (a before/after pair in one
     run: `bench/models.py --without-templates attention_prefill_wgmma`). DEPENDENT_LAUNCH among them: the
-    kernels are built without programmatic dependent launch (`bench/models.py --dependent-launch --before
-    dependent_launch`: with and without it from one export)."""
+    kernels are built without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and
+    without it from one export)."""
     from tvmfuse.kernels.dependent_launch import SWITCH
     from tvmfuse.kernels.table import TABLE
 

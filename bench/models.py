@@ -230,14 +230,8 @@ def main(argv=None) -> dict:
     p.add_argument("--before", default="", metavar="NAMES", help="comma-separated kernel templates: each case is "
                    "also built without them (from the same export) and measured as tvmfuse_before (with a CUDA graph "
                    "on CUDA): a before/after pair in one run, e.g. --before attention_prefill_wgmma")
-    p.add_argument("--dependent-launch", action="store_true", help="build the Hopper kernels with programmatic "
-                   "dependent launch (TVMFUSE_DEPENDENT_LAUNCH=1; `--before dependent_launch` builds each case "
-                   "without it too)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)
-    if args.dependent_launch:  # before any worker starts: they inherit it
-        from tvmfuse.kernels.dependent_launch import SWITCH
-        os.environ[SWITCH] = "1"
     if args.chart:
         with open(args.chart, encoding="utf-8") as f:
             RES.clear()
@@ -251,6 +245,7 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
     import torch
+    from tvmfuse.build.dependent_launch import applies_to
     from tvmfuse.targets import device_for, resolve_target
     torch.set_grad_enabled(False)
     target = resolve_target("llvm" if args.smoke else "cuda")
@@ -261,7 +256,7 @@ def main(argv=None) -> dict:
                target=str(target.attrs.get("arch", "llvm")),
                models={m: hm.NOTES[m] for m in args.models.split(",")}, rows=[],
                without_templates=[n for n in args.without_templates.split(",") if n],
-               before=[n for n in args.before.split(",") if n], dependent_launch=args.dependent_launch,
+               before=[n for n in args.before.split(",") if n], dependent_launch=applies_to(target),
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "

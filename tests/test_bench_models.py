@@ -98,7 +98,7 @@ def test_without_templates_leaves_a_template_out_of_the_table_for_the_build_only
 
 
 def test_without_dependent_launch_builds_kernels_that_do_not_wait_and_restores_the_switch(monkeypatch):
-    """`--dependent-launch --before dependent_launch`: the before build has the switch off, the other keeps it."""
+    """`--before dependent_launch`: the before build has the switch off, the other keeps it (on by default)."""
     from bench.model_builds import DEPENDENT_LAUNCH, without_templates
     from tvmfuse.kernels.dependent_launch import SWITCH, dependent_launch
 

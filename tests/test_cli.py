@@ -200,7 +200,7 @@ def test_cuda_target_without_gpu_needs_trials_0(tmp_path, capsys):
     assert main(base + ["--trials", "0"]) == 0
     manifest = json.loads((tmp_path / "o" / "m-cuda-sm_90a" / "manifest.json").read_text())
     assert manifest["verification"]["status"] == "skipped" and manifest["target"]["arch"] == "sm_90a"
-    assert manifest["cuda_graph"] is False
+    assert manifest["cuda_graph"] is False and manifest["dependent_launch"] is True  # sm_90a: on by default
     # --cuda-graph on the embedded block: the exported library replays captured launch sequences
     assert main(base[:-1] + ["--trials", "0", "--cuda-graph"]) == 0
     export = tmp_path / "o" / "tiny-block-cuda-sm_90a"

@@ -1,6 +1,6 @@
 """kernels/dependent_launch.py and build/dependent_launch.py: with the switch on, the Hopper kernels wait for their
 predecessor before they touch global memory and every other kernel waits first; exactly the kernels that wait are
-launched with programmatic dependent launch; off by default."""
+launched with programmatic dependent launch; on by default for sm_90 and newer, never for older archs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tvm.script import tirx as T
 from tvm.tirx.build import split_host_device_mods
 
 from tvmfuse.build.compile import TIR_PIPELINE, compile_module
-from tvmfuse.build.dependent_launch import TAG, with_dependent_launch
+from tvmfuse.build.dependent_launch import TAG, applies_to, with_dependent_launch
 from tvmfuse.fuse.fusion import lower
 from tvmfuse.kernels.dependent_launch import SWITCH
 from tvmfuse.kernels.hopper.select import apply_hopper_kernels
@@ -22,9 +22,9 @@ from tvmfuse.spaces.defaults import apply_default_schedules
 from tvmfuse.targets import resolve_target
 
 
-def _launch_params(func: tvm.tirx.PrimFunc) -> dict[str, list[str]]:
-    """Each device kernel of `func` lowered through tvmfuse's TIR pipeline, with its launch parameters."""
-    cuda = resolve_target("cuda")
+def _launch_params(func: tvm.tirx.PrimFunc, arch: str = "sm_90a") -> dict[str, list[str]]:
+    """Each device kernel of `func` lowered through tvmfuse's TIR pipeline for `arch`, with its launch parameters."""
+    cuda = tvm.target.Target({"kind": "cuda", "arch": arch})
     mod = tvm.IRModule({"main": func.with_attr("target", tvm.target.Target(cuda, host="llvm"))})
     lower_tir, _host, device = tvm.tirx.get_tir_pipeline(TIR_PIPELINE)
     _, by_target = split_host_device_mods(lower_tir(mod))
@@ -46,15 +46,15 @@ def _kernel(waits: bool) -> tvm.tirx.PrimFunc:
 
 
 def test_a_kernel_that_waits_is_launched_dependent_and_one_that_does_not_is_not(monkeypatch):
-    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv(SWITCH, "0")
     assert _launch_params(_kernel(True)) == {"main_kernel": ["blockIdx.x", "threadIdx.x", TAG]}
     assert _launch_params(_kernel(False)) == {"main_kernel": ["blockIdx.x", "threadIdx.x"]}
 
 
-def test_with_the_switch_on_a_generic_kernel_waits_at_its_top_and_is_launched_dependent(monkeypatch):
+def test_by_default_a_generic_kernel_waits_at_its_top_and_is_launched_dependent(monkeypatch):
     """The kernels TVM schedules (no griddepcontrol of their own) wait before anything else, so that no kernel of a
     graph breaks the chain of dependent launches."""
-    monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.delenv(SWITCH, raising=False)
     assert _launch_params(_kernel(False)) == {"main_kernel": ["blockIdx.x", "threadIdx.x", TAG]}
     cuda = resolve_target("cuda")
     (src,) = cuda_sources(compile_module(apply_default_schedules(_gelu_projection(256, 512, 384), cuda), cuda))
@@ -90,10 +90,32 @@ def test_the_hopper_gemms_wait_before_their_first_global_access_and_release_the_
     assert kernel.count("griddepcontrol_wait()") == 1
 
 
-def test_by_default_kernels_neither_wait_nor_release(monkeypatch):
-    """Off until it has run on a GPU (`test_dependent_kernels_in_a_cuda_graph_match_numpy_on_the_gpu`)."""
+@pytest.mark.parametrize("rows", [256, 16])
+def test_the_switch_at_0_builds_kernels_that_neither_wait_nor_release(rows, monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
-    assert "griddepcontrol" not in _gemm_source(256)
+    assert "griddepcontrol_wait()" in _gemm_source(rows)  # on by default
+    monkeypatch.setenv(SWITCH, "0")
+    assert "griddepcontrol" not in _gemm_source(rows)
+
+
+def test_it_applies_to_cuda_targets_of_sm_90_and_newer_unless_switched_off(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
+    cuda = {arch: tvm.target.Target({"kind": "cuda", "arch": arch}) for arch in ("sm_80", "sm_90", "sm_90a", "sm_100a")}
+    assert [applies_to(t) for t in cuda.values()] == [False, True, True, True]
+    assert not applies_to(tvm.target.Target("llvm")) and not applies_to(None)
+    monkeypatch.setenv(SWITCH, "0")
+    assert not applies_to(cuda["sm_90a"])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
+def test_before_sm_90_no_kernel_waits_or_is_launched_dependent(arch, monkeypatch):
+    """griddepcontrol is sm_90's: an older arch gets neither the instructions nor the launch attribute, with the
+    switch on (its default)."""
+    monkeypatch.delenv(SWITCH, raising=False)
+    assert _launch_params(_kernel(False), arch) == {"main_kernel": ["blockIdx.x", "threadIdx.x"]}
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    (src,) = cuda_sources(compile_module(apply_default_schedules(_gelu_projection(256, 512, 384), target), target))
+    assert "griddepcontrol" not in src and "__global__" in src
 
 
 def _chain(rows: int = 256, k: int = 512, seed: int = 0):

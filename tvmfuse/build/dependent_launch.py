@@ -1,7 +1,8 @@
 """Launch device kernels with programmatic dependent launch: each kernel that waits for its predecessor
 (`griddepcontrol.wait`) gets the launch tag TVM's CUDA runtime sets the attribute for; with
-`kernels.dependent_launch` on, every other kernel (the generic ones) first gets the wait, and the release of its
-successor, at the top of its body, so that a whole stream or CUDA graph of kernels launches ahead."""
+`kernels.dependent_launch` on (the default) and a CUDA arch of sm_90 or newer, every other kernel (the generic
+ones) first gets the wait, and the release of its successor, at the top of its body, so that a whole stream or
+CUDA graph of kernels launches ahead."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ import tvm
 from tvm import tirx
 
 from tvmfuse.kernels.dependent_launch import dependent_launch
+from tvmfuse.targets import cuda_arch_number
 
 TAG = "tirx.use_programtic_dependent_launch"  # (TVM's spelling)
 _DYN_SMEM = "tirx.use_dyn_shared_memory"  # TVM's runtime wants this tag last
 _LAUNCH_PARAMS = "tirx.kernel_launch_params"
 _GRIDDEP = "tirx.ptx.griddepcontrol"
+MIN_ARCH = 90  # griddepcontrol and the launch attribute are sm_90's
+
+
+def applies_to(target: tvm.target.Target | None) -> bool:
+    """Whether kernels built now for `target` are launched dependent: the switch on and a CUDA arch >= MIN_ARCH."""
+    number = cuda_arch_number(target) if target is not None else None
+    return dependent_launch() and number is not None and number >= MIN_ARCH
 
 
 def _griddep_actions(stmt) -> set[str]:
@@ -57,10 +66,11 @@ def with_dependent_launch(func: tirx.PrimFunc, wait_first: bool = False) -> tirx
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.DependentLaunch")
 def tag_dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Device module pass: each kernel that waits for its predecessor gets TAG; with the switch on, every kernel
-    waits (at its top, where it did not already) and gets it."""
-    every = dependent_launch()
+    """Device module pass: each kernel that waits for its predecessor gets TAG; where `applies_to` its target, every
+    kernel waits (at its top, where it did not already) and gets it."""
     out = tvm.IRModule(attrs=mod.attrs)
     for gv, func in mod.functions.items():
-        out[gv] = with_dependent_launch(func, wait_first=every) if isinstance(func, tirx.PrimFunc) else func
+        if isinstance(func, tirx.PrimFunc):
+            func = with_dependent_launch(func, wait_first=applies_to((func.attrs or {}).get("target")))
+        out[gv] = func
     return out

@@ -8,6 +8,7 @@ import os
 import tvm
 
 from tvmfuse.build.compile import TUNED
+from tvmfuse.build.dependent_launch import applies_to as launched_dependent
 from tvmfuse.prepare.precision import precision_info
 from tvmfuse.targets import target_json
 from tvmfuse.version import __version__
@@ -26,6 +27,7 @@ def make_manifest(job, target: tvm.target.Target, source: str, imported, bound: 
         "outputs": [_io_tensor(t.as_dict(), job.io_dtype, job.dtype) for t in imported.outputs],
         "precision": precision_info(bound, job.dtype, job.io_dtype),
         "cuda_graph": bool(job.cuda_graph and target.kind.name == "cuda"),
+        "dependent_launch": launched_dependent(target),
         "kernels": [{"name": k, "pattern": fused.pattern_of(k), "schedule": kinds.get(k, "default"),
                      "trials": records.get(k, (0, None))[0], "best_us": records.get(k, (0, None))[1],
                      **({"kernel": fused.kernel_choices[k]} if k in fused.kernel_choices else {})}
