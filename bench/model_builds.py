@@ -47,22 +47,17 @@ def without_templates(names: tuple[str, ...]):
     run: `bench/models.py --without-templates attention_prefill_wgmma`). DEPENDENT_LAUNCH among them: the
     kernels are built without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and
     without it from one export)."""
-    from tvmfuse.kernels.dependent_launch import SWITCH
+    from tvmfuse.kernels.dependent_launch import dependent_launch, dependent_launch_set
     from tvmfuse.kernels.table import TABLE
 
-    saved, switch = dict(TABLE), os.environ.get(SWITCH)
+    saved = dict(TABLE)
     for key, entry in saved.items():
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
-    if DEPENDENT_LAUNCH in names:
-        os.environ[SWITCH] = "0"
     try:
-        yield
+        with dependent_launch_set(dependent_launch() and DEPENDENT_LAUNCH not in names):
+            yield
     finally:
         TABLE.update(saved)
-        if switch is None:
-            os.environ.pop(SWITCH, None)
-        else:
-            os.environ[SWITCH] = switch
 
 
 def case_dir(name: str, case: str, dtype: str) -> str:

@@ -4,6 +4,8 @@ launched with programmatic dependent launch; on by default for sm_90 and newer, 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import tvm
@@ -16,7 +18,7 @@ from tvm.tirx.build import split_host_device_mods
 from tvmfuse.build.compile import TIR_PIPELINE, compile_module
 from tvmfuse.build.dependent_launch import TAG, applies_to, with_dependent_launch
 from tvmfuse.fuse.fusion import lower
-from tvmfuse.kernels.dependent_launch import SWITCH
+from tvmfuse.kernels.dependent_launch import SWITCH, dependent_launch, dependent_launch_set
 from tvmfuse.kernels.hopper.select import apply_hopper_kernels
 from tvmfuse.spaces.defaults import apply_default_schedules
 from tvmfuse.targets import resolve_target
@@ -105,6 +107,21 @@ def test_it_applies_to_cuda_targets_of_sm_90_and_newer_unless_switched_off(monke
     assert not applies_to(tvm.target.Target("llvm")) and not applies_to(None)
     monkeypatch.setenv(SWITCH, "0")
     assert not applies_to(cuda["sm_90a"])
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_a_job_sets_the_switch_for_its_build_and_leaves_it_as_it_was(before, monkeypatch):
+    if before is None:
+        monkeypatch.delenv(SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(SWITCH, before)
+    for on in (False, True):
+        with dependent_launch_set(on):
+            assert dependent_launch() is on
+        assert os.environ.get(SWITCH) == before
+    with pytest.raises(RuntimeError), dependent_launch_set(False):
+        raise RuntimeError("a failed build")
+    assert os.environ.get(SWITCH) == before
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])

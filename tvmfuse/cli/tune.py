@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", action="store_true",
                    help="cuda: capture each static run of kernel launches as a CUDA graph (TVM's RewriteCUDAGraph); "
                         "cuts launch overhead at decode sizes; symbolic-shape regions stay launches")
+    p.add_argument("--no-dependent-launch", dest="dependent_launch", action="store_false",
+                   help="cuda, sm_90 and newer: launch each kernel only once the one before has finished (default: "
+                        "programmatic dependent launch, each kernel launched and set up while the one before ends)")
     p.add_argument("--batch", type=int, metavar="N",
                    help="candidates built and measured per tuning round (default: 16 on llvm, 64 on cuda)")
     p.add_argument("--kv-cache", choices=("inplace", "onnx"),
@@ -86,6 +89,7 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
         raise TvmfuseError("--max-seq must be a positive number of positions")
     for job in jobs:
         job.cuda_graph = args.cuda_graph
+        job.dependent_launch = args.dependent_launch
         job.kv_cache, job.max_seq = args.kv_cache or job.kv_cache, args.max_seq or job.max_seq
     if args.batch is not None:
         if args.batch < 1:

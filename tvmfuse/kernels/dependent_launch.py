@@ -6,6 +6,7 @@ On by default (measured in docs/benchmarks.md, `models_run36_pdl`); `TVMFUSE_DEP
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 #: environment switch read when a kernel is built: "0" builds kernels that neither wait nor release (on otherwise)
@@ -15,3 +16,17 @@ SWITCH = "TVMFUSE_DEPENDENT_LAUNCH"
 def dependent_launch() -> bool:
     """Whether kernels built now wait for their predecessor and release their successor (unless SWITCH=0)."""
     return os.environ.get(SWITCH, "1") != "0"
+
+
+@contextlib.contextmanager
+def dependent_launch_set(on: bool):
+    """SWITCH set to `on` while the block runs, as it was after (a job built with --no-dependent-launch)."""
+    before = os.environ.get(SWITCH)
+    os.environ[SWITCH] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SWITCH, None)
+        else:
+            os.environ[SWITCH] = before
