@@ -100,6 +100,67 @@ def test_weights_stay_out_of_the_library(tiny_export, tmp_path):
     assert totals[0] == totals[1]  # the report's stock lowering (weights as stand-in params) counts the same
 
 
+def test_weights_switch_puts_them_outside_or_inside_whatever_the_model_is(tiny_export, tmp_path):
+    """--weights external: an inline model's weights go to weights/ (the same library as the external-data build's);
+    --weights library: an external-data model's go into model.so. Both verify and load to onnxruntime's numbers."""
+    model, export = tiny_export
+    inline = onnx.load(tiny_external(str(tmp_path / "m")))
+    onnx.save(inline, tmp_path / "inline.onnx")
+    x = np.random.default_rng(2).standard_normal((4, 64)).astype("float32")
+    want = onnxruntime_outputs(model, {"x": x})[0]
+    for source, placement, storage in ((tmp_path / "inline.onnx", "external", "tvm-tensor-cache"),
+                                       (model, "library", "embedded")):
+        out = tmp_path / placement
+        assert main([str(source), "--target", "llvm", "--trials", "0", "--out", str(out), "--logs",
+                     str(tmp_path / "logs"), "--schedules", "none", "--weights", placement]) == 0
+        built = next(out.glob("*-llvm"))
+        manifest = json.loads((built / "manifest.json").read_text())
+        assert manifest["weights"]["storage"] == storage and manifest["verification"]["status"] == "passed"
+        assert (built / "weights").exists() == (placement == "external")
+        np.testing.assert_allclose(load(str(built))(x)[0], want, atol=1e-4, rtol=1e-4)
+    assert os.path.getsize(tmp_path / "external" / "inline-llvm" / "model.so") == os.path.getsize(export / "model.so")
+
+
+def test_weights_in_the_library_over_its_limit_is_one_error_line_and_nothing_written(tmp_path):
+    """A library's constants must stay under 2 GiB: --weights library refuses a model whose weights reach it before
+    building anything (the limit lowered here below the tiny model's 25 KB)."""
+    model = tiny_external(str(tmp_path / "m"))
+    script = ("import sys; from tvmfuse.export import weights; weights.LIBRARY_MAX_BYTES = 16384; "
+              "from tvmfuse.cli.tune import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", script, "--target", "llvm", "--trials", "0", model, "--out",
+                           str(tmp_path / "out"), "--logs", str(tmp_path / "logs"), "--weights", "library"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert _errors(done.stderr) == [
+        "error: --weights library: the model's weights are 0.0 MiB, and a library's constants must stay under 0 MiB "
+        "(they do not link above it, TVM issue #10882); use --weights auto or external"], done.stderr
+    assert not (tmp_path / "out" / "tiny-llvm").exists()
+
+
+def test_weights_placement_is_checked_from_the_command_line_and_a_jobs_file(tmp_path):
+    from tvmfuse.errors import JobError  # pylint: disable=import-outside-toplevel
+    from tvmfuse.export.weights import outside  # pylint: disable=import-outside-toplevel
+    from tvmfuse.jobs import load_jobs  # pylint: disable=import-outside-toplevel
+
+    assert [outside(False, 10, p) for p in ("auto", "external", "library")] == [False, True, False]
+    assert [outside(True, 10, p) for p in ("auto", "external", "library")] == [True, True, False]
+    assert outside(False, 1 << 30) and not outside(False, (1 << 30) - 1)
+    with pytest.raises(TvmfuseError, match=r"--weights library: the model's weights are 3,072.0 MiB, and a library's "
+                                           r"constants must stay under 2,048 MiB"):
+        outside(True, 3 << 30, "library")
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text('weights = "external"\n[[model]]\npath = "a.onnx"\n[[model]]\npath = "b.onnx"\n'
+                    'weights = "library"\n')
+    assert [j.weights for j in load_jobs(str(jobs))] == ["external", "library"]
+    assert [j.weights for j in load_jobs(str(jobs), weights="library")] == ["external", "library"]
+    jobs.write_text('[[model]]\npath = "a.onnx"\nweights = "outside"\n')
+    with pytest.raises(JobError, match=r"jobs.toml: model #1: weights 'outside': expected one of auto, external, "
+                                       r"library"):
+        load_jobs(str(jobs))
+    bad = _tune("m.onnx", tmp_path / "o", tmp_path, "--weights", "outside")
+    assert bad.returncode == 2 and "invalid choice: 'outside'" in bad.stderr
+
+
 def test_plain_tvm_recipe_in_the_readme_loads_the_weights(tiny_export, tmp_path, monkeypatch):
     """The README's nothing-but-TVM recipe for an export with weights/, run as written (folder and input set)."""
     model, export = tiny_export

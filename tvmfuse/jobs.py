@@ -18,8 +18,11 @@ from tvmfuse.errors import JobError
 from tvmfuse.export.library import check_safe_name
 from tvmfuse.prepare.dtypes import check_io_dtype, parse_dtype
 
-MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype", "buckets", "tolerance", "kv_cache", "max_seq"}
-TOP_KEYS = {"trials", "model", "dtype", "io_dtype", "tolerance"}
+MODEL_KEYS = {"name", "path", "shapes", "trials", "dtype", "io_dtype", "buckets", "tolerance", "kv_cache", "max_seq",
+              "weights"}
+TOP_KEYS = {"trials", "model", "dtype", "io_dtype", "tolerance", "weights"}
+#: where a job's weights go (`--weights`, export.weights.outside): by the model's size, always outside, always inside
+WEIGHT_PLACEMENTS = ("auto", "external", "library")
 
 
 @dataclass
@@ -40,11 +43,20 @@ class Job:
     tolerance: tuple[float, float] | None = None  # (atol, rtol) for every float output (None: verify.TOLERANCES)
     kv_cache: str | None = None  # "inplace" / "onnx" (None: in place where the model has the cache idiom)
     max_seq: int | None = None  # the in-place cache's capacity (None: the largest bucket, else DEFAULT_MAX_SEQ)
+    weights: str = "auto"  # WEIGHT_PLACEMENTS: outside model.so by size, always, or never (export.weights.outside)
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype, "dtype")  # "fp16" from a library caller: the verifier's tolerance key
         if self.tolerance is not None:
             self.tolerance = parse_tolerance(self.tolerance, "tolerance")
+        self.weights = check_weights(self.weights)
+
+
+def check_weights(value, where: str = "--weights") -> str:
+    """A weights placement, one of WEIGHT_PLACEMENTS."""
+    if value not in WEIGHT_PLACEMENTS:
+        raise JobError(f"{where} {value!r}: expected one of {', '.join(WEIGHT_PLACEMENTS)}")
+    return value
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:
@@ -105,7 +117,7 @@ def _sanitize(stem: str) -> str:
 
 
 def load_jobs(path: str, trials: int | None = None, dtype: str = "float32", io_dtype: str = "float32",
-              tolerance: tuple[float, float] | None = None) -> list[Job]:
+              tolerance: tuple[float, float] | None = None, weights: str = "auto") -> list[Job]:
     """Read a jobs file; a typo'd key, a bad value or a duplicate name is one JobError naming the file."""
     try:
         with open(path, "rb") as f:
@@ -122,6 +134,7 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32", io_d
     default_dtype = _dtype(path, "top level", data.get("dtype", dtype))
     default_io = _dtype(path, "top level", data.get("io_dtype", io_dtype), "io_dtype")
     default_tol = _tolerance(path, "top level", data.get("tolerance", tolerance))
+    default_weights = _in_file(path, "top level", check_weights, data.get("weights", weights), "weights")
     base = os.path.dirname(os.path.abspath(path))
     jobs, seen = [], set()
     for i, entry in enumerate(models, 1):
@@ -150,6 +163,7 @@ def load_jobs(path: str, trials: int | None = None, dtype: str = "float32", io_d
         jobs[-1].buckets = _buckets(path, where, entry.get("buckets", {}))
         jobs[-1].tolerance = _tolerance(path, where, entry.get("tolerance", default_tol))
         jobs[-1].kv_cache, jobs[-1].max_seq = _kv_cache(path, where, entry)
+        jobs[-1].weights = _in_file(path, where, check_weights, entry.get("weights", default_weights), "weights")
     return jobs
 
 

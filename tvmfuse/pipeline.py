@@ -129,7 +129,7 @@ def frontend_phase(job: Job) -> Imported:
     model = load_onnx(job.path) if job.path else make_tiny_block()  # external data: the graph only
     folder = os.path.dirname(os.path.abspath(job.path)) if job.path else None  # external data lies there
     dtype = parse_dtype(job.dtype, "dtype")
-    big = bool(job.path) and weight_files.outside(has_external_data(model), weights_nbytes(model))
+    big = weight_files.outside(has_external_data(model), weights_nbytes(model), job.weights)
     return import_model(model, job.shapes, source, folder, weight_dtype=dtype if big and dtype != "float32" else None)
 
 
@@ -388,7 +388,7 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
 
     imported = frontend_phase(job)
     weight_bytes = weights_nbytes(imported.onnx_model)
-    outside = bool(job.path) and weight_files.outside(has_external_data(imported.onnx_model), weight_bytes)
+    outside = weight_files.outside(has_external_data(imported.onnx_model), weight_bytes, job.weights)
     check_buckets(job.buckets, imported, imported.source)
     if imported.symbolic_dims:
         log(f"symbolic dims {', '.join(imported.symbolic_dims)} kept symbolic: kernels that use them get default "

@@ -7,7 +7,7 @@ import sys
 
 from tvmfuse.quiet import quiet_native_logs
 from tvmfuse.errors import TvmfuseError
-from tvmfuse.jobs import Job, job_from_path, load_jobs, parse_buckets, parse_shape, parse_tolerance
+from tvmfuse.jobs import WEIGHT_PLACEMENTS, Job, job_from_path, load_jobs, parse_buckets, parse_shape, parse_tolerance
 from tvmfuse.prepare.dtypes import check_io_dtype, parse_dtype
 
 USAGE_EXAMPLES = """examples:
@@ -40,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", action="store_true",
                    help="cuda: capture each static run of kernel launches as a CUDA graph (TVM's RewriteCUDAGraph); "
                         "cuts launch overhead at decode sizes; symbolic-shape regions stay launches")
+    p.add_argument("--weights", choices=WEIGHT_PLACEMENTS, metavar="{auto,external,library}",
+                   help="where the export keeps the weights: auto (default) puts them in weights/ beside model.so for "
+                        "models stored as ONNX external data or of 1 GiB or more and in model.so otherwise; external "
+                        "always beside it, library always in it (under 2 GiB); a jobs file's weights wins")
     p.add_argument("--no-dependent-launch", dest="dependent_launch", action="store_false",
                    help="cuda, sm_90 and newer: launch each kernel only once the one before has finished (default: "
                         "programmatic dependent launch, each kernel launched and set up while the one before ends)")
@@ -50,8 +54,8 @@ def parser() -> argparse.ArgumentParser:
                         "caches and writes each step's K/V into them in place; 'onnx' keeps the exported "
                         "past -> present interface (every step copies the cache)")
     p.add_argument("--max-seq", type=int, metavar="N",
-                   help="capacity of the in-place KV cache in positions (default: the largest bucket of the past or total "
-                        "length dim, else 256)")
+                   help="capacity of the in-place KV cache in positions (default: the largest bucket of the past or "
+                        "total length dim, else 256)")
     p.add_argument("--out", default="out", metavar="DIR", help="where exports go (default: out)")
     p.add_argument("--logs", default="tuning_logs", metavar="DIR", help="tuning databases (default: tuning_logs)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
@@ -76,12 +80,12 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
     tolerance = parse_tolerance(args.tolerance) if args.tolerance is not None else None
     jobs = [job_from_path(m, shapes, args.trials, dtype) for m in args.models]
     for job in jobs:
-        job.io_dtype, job.tolerance = io_dtype, tolerance
+        job.io_dtype, job.tolerance, job.weights = io_dtype, tolerance, args.weights or "auto"
     if args.jobs:
-        jobs += load_jobs(args.jobs, args.trials, dtype, io_dtype, tolerance)
+        jobs += load_jobs(args.jobs, args.trials, dtype, io_dtype, tolerance, args.weights or "auto")
     if not jobs:
         jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype, io_dtype=io_dtype,
-                    tolerance=tolerance)]
+                    tolerance=tolerance, weights=args.weights or "auto")]
     buckets = parse_buckets(args.buckets)
     for job in jobs:  # a jobs file's own buckets win
         job.buckets = job.buckets or dict(buckets)

@@ -31,15 +31,25 @@ STORAGE = "tvm-tensor-cache"
 MIN_BYTES = 1024
 #: weights of at least this many bytes go outside the library even when the ONNX file holds them inline
 AUTO_BYTES = 1 << 30
+#: constants in `.rodata` from this size on fail to link (TVM issue #10882): `--weights library` refuses them
+LIBRARY_MAX_BYTES = 2 << 30
 
 
 def nbytes(tensor) -> int:
     return int(np.prod(tensor.shape, dtype=np.int64)) * tvm.runtime.DataType(str(tensor.dtype)).bits // 8
 
 
-def outside(has_external_data: bool, weight_bytes: int) -> bool:
-    """Whether a model's weights are stored outside the library: external-data ONNX files and models of at least
-    AUTO_BYTES of weights (others embed them in model.so, as before)."""
+def outside(has_external_data: bool, weight_bytes: int, placement: str = "auto") -> bool:
+    """Whether a model's weights are stored outside the library. `placement` (a job's `--weights`): "auto" puts
+    external-data ONNX files and models of at least AUTO_BYTES of weights outside (others embed them in model.so),
+    "external" every model's, "library" none; weights of LIBRARY_MAX_BYTES or more do not fit in a library (a
+    TvmfuseError before anything is built)."""
+    if placement == "library" and weight_bytes >= LIBRARY_MAX_BYTES:
+        raise TvmfuseError(f"--weights library: the model's weights are {weight_bytes / 2**20:,.1f} MiB, and a "
+                           f"library's constants must stay under {LIBRARY_MAX_BYTES / 2**20:,.0f} MiB (they do not "
+                           "link above it, TVM issue #10882); use --weights auto or external")
+    if placement in ("external", "library"):
+        return placement == "external"
     return has_external_data or weight_bytes >= AUTO_BYTES
 
 
