@@ -604,8 +604,8 @@ def test_bf16_needs_a_cuda_arch_with_native_bf16():
 def test_bf16_export_fuses_attention_as_its_fp32_export(name, hf_exports):
     """sdpa's NaN guard `where(isnan(p), 0, p)` around the fp32 softmax is written as ToMixedPrecision leaves it
     (the guard in fp32, one cast to bf16 after it), so the attention pattern takes a bf16 export's attention
-    as it takes the fp32 export's. (Llama's RMSNorms stay unfused in the bf16 export: their bf16 result feeds
-    the fp32-accumulating matmuls, which the norm patterns' trailing-cast check reads as a cast.)"""
+    as it takes the fp32 export's, and the norms fuse alike: Llama's RMSNorms too, whose bf16 result feeds matmuls
+    that accumulate in fp32 (no casts: the norm's kernel ends at its own result)."""
     pytest.importorskip("onnxscript")
     from collections import Counter
 
@@ -623,6 +623,8 @@ def test_bf16_export_fuses_attention_as_its_fp32_export(name, hf_exports):
             and isinstance(getattr(e, "args", [None])[0], tvm.ir.GlobalVar) else None)
         groups[dtype] = Counter(c for c in calls if c)
     assert groups["bfloat16"]["tvmfuse.attention"] == groups["float32"]["tvmfuse.attention"] == 2, groups
+    norms = {dtype: sum(n for pattern, n in g.items() if "norm" in pattern) for dtype, g in groups.items()}
+    assert norms["bfloat16"] == norms["float32"] == 5, groups  # 2 layers x 2 + the final norm
 
 
 def test_bf16_llama_rounds_where_the_bf16_emulation_says(hf_exports):

@@ -71,8 +71,7 @@ def decide(mod: tvm.IRModule, target=None, settings: Settings | None = None, pat
     settings = settings or Settings()
     mod = unique_binding_names(mod)  # candidates are known by their variables' names (lower renames alike)
     device = cm.with_budget(cm.device_for_target(target, settings.device), settings.smem_per_block)
-    rec = Recorder(dry_run=True)
-    rec.order, rec.producers = _bindings(mod)
+    rec = Recorder(dry_run=True).reading(mod)
     token = start(rec)
     try:
         relax.transform.FuseOpsByPattern(fusion_patterns() if patterns is None else patterns,
@@ -124,16 +123,6 @@ def _reads_weight_in_place(cand: Candidate) -> bool:
 
 def _matmuls(cand: Candidate) -> int:
     return sum(cm.op_name(call) == "matmul" for _, call in cand.match.bindings)
-
-
-def _bindings(mod: tvm.IRModule) -> tuple[dict[str, int], dict[str, relax.Call]]:
-    order, producers = {}, {}
-    for block in mod["main"].body.blocks:
-        for i, b in enumerate(block.bindings, start=len(order)):
-            order[b.var.name] = i
-            if isinstance(b.value, relax.Call):
-                producers[b.var.name] = b.value
-    return order, producers
 
 
 def _score(cand: Candidate, dims: cm.Dims, device: cm.Device) -> None:

@@ -54,7 +54,7 @@ def lower(mod: tvm.IRModule, params: list | None = None, patterns: list | None =
     patterns = fusion_patterns() if patterns is None else patterns
     if plan is None and patterns:
         plan = decide(mod, target, patterns=patterns)
-    rec = Recorder(chosen=plan.chosen() if plan is not None else None)
+    rec = Recorder(chosen=plan.chosen() if plan is not None else None).reading(mod)  # the bindings decide read
     token = start(rec)
     try:
         mod = relax.transform.FuseOpsByPattern(patterns, bind_constants=False, annotate_codegen=False)(mod)

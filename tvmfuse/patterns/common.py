@@ -42,6 +42,15 @@ class Recorder:
     rejections: list = field(default_factory=list)
     accepted: list = field(default_factory=list)             # (root call, key) of fused matches
 
+    def reading(self, mod) -> "Recorder":
+        """This recorder with `order` and `producers` read from `mod`'s main (the checks look bindings up there)."""
+        for block in mod["main"].body.blocks:
+            for i, b in enumerate(block.bindings, start=len(self.order)):
+                self.order[b.var.name] = i
+                if isinstance(b.value, relax.Call):
+                    self.producers[b.var.name] = b.value
+        return self
+
 
 _RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("tvmfuse_recorder", default=None)
 
@@ -139,13 +148,18 @@ def check_dtypes(ctx: PatternCheckContext, pattern: str) -> bool:
 
 
 def only_cast_follows(ctx: PatternCheckContext) -> bool:
-    """The root's value is used, and only by values of another dtype: its casts (a binary op or a norm takes
-    equal dtypes), which a match ending at the cast (the pattern's optional trailing `cast`) takes in."""
+    """The root's value is used, and only by casts of it to another dtype, which a match ending at the cast (the
+    pattern's optional trailing `cast`) takes in. A matmul reading it into fp32 sums (a model stored in bf16) is no
+    cast: the match ends at the root. (Without a recorder's bindings: by the users' dtypes alone.)"""
     if getattr(getattr(ctx.matched_expr, "op", None), "name", "") == "relax.astype":
         return False  # the match took its trailing cast already
     root = root_var(ctx)
     users = ctx.var_usages.get(root, None) if root is not None else None
-    return bool(users) and all(dtype_of(u) in SUPPORTED_DTYPES and dtype_of(u) != dtype_of(root) for u in users)
+    rec = current()
+    return bool(users) and all(
+        dtype_of(u) in SUPPORTED_DTYPES and dtype_of(u) != dtype_of(root)
+        and (not rec or getattr(getattr(rec.producers.get(u.name), "op", None), "name", "") == "relax.astype")
+        for u in users)
 
 
 def finish(ctx: PatternCheckContext, pattern: str, info: dict | None = None, exposed: tuple[str, ...] = ()) -> bool:
