@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import os
+import warnings
 
 import numpy as np
 import onnx
@@ -514,7 +515,11 @@ def test_bf16_export_keeps_its_bf16_weights_with_fp32_accumulation(exporter, hf_
     from tvmfuse.prepare.precision import precision_info, weight_dtypes
 
     path = hf_exports("llama", exporter, "bfloat16")
-    imported = import_model(load_onnx(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        imported = import_model(load_onnx(path))
+    # onnxruntime cannot open a bf16 graph: the import does not try to fold it, so it has nothing to warn about
+    assert not [str(w.message) for w in caught if "constant folding" in str(w.message)]
     prepared = prepare_module(imported, "bf16")
     weights = []
     relax.analysis.post_order_visit(prepared["main"], lambda e: weights.append(e.value.numpy()) if isinstance(

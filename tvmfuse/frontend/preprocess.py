@@ -55,6 +55,14 @@ def ort_fold(model: onnx.ModelProto, folder: str | None = None) -> onnx.ModelPro
         return onnx.load(out)
 
 
+def holds_bf16(model: onnx.ModelProto) -> bool:
+    """Whether the graph has bfloat16 initializers or inputs: onnxruntime's CPU provider has no bf16 kernels for
+    most ops, so it cannot even open the graph to fold it (a model stored in bf16)."""
+    graph = model.graph
+    return (any(init.data_type == onnx.TensorProto.BFLOAT16 for init in graph.initializer)
+            or any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for i in graph.input))
+
+
 def _is_weight(init: onnx.TensorProto) -> bool:
     floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
     size = 1
