@@ -222,19 +222,21 @@ def test_tolerance_reaches_every_job_and_a_jobs_file_overrides_it(tmp_path):
 
 def test_no_dependent_launch_builds_kernels_that_neither_wait_nor_are_launched_dependent(tmp_path, monkeypatch):
     """On by default for sm_90a (the manifest says so, the library's kernels wait); --no-dependent-launch turns it
-    off for that job only, whatever the environment says, and leaves the environment as it was."""
+    off for that job only, and leaves the environment as it was; TVMFUSE_DEPENDENT_LAUNCH=0 turns it off for every
+    job (what `bench/models.py --before dependent_launch` builds with)."""
     from tvmfuse.kernels.dependent_launch import SWITCH
 
-    monkeypatch.setenv(SWITCH, "1")
     onnx.save(onnx_models.layer_norm_gelu(rows=64, hidden=256), tmp_path / "m.onnx")
-    for extra, out, on in (([], "on", True), (["--no-dependent-launch"], "off", False)):
+    for switch, extra, out, on in (("1", [], "on", True), ("1", ["--no-dependent-launch"], "off", False),
+                                   ("0", [], "env-off", False)):
+        monkeypatch.setenv(SWITCH, switch)
         assert main(["--target", "cuda", "--trials", "0", "--out", str(tmp_path / out), "--logs",
                      str(tmp_path / "l"), str(tmp_path / "m.onnx")] + extra) == 0
         export = tmp_path / out / "m-cuda-sm_90a"
         assert json.loads((export / "manifest.json").read_text())["dependent_launch"] is on
         library = (export / "model.so").read_bytes()  # the CUDA source and the launch tags are in it
         assert (b"griddepcontrol" in library, b"use_programtic_dependent_launch" in library) == (on, on)
-    assert os.environ[SWITCH] == "1"
+        assert os.environ[SWITCH] == switch
 
 
 def test_user_tolerance_is_used_and_reported_in_the_manifest(tmp_path):

@@ -38,7 +38,7 @@ class Job:
     batch: int | None = None  # candidates built and measured per tuning round (None: 16 on CPUs, 64 on GPUs)
     buckets: dict[str, list[int]] = field(default_factory=dict)  # symbolic dim -> bucket values (tvmfuse.buckets)
     cuda_graph: bool = False  # cuda: replay static launch sequences as CUDA graphs (tvmfuse.build.compile_module)
-    dependent_launch: bool = True  # sm_90+: kernels launched while the one before finishes (kernels.dependent_launch)
+    dependent_launch: bool = True  # sm_90+: kernels launched while the one before ends (False or the switch at 0: off)
     low_lookups: bool = True  # embedding lookups in the compute dtype, so the residual stream too (prepare.precision)
     tolerance: tuple[float, float] | None = None  # (atol, rtol) for every float output (None: verify.TOLERANCES)
     kv_cache: str | None = None  # "inplace" / "onnx" (None: in place where the model has the cache idiom)
