@@ -38,6 +38,15 @@ def spying(modules: dict, seen: dict):
 
 
 DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for the kernels' dependent launch
+GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx kernels keep theirs)
+
+
+def unknown_names(names) -> list[str]:
+    """The names `without_templates` does not know (neither a template of the table nor one of the two above)."""
+    from tvmfuse.kernels.table import TABLE
+
+    known = {t.name for entry in TABLE.values() for t in entry.templates} | {DEPENDENT_LAUNCH, GENERIC_WAITS}
+    return [n for n in names if n not in known]
 
 
 @contextlib.contextmanager
@@ -46,18 +55,21 @@ def without_templates(names: tuple[str, ...]):
     back to the next template or the generic kernel, as a target without them would (a before/after pair in one
     run: `bench/models.py --without-templates attention_prefill_wgmma`). DEPENDENT_LAUNCH among them: the
     kernels are built without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and
-    without it from one export)."""
+    without it from one export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays)."""
+    from tvmfuse.build import dependent_launch as launch_pass
     from tvmfuse.kernels.dependent_launch import dependent_launch, dependent_launch_set
     from tvmfuse.kernels.table import TABLE
 
-    saved = dict(TABLE)
+    saved, generic = dict(TABLE), launch_pass.GENERIC_WAITS
     for key, entry in saved.items():
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
+    launch_pass.GENERIC_WAITS = generic and GENERIC_WAITS not in names
     try:
         with dependent_launch_set(dependent_launch() and DEPENDENT_LAUNCH not in names):
             yield
     finally:
         TABLE.update(saved)
+        launch_pass.GENERIC_WAITS = generic
 
 
 def case_dir(name: str, case: str, dtype: str) -> str:

@@ -112,6 +112,31 @@ def test_without_dependent_launch_builds_kernels_that_do_not_wait_and_restores_t
     assert SWITCH not in os.environ
 
 
+def test_without_generic_waits_only_the_kernels_that_wait_themselves_are_launched_dependent(monkeypatch):
+    """`--before generic_waits`: a generic kernel gets no wait (nor the launch tag), a TIRx kernel that waits keeps
+    its tag; after the block the generic kernels wait again."""
+    from bench.model_builds import GENERIC_WAITS, without_templates
+    from test_dependent_launch import _kernel, _launch_params
+    from tvmfuse.build.dependent_launch import TAG
+    from tvmfuse.kernels.dependent_launch import SWITCH
+
+    monkeypatch.delenv(SWITCH, raising=False)
+    with without_templates((GENERIC_WAITS,)):
+        assert _launch_params(_kernel(False)) == {"main_kernel": ["blockIdx.x", "threadIdx.x"]}
+        assert _launch_params(_kernel(True)) == {"main_kernel": ["blockIdx.x", "threadIdx.x", TAG]}
+    assert _launch_params(_kernel(False)) == {"main_kernel": ["blockIdx.x", "threadIdx.x", TAG]}
+
+
+def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        models.main(["--smoke", "--before", "attention_prefil", "--out", str(tmp_path / "o")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table, "
+                        "dependent_launch or generic_waits)"), err
+    assert not (tmp_path / "o").exists()
+
+
 def test_before_builds_each_case_again_without_the_templates_from_the_same_export(tmp_path):
     """--before attention_prefill: one export, two product builds measured side by side (tvmfuse, and tvmfuse_before
     built with the template table lacking it), both right against torch. (The smoke runs on llvm, where no template

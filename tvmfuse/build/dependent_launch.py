@@ -17,6 +17,9 @@ _DYN_SMEM = "tirx.use_dyn_shared_memory"  # TVM's runtime wants this tag last
 _LAUNCH_PARAMS = "tirx.kernel_launch_params"
 _GRIDDEP = "tirx.ptx.griddepcontrol"
 MIN_ARCH = 90  # griddepcontrol and the launch attribute are sm_90's
+#: whether the generic kernels wait at their top too (False: only the TIRx kernels that wait themselves are launched
+#: dependent; `bench/models.py --before generic_waits` builds that to compare)
+GENERIC_WAITS = True
 
 
 def applies_to(target: tvm.target.Target | None) -> bool:
@@ -71,6 +74,7 @@ def tag_dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     out = tvm.IRModule(attrs=mod.attrs)
     for gv, func in mod.functions.items():
         if isinstance(func, tirx.PrimFunc):
-            func = with_dependent_launch(func, wait_first=applies_to((func.attrs or {}).get("target")))
+            every = GENERIC_WAITS and applies_to((func.attrs or {}).get("target"))
+            func = with_dependent_launch(func, wait_first=every)
         out[gv] = func
     return out
