@@ -361,6 +361,8 @@ def phase_torch(args) -> dict:
     import torch
     from transformers import StaticCache
 
+    from bench import hf_models
+
     data = _load(args.out)
     cuda = not args.smoke
     model = _llama(args, "cuda" if cuda else "cpu")
@@ -369,7 +371,7 @@ def phase_torch(args) -> dict:
             "dtype": "float16" if cuda else "float32",
             "decode": 'torch.compile(mode="reduce-overhead", fullgraph=True)' if cuda else "eager"}
     if cuda:
-        model.half()
+        hf_models.to_low_precision(model, torch.float16)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     ceilings = data.get("ceilings") or copy_bandwidth(args.smoke)

@@ -59,6 +59,22 @@ def build(name: str, smoke: bool, seed: int = 0):
     return cls(cfg).eval()
 
 
+def to_low_precision(model, dtype, device=None):
+    """`model` (in place) in `dtype` on `device`, its rotary frequencies (`inv_freq` buffers) kept float32 as
+    transformers computes them. `model.to(dtype)` alone rounds them to fp16/bf16, and the angle at position p is off
+    by p times that rounding: the torch contender then computes another model than the fp32 reference it is checked
+    against (outside fp16's tolerance from a few hundred positions on). The work it does is the same."""
+    import torch
+
+    kept = {name: buf.detach().clone() for name, buf in model.named_buffers() if name.endswith("inv_freq")}
+    model.to(device=device, dtype=dtype)
+    for name, buf in kept.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        setattr(module, attr, buf.to(device=device if device is not None else buf.device, dtype=torch.float32))
+    return model
+
+
 def cache_dims(model) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a decoder's KV cache."""
     c = model.config

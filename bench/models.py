@@ -97,7 +97,7 @@ def measure_case(args, info: dict, model, target, dev, ceilings, dtype: str) -> 
         out = hm.wrap(ref_model, case)(*[torch.from_numpy(v).to(tdev) for v in feeds.values()])
         ref = [o.float().cpu().numpy() for o in (out if isinstance(out, tuple) else (out,))]
         del ref_model, out
-        low = hm.wrap(copy.deepcopy(model).to(tdev, tdt), case)
+        low = hm.wrap(hm.to_low_precision(copy.deepcopy(model), tdt, tdev), case)
     ctx = {"info": info, "feeds": feeds, "ref": ref, "dtype": dtype, "dev": dev, "cuda": cuda, "torch_low": low,
            "profile": args.profile,
            "torch_dtype": tdt,
