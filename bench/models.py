@@ -252,6 +252,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
     import torch
     from tvmfuse.build.dependent_launch import applies_to
+    from tvmfuse.kernels.dependent_launch import release_late
     from tvmfuse.targets import device_for, resolve_target
     torch.set_grad_enabled(False)
     target = resolve_target("llvm" if args.smoke else "cuda")
@@ -262,7 +263,7 @@ def main(argv=None) -> dict:
                target=str(target.attrs.get("arch", "llvm")),
                models={m: hm.NOTES[m] for m in args.models.split(",")}, rows=[],
                without_templates=[n for n in args.without_templates.split(",") if n],
-               before=[n for n in args.before.split(",") if n], dependent_launch=applies_to(target),
+               before=[n for n in args.before.split(",") if n], dependent_launch=applies_to(target) and ("late" if release_late() else True),
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tvm
 from checks import cuda_sources
-from test_hopper import _gelu_projection
+from test_hopper import _gelu_projection, _nvcc_fatbin
 from tvm import relax
 from tvm.script import tirx as T
 from tvm.tirx.build import split_host_device_mods
@@ -18,7 +18,7 @@ from tvm.tirx.build import split_host_device_mods
 from tvmfuse.build.compile import TIR_PIPELINE, compile_module
 from tvmfuse.build.dependent_launch import TAG, applies_to, with_dependent_launch
 from tvmfuse.fuse.fusion import lower
-from tvmfuse.kernels.dependent_launch import SWITCH, dependent_launch, dependent_launch_set
+from tvmfuse.kernels.dependent_launch import SWITCH, dependent_launch, dependent_launch_set, release_late
 from tvmfuse.kernels.hopper.select import apply_hopper_kernels
 from tvmfuse.spaces.defaults import apply_default_schedules
 from tvmfuse.targets import resolve_target
@@ -92,6 +92,21 @@ def test_the_hopper_gemms_wait_before_their_first_global_access_and_release_the_
     assert kernel.count("griddepcontrol_wait()") == 1
 
 
+def test_late_release_lets_the_next_kernel_launch_once_the_loads_are_issued(monkeypatch):
+    """TVMFUSE_DEPENDENT_LAUNCH=late (an experiment): the wgmma GEMM still waits before its first load, and releases
+    its successor after the loader's last TMA load, not right after the wait."""
+    monkeypatch.setenv(SWITCH, "late")
+    kernel = _gemm_source(256)
+    wait, release = kernel.find("griddepcontrol_wait()"), kernel.find("griddepcontrol_launch_dependents()")
+    assert 0 < wait < kernel.find("cp_async_bulk_tensor_g2s") < kernel.rfind("cp_async_bulk_tensor_g2s") < release
+    assert kernel.count("griddepcontrol_launch_dependents()") == 1
+    assert "griddepcontrol_launch_dependents()" in _gemm_source(16)  # other kernels: as with the switch at 1
+    cuda = resolve_target("cuda")
+    (src,) = cuda_sources(compile_module(apply_default_schedules(
+        apply_hopper_kernels(_gelu_projection(256, 512, 384), cuda, lambda _: None), cuda), cuda))
+    assert len(_nvcc_fatbin(src, cuda)) > 1000  # ptxas takes it for sm_90a
+
+
 @pytest.mark.parametrize("rows", [256, 16])
 def test_the_switch_at_0_builds_kernels_that_neither_wait_nor_release(rows, monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
@@ -109,7 +124,7 @@ def test_it_applies_to_cuda_targets_of_sm_90_and_newer_unless_switched_off(monke
     assert not applies_to(cuda["sm_90a"])
 
 
-@pytest.mark.parametrize("before", [None, "0", "1"])
+@pytest.mark.parametrize("before", [None, "0", "1", "late"])
 def test_a_job_sets_the_switch_for_its_build_and_leaves_it_as_it_was(before, monkeypatch):
     if before is None:
         monkeypatch.delenv(SWITCH, raising=False)
@@ -118,6 +133,7 @@ def test_a_job_sets_the_switch_for_its_build_and_leaves_it_as_it_was(before, mon
     for on in (False, True):
         with dependent_launch_set(on):
             assert dependent_launch() is on
+            assert release_late() is (on and before == "late")  # a job keeps the late release it was given
         assert os.environ.get(SWITCH) == before
     with pytest.raises(RuntimeError), dependent_launch_set(False):
         raise RuntimeError("a failed build")

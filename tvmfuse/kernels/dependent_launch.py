@@ -18,11 +18,18 @@ def dependent_launch() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
+def release_late() -> bool:
+    """SWITCH=late (an experiment, not measured yet): the wgmma GEMM releases its successor once its loader has
+    issued its last load (as CUTLASS's Hopper GEMMs do after their mainloop) instead of right after its wait."""
+    return os.environ.get(SWITCH) == "late"
+
+
 @contextlib.contextmanager
 def dependent_launch_set(on: bool):
-    """SWITCH set to `on` while the block runs, as it was after (a job built with --no-dependent-launch)."""
+    """SWITCH set to `on` while the block runs (on: as it was where it was on already, e.g. `late`), as it was
+    after (a job built with --no-dependent-launch)."""
     before = os.environ.get(SWITCH)
-    os.environ[SWITCH] = "1" if on else "0"
+    os.environ[SWITCH] = (before if before is not None and dependent_launch() else "1") if on else "0"
     try:
         yield
     finally:

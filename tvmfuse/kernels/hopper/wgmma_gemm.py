@@ -5,7 +5,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.dependent_launch import dependent_launch
+from tvmfuse.kernels.dependent_launch import dependent_launch, release_late
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, pair_tile_of, tile_of
 from tvmfuse.targets import SMS
@@ -113,6 +113,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         return acc[i] + acc[acc_n + i] if sets == 2 else acc[i]
 
     pdl = dependent_launch()  # kernels.dependent_launch
+    late = pdl and release_late()  # the successor released after the last load is issued, not after the wait
     # fmt: off
     @T.macro
     def wait(bar, phase):
@@ -276,7 +277,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
             T.cuda.cta_sync()
         if pdl:  # the kernel before has finished and its writes are seen; the next may launch
             T.ptx.griddepcontrol.wait()
-            T.ptx.griddepcontrol.launch_dependents()
+            if not late:
+                T.ptx.griddepcontrol.launch_dependents()
         if tx < 128:
             if tile.setmaxnreg:  # the loading warpgroup gives registers back for the consumers' accumulators
                 T.ptx["setmaxnreg.dec.sync.aligned.u32"](LOADER_REGS)
@@ -288,6 +290,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                                   full, empty, a_map, b_map, rank)
                 else:
                     load_tile(bx, by, 0, As, Bs, full, empty, a_map, b_map, rank)
+                if late:  # (one thread's release is its CTA's)
+                    T.ptx.griddepcontrol.launch_dependents()
         else:
             if tile.setmaxnreg:
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](consumer_regs(cons))
