@@ -263,7 +263,8 @@ def main(argv=None) -> dict:
                target=str(target.attrs.get("arch", "llvm")),
                models={m: hm.NOTES[m] for m in args.models.split(",")}, rows=[],
                without_templates=[n for n in args.without_templates.split(",") if n],
-               before=[n for n in args.before.split(",") if n], dependent_launch=applies_to(target) and ("late" if release_late() else True),
+               before=[n for n in args.before.split(",") if n],
+               dependent_launch=applies_to(target) and ("late" if release_late() else True),
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "
