@@ -102,7 +102,7 @@ def schedule_rows(sch: s_tir.Schedule) -> bool:
     not whole vectors or there is no symbolic outer axis (`schedule_vectorized` takes static kernels).
 
     Why: Fallback moved the cache writes one element per thread with 64-bit divisions by the symbolic sizes:
-    ~240 GB/s for the prefill's writes (bench/results/generate_run3.json)."""
+    ~240 GB/s for the prefill's writes (generate_run3.json, bench/results/archive-generate-runs-2-5.tar.xz)."""
     infos = normalize_prim_func(sch)
     if not infos or len(infos) != 1 or not infos[0].is_injective():
         return False
