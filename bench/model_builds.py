@@ -57,7 +57,7 @@ def without_templates(names: tuple[str, ...]):
     kernels are built without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and
     without it from one export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays)."""
     from tvmfuse.build import dependent_launch as launch_pass
-    from tvmfuse.kernels.dependent_launch import dependent_launch, dependent_launch_set
+    from tvmfuse.kernels.dependent_launch import dependent_launch_off
     from tvmfuse.kernels.table import TABLE
 
     saved, generic = dict(TABLE), launch_pass.GENERIC_WAITS
@@ -65,7 +65,7 @@ def without_templates(names: tuple[str, ...]):
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
     launch_pass.GENERIC_WAITS = generic and GENERIC_WAITS not in names
     try:
-        with dependent_launch_set(dependent_launch() and DEPENDENT_LAUNCH not in names):
+        with dependent_launch_off(DEPENDENT_LAUNCH in names):
             yield
     finally:
         TABLE.update(saved)

@@ -18,7 +18,7 @@ from tvm.tirx.build import split_host_device_mods
 from tvmfuse.build.compile import TIR_PIPELINE, compile_module
 from tvmfuse.build.dependent_launch import TAG, applies_to, with_dependent_launch
 from tvmfuse.fuse.fusion import lower
-from tvmfuse.kernels.dependent_launch import SWITCH, dependent_launch, dependent_launch_set, release_late
+from tvmfuse.kernels.dependent_launch import SWITCH, dependent_launch, dependent_launch_off, release_late
 from tvmfuse.kernels.hopper.select import apply_hopper_kernels
 from tvmfuse.spaces.defaults import apply_default_schedules
 from tvmfuse.targets import resolve_target
@@ -125,17 +125,17 @@ def test_it_applies_to_cuda_targets_of_sm_90_and_newer_unless_switched_off(monke
 
 
 @pytest.mark.parametrize("before", [None, "0", "1", "late"])
-def test_a_job_sets_the_switch_for_its_build_and_leaves_it_as_it_was(before, monkeypatch):
+def test_a_job_turns_the_switch_off_for_its_build_and_leaves_it_as_it_was(before, monkeypatch):
     if before is None:
         monkeypatch.delenv(SWITCH, raising=False)
     else:
         monkeypatch.setenv(SWITCH, before)
-    for on in (False, True):
-        with dependent_launch_set(on):
-            assert dependent_launch() is on
-            assert release_late() is (on and before == "late")  # a job keeps the late release it was given
+    for off in (True, False):
+        with dependent_launch_off(off):
+            assert dependent_launch() is (not off and before != "0")
+            assert release_late() is (not off and before == "late")  # a job keeps the late release it was given
         assert os.environ.get(SWITCH) == before
-    with pytest.raises(RuntimeError), dependent_launch_set(False):
+    with pytest.raises(RuntimeError), dependent_launch_off():
         raise RuntimeError("a failed build")
     assert os.environ.get(SWITCH) == before
 

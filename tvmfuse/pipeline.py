@@ -37,7 +37,7 @@ from tvmfuse.isolation import record as record_failure
 from tvmfuse.jobs import Job
 from tvmfuse.kernels import (GREEDY, add_greedy_tokens, apply_hopper_kernels, hopper_gemm_sites, is_hopper,
                              measured_tiles, sibling_merge_pays, substitute)
-from tvmfuse.kernels.dependent_launch import dependent_launch, dependent_launch_set
+from tvmfuse.kernels.dependent_launch import dependent_launch_off
 from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.decoder_mask import one_kernel_decoder_mask
@@ -356,15 +356,17 @@ def run_job(job: Job, target: tvm.target.Target, out: str, logs_root: str = "tun
             schedules: str | None = SCHEDULES_DIR) -> JobResult:
     """Run one job end to end; user errors become a failed JobResult, never a traceback."""
     try:
-        try:
-            with collecting(lambda s: say(f"[{job.name}] {s}")), dependent_launch_set(job.dependent_launch and dependent_launch()):
-                return _run(job, target, out, logs_root, say, rpc, schedules)
-        except VerificationError as err:
-            if not err.low_lookups:
-                raise
-            say(f"[{job.name}] {err}; building again with the embedding lookups in fp32 (an fp32 residual stream)")
-            with collecting(lambda s: say(f"[{job.name}] {s}")), dependent_launch_set(job.dependent_launch and dependent_launch()):
-                return _run(dataclasses.replace(job, low_lookups=False), target, out, logs_root, say, rpc, schedules)
+        with dependent_launch_off(not job.dependent_launch):  # the job may only turn it off (TVMFUSE_DEPENDENT_LAUNCH)
+            try:
+                with collecting(lambda s: say(f"[{job.name}] {s}")):  # per-kernel failures: warned, in the manifest
+                    return _run(job, target, out, logs_root, say, rpc, schedules)
+            except VerificationError as err:
+                if not err.low_lookups:
+                    raise
+                say(f"[{job.name}] {err}; building again with the embedding lookups in fp32 (an fp32 residual stream)")
+                with collecting(lambda s: say(f"[{job.name}] {s}")):
+                    return _run(dataclasses.replace(job, low_lookups=False), target, out, logs_root, say, rpc,
+                                schedules)
     except TvmfuseError as err:
         return JobResult(job.name, ok=False, error=str(err), details={"exit_code": err.exit_code})
     except Exception as err:  # pylint: disable=broad-except  (one job's crash must not lose the others)

@@ -25,11 +25,12 @@ def release_late() -> bool:
 
 
 @contextlib.contextmanager
-def dependent_launch_set(on: bool):
-    """SWITCH set to `on` while the block runs (on: as it was where it was on already, e.g. `late`), as it was
-    after (a job built with --no-dependent-launch)."""
+def dependent_launch_off(off: bool = True):
+    """With `off`, SWITCH at 0 while the block runs and as it was after (a job built with --no-dependent-launch);
+    otherwise nothing changes."""
     before = os.environ.get(SWITCH)
-    os.environ[SWITCH] = (before if before is not None and dependent_launch() else "1") if on else "0"
+    if off:
+        os.environ[SWITCH] = "0"
     try:
         yield
     finally:
