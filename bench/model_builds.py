@@ -39,13 +39,15 @@ def spying(modules: dict, seen: dict):
 
 DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for the kernels' dependent launch
 GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx kernels keep theirs)
+EARLY_WEIGHTS = "early_weights"  # one for the wgmma GEMMs' B loads before their wait (kernels.hopper.select)
+SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS)
 
 
 def unknown_names(names) -> list[str]:
-    """The names `without_templates` does not know (neither a template of the table nor one of the two above)."""
+    """The names `without_templates` does not know (neither a template of the table nor one of SWITCHES)."""
     from tvmfuse.kernels.table import TABLE
 
-    known = {t.name for entry in TABLE.values() for t in entry.templates} | {DEPENDENT_LAUNCH, GENERIC_WAITS}
+    known = {t.name for entry in TABLE.values() for t in entry.templates} | set(SWITCHES)
     return [n for n in names if n not in known]
 
 
@@ -55,21 +57,25 @@ def without_templates(names: tuple[str, ...]):
     back to the next template or the generic kernel, as a target without them would (a before/after pair in one
     run: `bench/models.py --without-templates attention_prefill_wgmma`). DEPENDENT_LAUNCH among them: the
     kernels are built without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and
-    without it from one export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays)."""
+    without it from one export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays);
+    EARLY_WEIGHTS: the wgmma GEMMs load no weight before their wait."""
     from tvmfuse.build import dependent_launch as launch_pass
     from tvmfuse.kernels.dependent_launch import dependent_launch_off
+    from tvmfuse.kernels.hopper import select
     from tvmfuse.kernels.table import TABLE
 
-    saved, generic = dict(TABLE), launch_pass.GENERIC_WAITS
+    saved, generic, early = dict(TABLE), launch_pass.GENERIC_WAITS, select.EARLY_WEIGHTS
     for key, entry in saved.items():
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
     launch_pass.GENERIC_WAITS = generic and GENERIC_WAITS not in names
+    select.EARLY_WEIGHTS = early and EARLY_WEIGHTS not in names
     try:
         with dependent_launch_off(DEPENDENT_LAUNCH in names):
             yield
     finally:
         TABLE.update(saved)
         launch_pass.GENERIC_WAITS = generic
+        select.EARLY_WEIGHTS = early
 
 
 def case_dir(name: str, case: str, dtype: str) -> str:

@@ -230,7 +230,8 @@ def main(argv=None) -> dict:
     p.add_argument("--before", default="", metavar="NAMES", help="comma-separated kernel templates: each case is "
                    "also built without them (from the same export) and measured as tvmfuse_before (with a CUDA graph "
                    "on CUDA): a before/after pair in one run, e.g. --before attention_prefill_wgmma; also "
-                   "dependent_launch (none launched dependent) and generic_waits (only the TIRx kernels)")
+                   "dependent_launch (none launched dependent), generic_waits (only the TIRx kernels) and "
+                   "early_weights (no GEMM loads weights before its wait)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)
     if args.chart:
@@ -242,8 +243,8 @@ def main(argv=None) -> dict:
     for flag, given in (("--without-templates", args.without_templates), ("--before", args.before)):
         unknown = model_builds.unknown_names([n for n in given.split(",") if n])
         if unknown:
-            p.error(f"{flag}: unknown name {unknown[0]!r} (a template of tvmfuse.kernels.table, "
-                    f"{model_builds.DEPENDENT_LAUNCH} or {model_builds.GENERIC_WAITS})")
+            p.error(f"{flag}: unknown name {unknown[0]!r} (a template of tvmfuse.kernels.table or one of "
+                    f"{', '.join(model_builds.SWITCHES)})")
     args.cases = args.cases or ("decode_b1" if args.smoke else "decode_b1,decode_b16,prefill_512,prefill_2048")
     args.dtypes = parse_dtypes(args.dtypes or ("fp32" if args.smoke else "fp16"))
     args.jobs = (0 if args.smoke else 4) if args.jobs is None else args.jobs

@@ -8,11 +8,14 @@ at decode shapes; checked against torch (cuBLAS) and timed beside it.
 Tiles (wgmma): `bn x stages` or `bm x bn x stages`, then `d` for two accumulator sets, `i1` for one wgmma group in
 flight over one set, `c2` for clusters of two CTAs sharing the B tile (`c2a`: the A tile), `s` for descriptors
 encoded once a k-tile and stepped, `p` for persistent CTAs, `r` for setmaxnreg, `w` for barrier waits that spin (no
-suspend-time hint), `e` for one stage release a warpgroup, `gG` for groups of G row tiles; (smallm) `n8 x warps x
+suspend-time hint), `e` for one stage release a warpgroup, `b` for the first B k-tiles loaded before the dependency
+wait (no effect alone: nothing launches it dependent), `fF` for B prefetched into L2 F k-tiles ahead, `gG` for groups of G row tiles; (smallm) `n8 x warps x
 vec x unroll`; diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no wgmma.
 Each case also records the kernels torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of 32 MiB
 or less stay in the H200's L2 between timed runs (time_evaluator), so those cases time L2-resident weights, torch's
-too.
+too; `--cold` times every kernel and torch over copies of the weight that together exceed L2 three times, each call
+the next copy, so the weight streams from HBM on every call as in a model (A stays resident: in a model the kernel
+before has just written it).
 """
 
 from __future__ import annotations
@@ -64,11 +67,13 @@ def _tile(kernel, spec):
     # "128x176x4g4": groups of 4 row tiles, rows fastest (g1: columns); "d": two accumulator sets; "i1": one wgmma
     # group left in flight over one set ("i0", the default: none); "c2": clusters of 2 CTAs multicasting the B tile
     # ("c2a": the A tile)
-    pattern = r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d)(a?))?(s?)(p?)(r?)(w?)(e?)(?:g(\d+))?(?:-(loads|mma))?"
+    pattern = (r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d)(a?))?(s?)(p?)(r?)(w?)(e?)(b?)(?:f(\d+))?(?:g(\d+))?"
+               r"(?:-(loads|mma))?")
     found = re.fullmatch(pattern, spec)
     if not found:
-        raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2[a]][s][p][r][w][e][gG][-loads|-mma]")
-    dims, dual, inflight, cluster, share_a, stepped, persistent, regs, spin, wg, group, ablate = found.groups()
+        raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2[a]][s][p][r][w][e][b][fF][gG][-loads|-mma]")
+    (dims, dual, inflight, cluster, share_a, stepped, persistent, regs, spin, wg, early, ahead, group,
+     ablate) = found.groups()
     vals = [int(v) for v in dims.split("x")]
     if kernel == "smallm":
         return SmallMTile(*vals), ablate or ""
@@ -76,6 +81,7 @@ def _tile(kernel, spec):
                      inflight=int(inflight or 0), cluster=int(cluster or 1), multicast="a" if share_a else "b",
                      stepped_desc=bool(stepped),
                      persistent=bool(persistent), setmaxnreg=bool(regs), spin_wait=bool(spin), wg_release=bool(wg),
+                     early_weights=bool(early), l2_ahead=int(ahead or 0),
                      group_m=int(group) if group else WgmmaTile.group_m), ablate or ""
 
 
@@ -85,7 +91,8 @@ def tile_spec(t) -> str:
             + ("" if t.cluster == 1 else f"c{t.cluster}" + ("a" if t.multicast == "a" else ""))
             + ("s" if t.stepped_desc else "")
             + ("p" if t.persistent else "") + ("r" if t.setmaxnreg else "") + ("w" if t.spin_wait else "")
-            + ("e" if t.wg_release else "") + f"g{t.group_m}")
+            + ("e" if t.wg_release else "") + ("b" if t.early_weights else "")
+            + (f"f{t.l2_ahead}" if t.l2_ahead else "") + f"g{t.group_m}")
 
 
 def _chosen(m, k, n):
@@ -132,6 +139,33 @@ DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 TOLERANCE = {"float16": 5e-2, "bfloat16": 1e-1}  # max |kernel - torch| of a correct kernel (both round to dtype)
 
 
+def cold_copies(w, l2_bytes: int = 50 << 20) -> int:
+    """How many copies of weight `w` together exceed the L2 three times (at least 2)."""
+    return max(2, -(-3 * l2_bytes // (w.numel() * w.element_size())))
+
+
+def cold_time(call, copies: int, runs: int = 60, repeat: int = 5) -> float:
+    """Median over `repeat` of the mean µs of `call(i)` over `runs` calls with i cycling through `copies` (CUDA
+    events on the default stream, which TVM's launches share), after one call of each copy."""
+    import statistics
+
+    import torch
+
+    for i in range(copies):
+        call(i)
+    times = []
+    for _ in range(repeat):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0.record()
+        for r in range(runs):
+            call(r % copies)
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / runs)
+    return statistics.median(times)
+
+
 def _build(kernel, job):
     """Compile one (case, tile, dtype); returns (runtime module, error)."""
     m, k, n, gelu, spec, dtype = job
@@ -163,6 +197,8 @@ def main():
     p.add_argument("--groups", nargs="*", type=int, default=[1], help="with --tiles chosen: row-tile groups to measure")
     p.add_argument("--prefill", action="store_true", help="the GPT-2 / Llama prefill projections (PREFILL_CASES)")
     p.add_argument("--dtypes", default="fp16", help="fp16, bf16 or fp16,bf16: each case in each (torch in the same)")
+    p.add_argument("--cold", action="store_true",
+                   help="weights from HBM on every call (copies cycled, 3x the L2), as in a model; torch's too")
     opts = p.parse_args()
     dtypes = [DTYPES[d] for d in opts.dtypes.split(",")]
     tiles = opts.tiles or list(SMALL_TILES if opts.kernel == "smallm" else TILES)
@@ -187,9 +223,13 @@ def main():
         x2 = x.reshape(m, k)
         ref_fn = (lambda x2=x2, w=w, b=b: F.gelu(F.linear(x2, w, b))) if gelu else (lambda x2=x2, w=w: F.linear(x2, w))
         ref = ref_fn().float()
+        copies = [w] + [w.clone() for _ in range(cold_copies(w) - 1)] if opts.cold else [w]
+        torch_us = cold_time(lambda i: (F.gelu(F.linear(x2, copies[i], b)) if gelu else F.linear(x2, copies[i])),
+                             len(copies)) if opts.cold else torch_time(ref_fn)
         case = res["cases"][name] = {"m": m, "k": k, "n": n, "dtype": dt, "epilogue": "bias+gelu" if gelu else "none",
                                      "chosen": _chosen(m, k, n) if opts.kernel == "wgmma" else None,
-                                     "gflop": 2 * m * n * k / 1e9, "torch_us": torch_time(ref_fn), "tiles": [],
+                                     "weights": f"{len(copies)} copies cycled (from HBM)" if opts.cold else "one",
+                                     "gflop": 2 * m * n * k / 1e9, "torch_us": torch_us, "tiles": [],
                                      # which cuBLAS kernel torch ran (its name gives the tile, cluster and schedule)
                                      "torch_kernels": gpu_kernels(ref_fn, top=3, name_chars=240)["top"]}
         for (jm, jk, jn, _, spec, jdt), (lib, err) in zip(jobs, built):
@@ -204,8 +244,12 @@ def main():
                     out = tvm.runtime.empty((m, n), dt, dev)
                     lib["main"](*args, out)
                     row["max_abs_err"] = float((torch.from_dlpack(out).float() - ref).abs().max())
-                    ev = lib.time_evaluator("main", dev, number=100, repeat=5)
-                    row["us"] = float(np.median(ev(*args, out).results) * 1e6)
+                    if opts.cold:
+                        sets = [[args[0], tvm.runtime.from_dlpack(c), args[2]] for c in copies]
+                        row["us"] = cold_time(lambda i, sets=sets, out=out: lib["main"](*sets[i], out), len(sets))
+                    else:
+                        ev = lib.time_evaluator("main", dev, number=100, repeat=5)
+                        row["us"] = float(np.median(ev(*args, out).results) * 1e6)
                     row["tflops"] = round(case["gflop"] / row["us"] * 1e3, 1)
                     row["TBps"] = round((n * k + m * k + m * n) * 2 / row["us"] / 1e6, 2)  # operands + output
                 except Exception as e:  # noqa: BLE001  (a kernel that fails to launch)

@@ -132,8 +132,8 @@ def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
         models.main(["--smoke", "--before", "attention_prefil", "--out", str(tmp_path / "o")])
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table, "
-                        "dependent_launch or generic_waits)"), err
+    assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table or "
+                        "one of dependent_launch, generic_waits, early_weights)"), err
     assert not (tmp_path / "o").exists()
 
 

@@ -187,7 +187,53 @@ def test_the_chain_builds_four_waiting_gemms_two_of_them_in_a_cuda_graph(monkeyp
     capture = text[text.index("@main_cuda_graph_capture:"):].split("\n@", 1)[0]  # the captured function
     assert capture.count("call  fused_relax_permute_dims_relax_matmul_relax_astype in") == 2, capture
     (src,) = cuda_sources(ex)
-    assert src.count("griddepcontrol_wait();") == 1
+    assert src.count("griddepcontrol_wait();") == 2  # the loader's, after its early weights, and the consumers'
+
+
+def _early_loads(kernel: str) -> tuple[list[str], list[str]]:
+    """The loader thread's TMA loads before its dependency wait and those after it (which map each reads)."""
+    loader = kernel[kernel.index("if (((int)threadIdx.x) == 0) {", kernel.index("if (((int)threadIdx.x) < 128) {")):]
+    before, after = loader.split("griddepcontrol_wait();", 1)
+    loads = "cp_async_bulk_tensor_g2s_cluster_async_bulk_tensor_2d_shared__cluster_global_mbarrier__complete_tx__bytes("
+    maps = lambda text: [part.split("&(", 2)[2][:5] for part in text.split(loads)[1:]]  # noqa: E731
+    return maps(before), maps(after.split("griddepcontrol_wait();", 1)[0])  # (up to the consumers' wait)
+
+
+def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the_rest_after(monkeypatch):
+    """The chain's GEMMs (constant weights): the loader issues B's loads of the first `stages` k-tiles before it waits
+    for the kernel before (they read nothing that kernel writes), then A's and every later load after it; the
+    consumers wait before their mainloop. With `select.EARLY_WEIGHTS` off (`bench/models.py --before
+    early_weights`), and for a GEMM whose weight is an input of main, nothing loads before the wait."""
+    from tvmfuse.kernels.hopper import select
+
+    cuda = resolve_target("cuda")
+
+    def kernel(mod):
+        logged = []
+        (src,) = cuda_sources(compile_module(apply_default_schedules(apply_hopper_kernels(mod, cuda, logged.append),
+                                                                     cuda), cuda))
+        return src.split("__global__")[-1], logged
+
+    monkeypatch.setenv(SWITCH, "1")
+    src, logged = kernel(_chain(k=1024)[0])  # 16 k-tiles: more than the ring's stages
+    assert "weights loaded before the wait" in logged[0], logged
+    before, after = _early_loads(src)
+    stages = src.count("tvm_builtin_ptx_mbarrier_init_init_shared_b64(") // 2
+    assert before == ["b_map"] * stages and "a_map" in after and "b_map" in after, (before, after)
+    consumers = src[src.index("} else {", src.index("if (((int)threadIdx.x) < 128) {")):]
+    assert consumers.index("griddepcontrol_wait();") < consumers.index("wgmma")
+    assert len(_nvcc_fatbin(cuda_sources(compile_module(apply_default_schedules(
+        apply_hopper_kernels(_chain()[0], cuda, lambda _: None), cuda), cuda))[0], cuda)) > 1000
+    monkeypatch.setattr(select, "EARLY_WEIGHTS", False)
+    src, logged = kernel(_chain()[0])
+    assert "weights loaded before" not in logged[0] and src.count("griddepcontrol_wait();") == 1
+    assert src.index("griddepcontrol_wait();") < src.index("cp_async_bulk_tensor_g2s")
+    monkeypatch.setattr(select, "EARLY_WEIGHTS", True)
+    src, logged = kernel(_gelu_projection(256, 512, 384))  # its weight is main's parameter: maybe written before
+    assert "weights loaded before" not in logged[0] and src.count("griddepcontrol_wait();") == 1
+    monkeypatch.setenv(SWITCH, "0")  # no dependent launch: nothing to load early for
+    src, logged = kernel(_chain()[0])
+    assert "weights loaded before" not in logged[0] and "griddepcontrol" not in src
 
 
 @pytest.mark.gpu

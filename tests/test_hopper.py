@@ -649,6 +649,11 @@ WGMMA_VARIANTS = [
      ("(empty_ptr[0]))), (uint)4);", "tvmfuse_bar_sync(", "multicast::cluster ["), ("(empty_ptr[0]))), (uint)16);",)),
     (WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True, wg_release=True),
      ("(empty_ptr[0]))), (uint)2);", "tvmfuse_bar_sync("), ("(empty_ptr[0]))), (uint)8);", "multicast")),
+    # B prefetched into L2 four k-tiles ahead of the ring's loads (with 16 k-tiles: some past the end, skipped);
+    # the early weights need the dependent launch's wait to move past (test_dependent_launch.py checks where)
+    (WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True, early_weights=True, l2_ahead=4),
+     ("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];", "for (int j = 6; j < 10; ++j)",
+      "if (kt < 12)"), ("multicast",)),
 ]
 
 
@@ -733,6 +738,44 @@ def test_192_row_tiles_stage_odd_n_rows_and_match_numpy_on_the_gpu(dtype):
     tile = WgmmaTile(192, 4, 192, stepped_desc=True, setmaxnreg=True)
     assert tile in TILE_COSTS
     _check_gelu_gemm_on_the_gpu(500, 1001, 512, tile, dtype, seed=5)
+
+
+@pytest.mark.parametrize("tile", [WgmmaTile(128, 4, early_weights=True, persistent=True),
+                                  WgmmaTile(128, 4, l2_ahead=2, cluster=2), WgmmaTile(128, 4, l2_ahead=-1)], ids=str)
+def test_early_weights_and_l2_prefetch_refuse_persistent_ctas_clusters_and_a_negative_distance(tile):
+    assert "early weights and L2 prefetch" in check_wgmma_shape(512, 1024, 1024, tile) or tile.l2_ahead < 0
+    assert check_wgmma_shape(512, 1024, 1024, tile)
+
+
+def test_weight_params_are_the_parameters_every_call_fills_with_a_constant():
+    """The wgmma GEMM loads B early only where it is a weight: a bound constant at every call of the kernel."""
+    from tvmfuse.kernels.hopper.select import weight_params
+
+    rng = np.random.default_rng(0)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 256, 512), "float16"))
+    w2 = relax.Var("w2", relax.TensorType((512, 512), "float16"))
+    with bb.function("main", [x, w2]):
+        with bb.dataflow():
+            h = x
+            for w in [relax.const(rng.standard_normal((512, 512)).astype("float16")) for _ in range(2)] + [w2]:
+                h = bb.emit(relax.op.matmul(h, bb.emit(relax.op.permute_dims(w)), out_dtype="float16"))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    mod = lower(bb.get()).mod  # one kernel, called with a constant twice and main's parameter w2 once
+    (name,) = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert weight_params(mod) == {name: set()}
+    consts = relax.BlockBuilder()
+    with consts.function("main", [x]):
+        with consts.dataflow():
+            w = relax.const(rng.standard_normal((512, 512)).astype("float16"))
+            out = consts.emit_output(consts.emit(relax.op.matmul(x, consts.emit(relax.op.permute_dims(w)),
+                                                                 out_dtype="float16")))
+        consts.emit_func_output(out)
+    mod = lower(consts.get()).mod
+    ((gv, func),) = [(gv, f) for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    (at,) = weight_params(mod)[gv.name_hint]
+    assert [int(d) for d in func.params[at].shape] == [512, 512]  # the weight, not x
 
 
 @pytest.mark.parametrize("tile", [WgmmaTile(256, 4, persistent=True), WgmmaTile(128, 4, dual=True, persistent=True),

@@ -144,7 +144,7 @@ def test_hopper_kernel_failure_keeps_the_generic_kernel(tmp_path, llvm, monkeypa
     path = _mlp(str(tmp_path / "mlp.onnx"))
     fused = lower(prepare_module(import_model(onnx.load(path))), target=llvm)
 
-    def broken(func, name, tile=None):
+    def broken(func, name, tile=None, weights=frozenset()):
         raise IndexError("injected hopper failure")
 
     monkeypatch.setattr(hopper_mod, "gemm_kernel_from_fused", broken)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import tvm
-from tvm import tirx
+from tvm import relax, tirx
 
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, epilogue
 from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, smallm_kernel
 from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
+from tvmfuse.kernels.dependent_launch import dependent_launch
 from tvmfuse.isolation import HOPPER
 from tvmfuse.isolation import record as record_failure
 from tvmfuse.targets import SMS  # one CTA of these tiles each at a time on each (shared memory)
@@ -39,6 +41,11 @@ TILE_COSTS[DEEP_RING] = 0.425
 DEEP_RING_MIN_K = 4096
 TILE_FIXED_US = 1.0
 SPLIT_BYTES_PER_US = 3.3e6  # a copy kernel's bytes per µs on the H200 (copy bandwidth 3.3-4.3 TB/s in the bench runs)
+
+#: whether a GEMM whose B is a weight (`weight_params`) loads its first k-tiles' B before waiting for the kernel
+#: before it (`WgmmaTile.early_weights`; with the dependent launch only). `bench/models.py --before early_weights`
+#: builds without, to compare
+EARLY_WEIGHTS = True
 
 #: analysis outcomes that mean "not a matmul kernel at all" (not logged)
 NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before",
@@ -108,10 +115,39 @@ def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
     return SmallMTile(n8=n8, warps=warps, vec=1, unroll=2 if warps == 16 else 4)
 
 
-def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str,
-                           tile: WgmmaTile | SmallMTile | None = None) -> tuple[tirx.PrimFunc | None, str]:
+def weight_params(mod: tvm.IRModule) -> dict[str, set[int]]:
+    """For each PrimFunc the Relax functions of `mod` call (call_tir, call_tir_inplace): the positions of its
+    parameters that every call fills with a constant (a bound weight, which no kernel writes)."""
+    seen: dict[str, set[int]] = {}
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+        consts = set()
+
+        def visit(expr):
+            if isinstance(expr, relax.VarBinding) and isinstance(expr.value, tvm.ir.GenericConst):
+                consts.add(expr.var)
+            call = expr.value if isinstance(expr, relax.VarBinding) else None
+            if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
+                    and call.op.name in ("relax.call_tir", "relax.call_tir_inplace")):
+                return
+            args = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+            here = {i for i, a in enumerate(args) if isinstance(a, tvm.ir.GenericConst) or a in consts}
+            name = call.args[0].name_hint
+            seen[name] = seen[name] & here if name in seen else here
+
+        for block in func.body.blocks if isinstance(func.body, relax.SeqExpr) else []:
+            for binding in block.bindings:
+                visit(binding)
+    return seen
+
+
+def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | SmallMTile | None = None,
+                           weights: set[int] = frozenset()) -> tuple[tirx.PrimFunc | None, str]:
     """The TIRx kernel computing what `func` computes (same parameters): mma.sync for 2 <= M <= 64, wgmma
-    above, with `tile` (default: the rules' pick, `choose_smallm_tile` / `choose_tile`); or (None, why not)."""
+    above, with `tile` (default: the rules' pick, `choose_smallm_tile` / `choose_tile`); or (None, why not).
+    `weights`: the positions of `func`'s parameters that hold weights (`weight_params`): a wgmma GEMM whose B is
+    one loads its first B k-tiles before waiting for the kernel before it (EARLY_WEIGHTS)."""
     info, why = analyze_gemm(func)
     if info is None:
         return None, why
@@ -126,6 +162,10 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str,
         desc = f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns{unroll}"
     else:
         tile = tile or choose_tile(m, n, k)
+        b_at = next(i for i, p in enumerate(func.params) if p.same_as(info["b"]))
+        if (tile and EARLY_WEIGHTS and dependent_launch() and b_at in weights and not tile.persistent
+                and tile.cluster == 1):
+            tile = replace(tile, early_weights=True)
         why = check_wgmma_shape(m, n, k, tile or WgmmaTile())
         make = wgmma_kernel
         desc = tile and (f"wgmma {m}x{n}x{k}, tile {tile.bm}x{tile.bn}, {tile.stages} stages"
@@ -149,7 +189,8 @@ def _knob_notes(tile: WgmmaTile) -> str:
     notes = {"group_m": f"CTA groups of {tile.group_m} rows", "inflight": "one group in flight",
              "cluster": f"clusters of {tile.cluster}", "multicast": f"sharing {tile.multicast.upper()}",
              "stepped_desc": "stepped descriptors",
-             "persistent": "persistent CTAs", "setmaxnreg": "setmaxnreg", "wg_release": "one release a warpgroup"}
+             "persistent": "persistent CTAs", "setmaxnreg": "setmaxnreg", "wg_release": "one release a warpgroup",
+             "early_weights": "weights loaded before the wait", "l2_ahead": f"B prefetched {tile.l2_ahead} k-tiles ahead"}
     return "".join(f", {text}" for key, text in notes.items() if getattr(tile, key) != getattr(WgmmaTile, key))
 
 
@@ -158,13 +199,13 @@ def _knob_notes(tile: WgmmaTile) -> str:
 TileFor = Callable[[tirx.PrimFunc, str], tuple]
 
 
-def _hopper_kernel(func: tirx.PrimFunc, name: str, tile_for: TileFor | None) -> tuple:
+def _hopper_kernel(func: tirx.PrimFunc, name: str, tile_for: TileFor | None, weights: set[int]) -> tuple:
     """(the TIRx kernel in the place of `func`, its log line), or (None, why a GEMM keeps its generic schedule), or
     (None, None) for a kernel neither the GEMM nor the row kernel is for."""
     tile, note = tile_for(func, name) if tile_for else (None, None)
     if tile is None and note:
         return None, note
-    for make, args in ((gemm_kernel_from_fused, (tile,)), (row_kernel_from_fused, ())):
+    for make, args in ((gemm_kernel_from_fused, (tile, weights)), (row_kernel_from_fused, ())):
         try:
             new, why = make(func, name, *args)
         except Exception as err:  # noqa: BLE001  (an unexpected kernel keeps its generic schedule)
@@ -184,11 +225,11 @@ def apply_hopper_kernels(mod: tvm.IRModule, target: tvm.target.Target, log: Call
     epilogues) the row kernel takes; the rest is untouched."""
     if not is_hopper(target):
         return mod
-    out = {}
+    out, weights = {}, weight_params(mod)
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or TIRX_ATTR in (func.attrs or {}):
             continue
-        new, why = _hopper_kernel(func, gv.name_hint, tile_for)
+        new, why = _hopper_kernel(func, gv.name_hint, tile_for, weights.get(gv.name_hint, set()))
         if new is not None:
             out[gv] = new
             log(f"{gv.name_hint}: {why}")

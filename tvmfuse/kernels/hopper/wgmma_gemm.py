@@ -35,6 +35,11 @@ SPIN_WAIT_SRC = ('__device__ __forceinline__ void tvmfuse_mbar_spin(void* bar, i
                  'mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra LSPIN; }" :: "r"(a), "r"(phase) '
                  ': "memory"); }')
 
+#: prefetch a box of a 2-D tensor map into L2 (`WgmmaTile.l2_ahead`): no shared memory, no barrier
+PREFETCH_L2_SRC = ('__device__ __forceinline__ void tvmfuse_prefetch_l2(unsigned long long map, int c0, int c1) { asm volatile('
+                   '"cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" :: "l"(map), "r"(c0), "r"(c1) '
+                   ': "memory"); }')
+
 #: registers per thread with `WgmmaTile.setmaxnreg`: the loading warpgroup drops to LOADER_REGS and the computing ones
 #: rise to CONSUMER_REGS (CUTLASS's split: 128 x 40 + 256 x 232 of the SM's 65536)
 LOADER_REGS, CONSUMER_REGS = 40, 232
@@ -114,6 +119,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
 
     pdl = dependent_launch()  # kernels.dependent_launch
     late = pdl and release_late()  # the successor released after the last load is issued, not after the wait
+    early = pdl and tile.early_weights  # the first k-tiles' B loads before the wait (B: a weight nobody writes)
+    ahead = tile.l2_ahead
     # fmt: off
     @T.macro
     def wait(bar, phase):
@@ -162,10 +169,16 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                                  source_code=REMOTE_ARRIVE_SRC)
 
     @T.macro
-    def load_stage(bx, by, g0, kt, As, Bs, full, a_map, b_map, rank):
-        """k-tile kt of output tile (bx, by) by TMA into its stage, completing on its full barrier."""
-        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[(g0 + kt) % stages]), T.uint32(stage_bytes))
-        if share_a:  # this CTA's half of the A tile, to the same place in both CTAs; B whole, its own
+    def load_stage(bx, by, g0, kt, As, Bs, full, a_map, b_map, rank, part="ab"):
+        """k-tile kt of output tile (bx, by) by TMA into its stage, completing on its full barrier; `part` "b": its B
+        alone (the stage's bytes expected), "a": then its A."""
+        if part != "a":
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[(g0 + kt) % stages]), T.uint32(stage_bytes))
+        if part == "b":
+            T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
+        elif part == "a":
+            T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
+        elif share_a:  # this CTA's half of the A tile, to the same place in both CTAs; B whole, its own
             T.ptx[multicast](T.address_of(As[(g0 + kt) % stages, rank * half * bk]), T.address_of(a_map), kt * bk, by * bm + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
             T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
         elif cluster == 2:  # A whole, its own; this CTA's half of the B tile, to the same place in both CTAs
@@ -181,8 +194,13 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         for kt in T.serial(k_tiles):
             if g0 + kt >= stages:
                 wait(empty[(g0 + kt) % stages], ((g0 + kt) // stages + 1) % 2)
+                if ahead > 0 and kt + ahead < k_tiles:  # (k-tiles stages .. stages + ahead - 1: before the loop)
+                    T.cuda.func_call("tvmfuse_prefetch_l2", T.address_of(b_map), (kt + ahead) * bk, bx * bn,
+                                     source_code=PREFETCH_L2_SRC)
             if ablate == "loads" and g0 + kt >= stages:  # diagnostics: the stage completes without its data
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(full[(g0 + kt) % stages]))
+            elif early and kt < stages:  # its B is on the way since before the wait
+                load_stage(bx, by, g0, kt, As, Bs, full, a_map, b_map, rank, "a")
             else:
                 load_stage(bx, by, g0, kt, As, Bs, full, a_map, b_map, rank)
 
@@ -275,7 +293,7 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
             T.cuda.cluster_sync()
         else:
             T.cuda.cta_sync()
-        if pdl:  # the kernel before has finished and its writes are seen; the next may launch
+        if pdl and not early:  # the kernel before has finished and its writes are seen; the next may launch
             T.ptx.griddepcontrol.wait()
             if not late:
                 T.ptx.griddepcontrol.launch_dependents()
@@ -283,6 +301,17 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
             if tile.setmaxnreg:  # the loading warpgroup gives registers back for the consumers' accumulators
                 T.ptx["setmaxnreg.dec.sync.aligned.u32"](LOADER_REGS)
             if tx == 0:
+                if early:  # the weights of the first k-tiles need not wait for the kernel before (A does)
+                    for s in T.unroll(min(stages, k_tiles)):
+                        load_stage(bx, by, 0, s, As, Bs, full, a_map, b_map, rank, "b")
+                if ahead > 0:  # the k-tiles after the ring's first fill, into L2
+                    for j in T.serial(stages, max(stages, min(stages + ahead, k_tiles))):
+                        T.cuda.func_call("tvmfuse_prefetch_l2", T.address_of(b_map), j * bk, bx * bn,
+                                         source_code=PREFETCH_L2_SRC)
+                if early:
+                    T.ptx.griddepcontrol.wait()
+                    if not late:
+                        T.ptx.griddepcontrol.launch_dependents()
                 if persistent:  # tiles bid, bid + grid, ...: the loader runs on into the next tile's k-tiles
                     for ti in T.serial((tiles_n * tiles_m - bid + grid - 1) // grid):
                         load_tile(tile_of(bid + ti * grid, tiles_m, tiles_n, group, T.min)[0],
@@ -293,6 +322,10 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
                 if late:  # (one thread's release is its CTA's)
                     T.ptx.griddepcontrol.launch_dependents()
         else:
+            if early:  # the epilogue reads and writes what the kernel before may still use
+                T.ptx.griddepcontrol.wait()
+                if not late:
+                    T.ptx.griddepcontrol.launch_dependents()
             if tile.setmaxnreg:
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](consumer_regs(cons))
             if persistent:

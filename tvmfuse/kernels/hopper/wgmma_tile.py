@@ -65,6 +65,14 @@ class WgmmaTile:
     #: prefill projections 10% faster in all than 1 (4: 8%), the wide ones most: 2048x50257x768 410 -> 334 µs,
     #: 512x11008x4096 86 -> 77 (bench/results/wgmma_run6.json)
     group_m: int = 16
+    #: the loader issues the B (weight) loads of the first `stages` k-tiles before it waits for the kernel before it
+    #: (programmatic dependent launch), so the weights stream in while that kernel ends, then the A loads after the
+    #: wait. Only where B is a weight no kernel writes (`select.weight_operands`); nothing changes without the
+    #: dependent launch
+    early_weights: bool = False
+    #: B k-tiles prefetched into L2 (`cp.async.bulk.prefetch.tensor`) this many k-tiles ahead of the ring's loads, so
+    #: that a weight streamed from HBM arrives in L2 before its TMA load asks for it; 0: none
+    l2_ahead: int = 0
 
     @property
     def bk(self) -> int:
@@ -108,6 +116,10 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"tile {tile}: two accumulator sets of m64n{tile.bn} do not fit the registers"
     if tile.bm == 192 and (tile.dual or tile.bn > 192):  # 512 threads: 128 registers each, 152 with setmaxnreg
         return f"tile {tile}: three computing warpgroups hold one accumulator set of at most m64n192"
+    if (tile.early_weights or tile.l2_ahead) and (tile.persistent or tile.cluster != 1):
+        return f"tile {tile}: early weights and L2 prefetch take neither persistent CTAs nor clusters"
+    if tile.l2_ahead < 0:
+        return f"tile {tile}: l2_ahead is a count of k-tiles (0: none)"
     if tile.smem_bytes > 200 * 1024:
         return f"tile {tile} needs {tile.smem_bytes} bytes of shared memory"
     return None
