@@ -170,13 +170,15 @@ def _chain(rows: int = 256, k: int = 512, seed: int = 0):
     return lower(bb.get()).mod, ws
 
 
-def _build_chain(monkeypatch, cuda_graph: bool):
+def _build_chain(monkeypatch, cuda_graph: bool, rows: int = 256):
     monkeypatch.setenv(SWITCH, "1")
     cuda = resolve_target("cuda")
-    mod, ws = _chain()
+    mod, ws = _chain(rows)
     logged = []
     mod = apply_default_schedules(apply_hopper_kernels(mod, cuda, logged.append), cuda)
-    assert len(logged) == 1 and ": wgmma 256x512x512" in logged[0], logged  # one kernel, called four times
+    kernel = "wgmma" if rows > 64 else "mma.sync small-M"
+    assert len(logged) == 1 and f": {kernel} {rows}x512x512" in logged[0], logged  # one kernel, called four times
+    assert "before the wait" in logged[0], logged  # constant weights: loaded (prefetched) before it
     return compile_module(mod, cuda, cuda_graph=cuda_graph), ws
 
 
@@ -231,21 +233,29 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
     monkeypatch.setattr(select, "EARLY_WEIGHTS", True)
     src, logged = kernel(_gelu_projection(256, 512, 384))  # its weight is main's parameter: maybe written before
     assert "weights loaded before" not in logged[0] and src.count("griddepcontrol_wait();") == 1
+    src, logged = kernel(_chain(rows=16, k=1024)[0])  # small M: the weights into L2 before the wait
+    assert "weights prefetched before the wait" in logged[0], logged
+    assert 0 < src.index("tvmfuse_prefetch_l2_bulk((&(") < src.index("griddepcontrol_wait();") < src.index("ld_stream((&(")
+    assert len(_nvcc_fatbin(cuda_sources(compile_module(apply_default_schedules(
+        apply_hopper_kernels(_chain(rows=16, k=1024)[0], cuda, lambda _: None), cuda), cuda))[0], cuda)) > 1000
     monkeypatch.setenv(SWITCH, "0")  # no dependent launch: nothing to load early for
-    src, logged = kernel(_chain()[0])
-    assert "weights loaded before" not in logged[0] and "griddepcontrol" not in src
+    for rows in (256, 16):
+        src, logged = kernel(_chain(rows=rows)[0])
+        assert "before the wait" not in logged[0] and "griddepcontrol" not in src and "prefetch_l2" not in src
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [256, 16])
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_dependent_kernels_in_a_cuda_graph_match_numpy_on_the_gpu(monkeypatch, cuda_graph):
+def test_dependent_kernels_in_a_cuda_graph_match_numpy_on_the_gpu(monkeypatch, cuda_graph, rows):
     """Each GEMM reads what the one before wrote: a kernel that read before its predecessor finished would read
-    stale values (the output buffers are reused across the 20 calls with new inputs each time)."""
-    ex, ws = _build_chain(monkeypatch, cuda_graph)
+    stale values (the output buffers are reused across the 20 calls with new inputs each time). The weights are
+    loaded (wgmma) or prefetched (small M) before each kernel's wait."""
+    ex, ws = _build_chain(monkeypatch, cuda_graph, rows)
     vm = relax.VirtualMachine(ex, tvm.cuda(0))
     rng = np.random.default_rng(1)
     for _ in range(20):
-        x = rng.standard_normal((1, 256, 512)).astype("float16")
+        x = rng.standard_normal((1, rows, 512)).astype("float16")
         got = vm["main"](tvm.runtime.tensor(x, tvm.cuda(0))).numpy().astype("float32")
         want = x
         for w in ws:

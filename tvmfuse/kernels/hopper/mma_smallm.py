@@ -15,6 +15,11 @@ from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
 STREAM_SRC = ("__device__ __forceinline__ void tvmfuse_ld_stream(const void* p, unsigned& a, unsigned& b, unsigned& c,"
               " unsigned& d) { asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\" : \"=r\"(a), \"=r\"(b),"
               " \"=r\"(c), \"=r\"(d) : \"l\"(p)); }")
+#: prefetch `bytes` (a multiple of 16) from global address `p` into L2: one bulk asynchronous copy, no registers
+PREFETCH_SRC = ("__device__ __forceinline__ void tvmfuse_prefetch_l2_bulk(const void* p, unsigned bytes) { asm volatile("
+                "\"cp.async.bulk.prefetch.L2.global [%0], %1;\" :: \"l\"(p), \"r\"(bytes) : \"memory\"); }")
+#: bytes of each of a block's weight rows prefetched into L2 before the dependency wait (`SmallMTile.early_weights`)
+EARLY_BYTES = 16384
 LOAD_SRC = ("__device__ __forceinline__ void tvmfuse_ld16(const void* p, unsigned& a, unsigned& b, unsigned& c, "
             "unsigned& d) { uint4 v = *reinterpret_cast<const uint4*>(p); a = v.x; b = v.y; c = v.z; d = v.w; }")
 
@@ -43,6 +48,10 @@ class SmallMTile:
     warps: int = 8
     vec: int = 1
     unroll: int = 4
+    #: before waiting for the kernel before (programmatic dependent launch), the block prefetches the first
+    #: EARLY_BYTES of each of its weight rows into L2, so the weights stream from HBM while that kernel ends; only
+    #: where the weight is one no kernel writes (`select.weight_params`); nothing changes without the dependent launch
+    early_weights: bool = False
 
     @property
     def bn(self) -> int:
@@ -89,6 +98,8 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     A, B = a, b
 
     pdl = dependent_launch()  # kernels.dependent_launch
+    early = pdl and tile.early_weights
+    early_bytes = min(EARLY_BYTES, k * 2 // 16 * 16)  # of each weight row (K contiguous 2-byte values)
     # fmt: off
     @T.prim_func(check_well_formed=False)
     def gemm():
@@ -104,6 +115,10 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         tot = T.alloc_local((1,), "float32")
         warp = T.meta_var(tx // 32)
         lane = T.meta_var(tx % 32)
+        if early:  # the weights need not wait for the kernel before (the activations do)
+            if tx < tile.bn and bid * tile.bn + tx < n:
+                T.cuda.func_call("tvmfuse_prefetch_l2_bulk", T.address_of(B[bid * tile.bn + tx, 0]),
+                                 T.uint32(early_bytes), source_code=PREFETCH_SRC)
         if pdl:  # the kernel before has finished and its writes are seen; the next may launch
             T.ptx.griddepcontrol.wait()
             T.ptx.griddepcontrol.launch_dependents()

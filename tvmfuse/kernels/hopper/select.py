@@ -42,9 +42,9 @@ DEEP_RING_MIN_K = 4096
 TILE_FIXED_US = 1.0
 SPLIT_BYTES_PER_US = 3.3e6  # a copy kernel's bytes per µs on the H200 (copy bandwidth 3.3-4.3 TB/s in the bench runs)
 
-#: whether a GEMM whose B is a weight (`weight_params`) loads its first k-tiles' B before waiting for the kernel
-#: before it (`WgmmaTile.early_weights`; with the dependent launch only). `bench/models.py --before early_weights`
-#: builds without, to compare
+#: whether a GEMM whose B is a weight (`weight_params`) issues its first weight loads before waiting for the kernel
+#: before it (`WgmmaTile.early_weights`: the first k-tiles' B; `SmallMTile.early_weights`: the first round's; with the
+#: dependent launch only). `bench/models.py --before early_weights` builds without, to compare
 EARLY_WEIGHTS = True
 
 #: analysis outcomes that mean "not a matmul kernel at all" (not logged)
@@ -156,14 +156,16 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
         return None, f"1x{n}x{k}: M=1 stays with the GEMV schedule"
     if m <= MAX_M:
         small = tile or choose_smallm_tile(m, n, k)
+        if EARLY_WEIGHTS and dependent_launch() and _b_at(func, info) in weights:
+            small = replace(small, early_weights=True)
         why = check_smallm_shape(m, n, k, small)
         unroll = f", unroll {small.unroll}" if small.unroll != 4 else ""
         tile, make = small, smallm_kernel
-        desc = f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns{unroll}"
+        desc = (f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns{unroll}"
+                + (", weights prefetched before the wait" if small.early_weights else ""))
     else:
         tile = tile or choose_tile(m, n, k)
-        b_at = next(i for i, p in enumerate(func.params) if p.same_as(info["b"]))
-        if (tile and EARLY_WEIGHTS and dependent_launch() and b_at in weights and not tile.persistent
+        if (tile and EARLY_WEIGHTS and dependent_launch() and _b_at(func, info) in weights and not tile.persistent
                 and tile.cluster == 1):
             tile = replace(tile, early_weights=True)
         why = check_wgmma_shape(m, n, k, tile or WgmmaTile())
@@ -182,6 +184,11 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
     except ValueError as err:
         return None, str(err)
     return make(m, n, k, tile, a, b, out, finish, place, list(fresh.values()), name, setup=setup), desc
+
+
+def _b_at(func: tirx.PrimFunc, info: dict) -> int:
+    """The position of the GEMM's B operand among `func`'s parameters."""
+    return next(i for i, p in enumerate(func.params) if p.same_as(info["b"]))
 
 
 def _knob_notes(tile: WgmmaTile) -> str:
