@@ -39,7 +39,7 @@ def spying(modules: dict, seen: dict):
 
 DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for the kernels' dependent launch
 GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx kernels keep theirs)
-EARLY_WEIGHTS = "early_weights"  # one for the wgmma GEMMs' B loads before their wait (kernels.hopper.select)
+EARLY_WEIGHTS = "early_weights"  # one for the GEMMs' weight loads before their wait (off by default: see models.py)
 SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS)
 
 
@@ -58,24 +58,28 @@ def without_templates(names: tuple[str, ...]):
     run: `bench/models.py --without-templates attention_prefill_wgmma`). DEPENDENT_LAUNCH among them: the
     kernels are built without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and
     without it from one export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays);
-    EARLY_WEIGHTS: the wgmma GEMMs load no weight before their wait."""
+    EARLY_WEIGHTS: no GEMM loads its weights before its wait (`bench/models.py --before early_weights` turns them
+    on for the other build)."""
     from tvmfuse.build import dependent_launch as launch_pass
-    from tvmfuse.kernels.dependent_launch import dependent_launch_off
-    from tvmfuse.kernels.hopper import select
+    from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH, dependent_launch_off
     from tvmfuse.kernels.table import TABLE
 
-    saved, generic, early = dict(TABLE), launch_pass.GENERIC_WAITS, select.EARLY_WEIGHTS
+    saved, generic, early = dict(TABLE), launch_pass.GENERIC_WAITS, os.environ.get(EARLY_WEIGHTS_SWITCH)
     for key, entry in saved.items():
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
     launch_pass.GENERIC_WAITS = generic and GENERIC_WAITS not in names
-    select.EARLY_WEIGHTS = early and EARLY_WEIGHTS not in names
+    if EARLY_WEIGHTS in names:
+        os.environ[EARLY_WEIGHTS_SWITCH] = "0"
     try:
         with dependent_launch_off(DEPENDENT_LAUNCH in names):
             yield
     finally:
         TABLE.update(saved)
         launch_pass.GENERIC_WAITS = generic
-        select.EARLY_WEIGHTS = early
+        if early is None:
+            os.environ.pop(EARLY_WEIGHTS_SWITCH, None)
+        else:
+            os.environ[EARLY_WEIGHTS_SWITCH] = early
 
 
 def case_dir(name: str, case: str, dtype: str) -> str:

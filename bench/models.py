@@ -231,7 +231,8 @@ def main(argv=None) -> dict:
                    "also built without them (from the same export) and measured as tvmfuse_before (with a CUDA graph "
                    "on CUDA): a before/after pair in one run, e.g. --before attention_prefill_wgmma; also "
                    "dependent_launch (none launched dependent), generic_waits (only the TIRx kernels) and "
-                   "early_weights (no GEMM loads weights before its wait)")
+                   "early_weights (the GEMMs' weights loaded before their wait, off by default: on in the "
+                   "other build)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)
     if args.chart:
@@ -253,7 +254,9 @@ def main(argv=None) -> dict:
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
     import torch
     from tvmfuse.build.dependent_launch import applies_to
-    from tvmfuse.kernels.dependent_launch import release_late
+    from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH, early_weights, release_late
+    if model_builds.EARLY_WEIGHTS in args.before.split(","):  # off by default: on in the build measured against
+        os.environ[EARLY_WEIGHTS_SWITCH] = "1"
     from tvmfuse.targets import device_for, resolve_target
     torch.set_grad_enabled(False)
     target = resolve_target("llvm" if args.smoke else "cuda")
@@ -266,6 +269,7 @@ def main(argv=None) -> dict:
                without_templates=[n for n in args.without_templates.split(",") if n],
                before=[n for n in args.before.split(",") if n],
                dependent_launch=applies_to(target) and ("late" if release_late() else True),
+               early_weights=applies_to(target) and early_weights(),
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "

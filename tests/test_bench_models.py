@@ -112,6 +112,21 @@ def test_without_dependent_launch_builds_kernels_that_do_not_wait_and_restores_t
     assert SWITCH not in os.environ
 
 
+@pytest.mark.parametrize("before", [None, "1"])
+def test_without_early_weights_turns_the_switch_off_and_restores_it(before, monkeypatch):
+    """`--before early_weights`: the before build loads no weight early; the switch is as it was after."""
+    from bench.model_builds import EARLY_WEIGHTS, without_templates
+    from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH, SWITCH, early_weights
+
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.delenv(EARLY_WEIGHTS_SWITCH, raising=False)
+    if before:
+        monkeypatch.setenv(EARLY_WEIGHTS_SWITCH, before)
+    with without_templates((EARLY_WEIGHTS,)):
+        assert not early_weights()
+    assert os.environ.get(EARLY_WEIGHTS_SWITCH) == before and early_weights() is (before == "1")
+
+
 def test_without_generic_waits_only_the_kernels_that_wait_themselves_are_launched_dependent(monkeypatch):
     """`--before generic_waits`: a generic kernel gets no wait (nor the launch tag), a TIRx kernel that waits keeps
     its tag; after the block the generic kernels wait again."""

@@ -18,7 +18,8 @@ from tvm.tirx.build import split_host_device_mods
 from tvmfuse.build.compile import TIR_PIPELINE, compile_module
 from tvmfuse.build.dependent_launch import TAG, applies_to, with_dependent_launch
 from tvmfuse.fuse.fusion import lower
-from tvmfuse.kernels.dependent_launch import SWITCH, dependent_launch, dependent_launch_off, release_late
+from tvmfuse.kernels.dependent_launch import (EARLY_WEIGHTS_SWITCH, SWITCH, dependent_launch, dependent_launch_off,
+                                               early_weights, release_late)
 from tvmfuse.kernels.hopper.select import apply_hopper_kernels
 from tvmfuse.spaces.defaults import apply_default_schedules
 from tvmfuse.targets import resolve_target
@@ -172,6 +173,7 @@ def _chain(rows: int = 256, k: int = 512, seed: int = 0):
 
 def _build_chain(monkeypatch, cuda_graph: bool, rows: int = 256):
     monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(EARLY_WEIGHTS_SWITCH, "1")
     cuda = resolve_target("cuda")
     mod, ws = _chain(rows)
     logged = []
@@ -202,12 +204,11 @@ def _early_loads(kernel: str) -> tuple[list[str], list[str]]:
 
 
 def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the_rest_after(monkeypatch):
-    """The chain's GEMMs (constant weights): the loader issues B's loads of the first `stages` k-tiles before it waits
-    for the kernel before (they read nothing that kernel writes), then A's and every later load after it; the
-    consumers wait before their mainloop. With `select.EARLY_WEIGHTS` off (`bench/models.py --before
-    early_weights`), and for a GEMM whose weight is an input of main, nothing loads before the wait."""
-    from tvmfuse.kernels.hopper import select
-
+    """With TVMFUSE_EARLY_WEIGHTS=1, the chain's GEMMs (constant weights): the loader issues B's loads of the first
+    `stages` k-tiles before it waits for the kernel before (they read nothing that kernel writes), then A's and every
+    later load after it; the consumers wait before their mainloop; the small-M kernel prefetches its weight rows into
+    L2 before its wait. Off (the default), and for a GEMM whose weight is an input of main, nothing loads before the
+    wait."""
     cuda = resolve_target("cuda")
 
     def kernel(mod):
@@ -217,6 +218,7 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
         return src.split("__global__")[-1], logged
 
     monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(EARLY_WEIGHTS_SWITCH, "1")
     src, logged = kernel(_chain(k=1024)[0])  # 16 k-tiles: more than the ring's stages
     assert "weights loaded before the wait" in logged[0], logged
     before, after = _early_loads(src)
@@ -226,11 +228,13 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
     assert consumers.index("griddepcontrol_wait();") < consumers.index("wgmma")
     assert len(_nvcc_fatbin(cuda_sources(compile_module(apply_default_schedules(
         apply_hopper_kernels(_chain()[0], cuda, lambda _: None), cuda), cuda))[0], cuda)) > 1000
-    monkeypatch.setattr(select, "EARLY_WEIGHTS", False)
-    src, logged = kernel(_chain()[0])
-    assert "weights loaded before" not in logged[0] and src.count("griddepcontrol_wait();") == 1
-    assert src.index("griddepcontrol_wait();") < src.index("cp_async_bulk_tensor_g2s")
-    monkeypatch.setattr(select, "EARLY_WEIGHTS", True)
+    monkeypatch.delenv(EARLY_WEIGHTS_SWITCH)  # the default
+    for rows in (256, 16):
+        src, logged = kernel(_chain(rows=rows)[0])
+        assert "before the wait" not in logged[0] and src.count("griddepcontrol_wait();") == 1
+        assert "prefetch_l2" not in src
+    assert src.index("griddepcontrol_wait();") < src.index("ld_stream((&(")
+    monkeypatch.setenv(EARLY_WEIGHTS_SWITCH, "1")
     src, logged = kernel(_gelu_projection(256, 512, 384))  # its weight is main's parameter: maybe written before
     assert "weights loaded before" not in logged[0] and src.count("griddepcontrol_wait();") == 1
     src, logged = kernel(_chain(rows=16, k=1024)[0])  # small M: the weights into L2 before the wait
@@ -239,6 +243,7 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
     assert len(_nvcc_fatbin(cuda_sources(compile_module(apply_default_schedules(
         apply_hopper_kernels(_chain(rows=16, k=1024)[0], cuda, lambda _: None), cuda), cuda))[0], cuda)) > 1000
     monkeypatch.setenv(SWITCH, "0")  # no dependent launch: nothing to load early for
+    assert not early_weights()
     for rows in (256, 16):
         src, logged = kernel(_chain(rows=rows)[0])
         assert "before the wait" not in logged[0] and "griddepcontrol" not in src and "prefetch_l2" not in src

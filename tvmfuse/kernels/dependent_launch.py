@@ -18,6 +18,18 @@ def dependent_launch() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
+#: environment switch read when a GEMM kernel is chosen: "1" lets a GEMM whose B is a weight issue its first weight
+#: loads (wgmma: the ring's first k-tiles of B; small M: an L2 prefetch of its rows) before its wait. Off by default
+#: until measured on the GPU (`bench/models.py --before early_weights` builds a case with and without)
+EARLY_WEIGHTS_SWITCH = "TVMFUSE_EARLY_WEIGHTS"
+
+
+def early_weights() -> bool:
+    """Whether GEMMs of weights built now load those weights before their dependency wait (EARLY_WEIGHTS_SWITCH=1,
+    with the dependent launch on)."""
+    return dependent_launch() and os.environ.get(EARLY_WEIGHTS_SWITCH) == "1"
+
+
 def release_late() -> bool:
     """SWITCH=late (an experiment, not measured yet): the wgmma GEMM releases its successor once its loader has
     issued its last load (as CUTLASS's Hopper GEMMs do after their mainloop) instead of right after its wait."""

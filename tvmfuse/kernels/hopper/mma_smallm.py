@@ -50,7 +50,8 @@ class SmallMTile:
     unroll: int = 4
     #: before waiting for the kernel before (programmatic dependent launch), the block prefetches the first
     #: EARLY_BYTES of each of its weight rows into L2, so the weights stream from HBM while that kernel ends; only
-    #: where the weight is one no kernel writes (`select.weight_params`); nothing changes without the dependent launch
+    #: where the weight is one no kernel writes (`select.weight_params`; chosen with
+    #: `kernels.dependent_launch.early_weights()`); nothing changes without the dependent launch
     early_weights: bool = False
 
     @property

@@ -13,7 +13,7 @@ from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_sh
 from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
-from tvmfuse.kernels.dependent_launch import dependent_launch
+from tvmfuse.kernels.dependent_launch import early_weights
 from tvmfuse.isolation import HOPPER
 from tvmfuse.isolation import record as record_failure
 from tvmfuse.targets import SMS  # one CTA of these tiles each at a time on each (shared memory)
@@ -41,11 +41,6 @@ TILE_COSTS[DEEP_RING] = 0.425
 DEEP_RING_MIN_K = 4096
 TILE_FIXED_US = 1.0
 SPLIT_BYTES_PER_US = 3.3e6  # a copy kernel's bytes per µs on the H200 (copy bandwidth 3.3-4.3 TB/s in the bench runs)
-
-#: whether a GEMM whose B is a weight (`weight_params`) issues its first weight loads before waiting for the kernel
-#: before it (`WgmmaTile.early_weights`: the first k-tiles' B; `SmallMTile.early_weights`: the first round's; with the
-#: dependent launch only). `bench/models.py --before early_weights` builds without, to compare
-EARLY_WEIGHTS = True
 
 #: analysis outcomes that mean "not a matmul kernel at all" (not logged)
 NOT_A_GEMM = ("not a single reduction", "unexpected block structure", "a producer of the matmul", "work before",
@@ -146,8 +141,9 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
                            weights: set[int] = frozenset()) -> tuple[tirx.PrimFunc | None, str]:
     """The TIRx kernel computing what `func` computes (same parameters): mma.sync for 2 <= M <= 64, wgmma
     above, with `tile` (default: the rules' pick, `choose_smallm_tile` / `choose_tile`); or (None, why not).
-    `weights`: the positions of `func`'s parameters that hold weights (`weight_params`): a wgmma GEMM whose B is
-    one loads its first B k-tiles before waiting for the kernel before it (EARLY_WEIGHTS)."""
+    `weights`: the positions of `func`'s parameters that hold weights (`weight_params`): with
+    `kernels.dependent_launch.early_weights()`, a GEMM whose B is one loads its first weights before waiting for the
+    kernel before it."""
     info, why = analyze_gemm(func)
     if info is None:
         return None, why
@@ -156,7 +152,7 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
         return None, f"1x{n}x{k}: M=1 stays with the GEMV schedule"
     if m <= MAX_M:
         small = tile or choose_smallm_tile(m, n, k)
-        if EARLY_WEIGHTS and dependent_launch() and _b_at(func, info) in weights:
+        if early_weights() and _b_at(func, info) in weights:
             small = replace(small, early_weights=True)
         why = check_smallm_shape(m, n, k, small)
         unroll = f", unroll {small.unroll}" if small.unroll != 4 else ""
@@ -165,7 +161,7 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
                 + (", weights prefetched before the wait" if small.early_weights else ""))
     else:
         tile = tile or choose_tile(m, n, k)
-        if (tile and EARLY_WEIGHTS and dependent_launch() and _b_at(func, info) in weights and not tile.persistent
+        if (tile and early_weights() and _b_at(func, info) in weights and not tile.persistent
                 and tile.cluster == 1):
             tile = replace(tile, early_weights=True)
         why = check_wgmma_shape(m, n, k, tile or WgmmaTile())

@@ -67,8 +67,8 @@ class WgmmaTile:
     group_m: int = 16
     #: the loader issues the B (weight) loads of the first `stages` k-tiles before it waits for the kernel before it
     #: (programmatic dependent launch), so the weights stream in while that kernel ends, then the A loads after the
-    #: wait. Only where B is a weight no kernel writes (`select.weight_operands`); nothing changes without the
-    #: dependent launch
+    #: wait. Only where B is a weight no kernel writes (`select.weight_params`; chosen with
+    #: `kernels.dependent_launch.early_weights()`); nothing changes without the dependent launch
     early_weights: bool = False
     #: B k-tiles prefetched into L2 (`cp.async.bulk.prefetch.tensor`) this many k-tiles ahead of the ring's loads, so
     #: that a weight streamed from HBM arrives in L2 before its TMA load asks for it; 0: none
