@@ -239,7 +239,8 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
     assert "weights loaded before" not in logged[0] and src.count("griddepcontrol_wait();") == 1
     src, logged = kernel(_chain(rows=16, k=1024)[0])  # small M: the weights into L2 before the wait
     assert "weights prefetched before the wait" in logged[0], logged
-    assert 0 < src.index("tvmfuse_prefetch_l2_bulk((&(") < src.index("griddepcontrol_wait();") < src.index("ld_stream((&(")
+    prefetch, wait = src.index("tvmfuse_prefetch_l2_bulk((&("), src.index("griddepcontrol_wait();")
+    assert 0 < prefetch < wait < src.index("ld_stream((&(")
     assert len(_nvcc_fatbin(cuda_sources(compile_module(apply_default_schedules(
         apply_hopper_kernels(_chain(rows=16, k=1024)[0], cuda, lambda _: None), cuda), cuda))[0], cuda)) > 1000
     monkeypatch.setenv(SWITCH, "0")  # no dependent launch: nothing to load early for

@@ -16,8 +16,9 @@ STREAM_SRC = ("__device__ __forceinline__ void tvmfuse_ld_stream(const void* p, 
               " unsigned& d) { asm(\"ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\" : \"=r\"(a), \"=r\"(b),"
               " \"=r\"(c), \"=r\"(d) : \"l\"(p)); }")
 #: prefetch `bytes` (a multiple of 16) from global address `p` into L2: one bulk asynchronous copy, no registers
-PREFETCH_SRC = ("__device__ __forceinline__ void tvmfuse_prefetch_l2_bulk(const void* p, unsigned bytes) { asm volatile("
-                "\"cp.async.bulk.prefetch.L2.global [%0], %1;\" :: \"l\"(p), \"r\"(bytes) : \"memory\"); }")
+PREFETCH_SRC = ("__device__ __forceinline__ void tvmfuse_prefetch_l2_bulk(const void* p, unsigned bytes) { "
+                "asm volatile(\"cp.async.bulk.prefetch.L2.global [%0], %1;\" :: \"l\"(p), \"r\"(bytes) "
+                ": \"memory\"); }")
 #: bytes of each of a block's weight rows prefetched into L2 before the dependency wait (`SmallMTile.early_weights`)
 EARLY_BYTES = 16384
 LOAD_SRC = ("__device__ __forceinline__ void tvmfuse_ld16(const void* p, unsigned& a, unsigned& b, unsigned& c, "

@@ -8,12 +8,12 @@ from dataclasses import replace
 import tvm
 from tvm import relax, tirx
 
+from tvmfuse.kernels.dependent_launch import early_weights
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, epilogue
 from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, smallm_kernel
 from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
-from tvmfuse.kernels.dependent_launch import early_weights
 from tvmfuse.isolation import HOPPER
 from tvmfuse.isolation import record as record_failure
 from tvmfuse.targets import SMS  # one CTA of these tiles each at a time on each (shared memory)
@@ -193,7 +193,8 @@ def _knob_notes(tile: WgmmaTile) -> str:
              "cluster": f"clusters of {tile.cluster}", "multicast": f"sharing {tile.multicast.upper()}",
              "stepped_desc": "stepped descriptors",
              "persistent": "persistent CTAs", "setmaxnreg": "setmaxnreg", "wg_release": "one release a warpgroup",
-             "early_weights": "weights loaded before the wait", "l2_ahead": f"B prefetched {tile.l2_ahead} k-tiles ahead"}
+             "early_weights": "weights loaded before the wait",
+             "l2_ahead": f"B prefetched {tile.l2_ahead} k-tiles ahead"}
     return "".join(f", {text}" for key, text in notes.items() if getattr(tile, key) != getattr(WgmmaTile, key))
 
 

@@ -36,9 +36,9 @@ SPIN_WAIT_SRC = ('__device__ __forceinline__ void tvmfuse_mbar_spin(void* bar, i
                  ': "memory"); }')
 
 #: prefetch a box of a 2-D tensor map into L2 (`WgmmaTile.l2_ahead`): no shared memory, no barrier
-PREFETCH_L2_SRC = ('__device__ __forceinline__ void tvmfuse_prefetch_l2(unsigned long long map, int c0, int c1) { asm volatile('
-                   '"cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" :: "l"(map), "r"(c0), "r"(c1) '
-                   ': "memory"); }')
+PREFETCH_L2_SRC = ('__device__ __forceinline__ void tvmfuse_prefetch_l2(unsigned long long map, int c0, int c1) { '
+                   'asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" :: "l"(map), '
+                   '"r"(c0), "r"(c1) : "memory"); }')
 
 #: registers per thread with `WgmmaTile.setmaxnreg`: the loading warpgroup drops to LOADER_REGS and the computing ones
 #: rise to CONSUMER_REGS (CUTLASS's split: 128 x 40 + 256 x 232 of the SM's 65536)
