@@ -57,8 +57,8 @@ PREFILL_CASES = [  # the GPT-2, BERT, Llama-2-7B and Llama-3-8B prefill projecti
                     (4096, 4096, False), (4096, 11008, False), (11008, 4096, False), (4096, 256, False),
                     (4096, 1024, False), (4096, 2048, False), (4096, 14336, False), (14336, 4096, False))
     if not (m == 2048 and n == 256)]  # Llama-3-8B: K and V 1024 wide each (2048 merged), gate / up 14336
-PREFILL_TILES = ("128x256x4", "128x192x4", "128x176x4", "128x160x4", "128x144x4", "128x128x4", "64x256x4",
-                 "64x192x4", "64x128x6", "64x64x8", "128x64x6", "192x192x4r")  # bm x bn x stages
+PREFILL_TILES = ("128x256x4", "128x192x4", "128x176x4", "128x168x5sr", "128x160x4", "128x144x4", "128x128x4",
+                 "64x256x4", "64x192x4", "64x128x6", "64x64x8", "128x64x6", "192x192x4r")  # bm x bn x stages
 
 
 def _tile(kernel, spec):

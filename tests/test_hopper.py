@@ -117,6 +117,8 @@ def test_tile_choice_and_shape_checks():
     assert "three computing warpgroups" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, 192, dual=True))
     assert "three computing warpgroups" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 3, 192))
     assert "unsupported tile" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, 256))
+    assert "unsupported tile" in check_wgmma_shape(512, 512, 512, WgmmaTile(164, 4))  # N of wgmma: steps of 8
+    assert check_wgmma_shape(512, 11008, 4096, WgmmaTile(168, 5)) is None  # 4 x 66 = 264 tiles: two full waves
     assert check_wgmma_shape(512, 512, 512, WgmmaTile(192, 4, 192, setmaxnreg=True)) is None
     assert [consumer_regs(c) for c in (2, 3)] == [232, 152]  # 128 x 40 + 128 x c x regs <= 65536
     assert "shared memory" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 8))
@@ -651,6 +653,8 @@ WGMMA_VARIANTS = [
      ("(empty_ptr[0]))), (uint)2);", "tvmfuse_bar_sync("), ("(empty_ptr[0]))), (uint)8);", "multicast")),
     # B prefetched into L2 four k-tiles ahead of the ring's loads (with 16 k-tiles: some past the end, skipped);
     # the early weights need the dependent launch's wait to move past (test_dependent_launch.py checks where)
+    # 168 columns (cuBLAS's tile at 512x4096 @ 11008: 264 tiles, two full waves), m64n168k16
+    (WgmmaTile(168, 5, stepped_desc=True, setmaxnreg=True), ("m64n168k16.f32.f16.f16",), ("multicast",)),
     (WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True, early_weights=True, l2_ahead=4),
      ("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];", "for (int j = 6; j < 10; ++j)",
       "if (kt < 12)"), ("multicast",)),

@@ -94,7 +94,7 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"M={m} is below one {tile.bm}-row tile (small M: the GEMV schedules)"
     if k % 8:
         return f"K={k} is not a multiple of 8 (TMA needs 16-byte row strides)"
-    if tile.bm not in (64, 128, 192) or tile.bn % 16 or not 64 <= tile.bn <= 256 or tile.stages < 2:
+    if tile.bm not in (64, 128, 192) or tile.bn % 8 or not 64 <= tile.bn <= 256 or tile.stages < 2:
         return f"unsupported tile {tile}"
     if tile.inflight not in (0, 1) or (tile.dual and tile.inflight):
         return f"unsupported tile {tile}: inflight 0 or 1, and 0 with two accumulator sets (they keep one in flight)"
