@@ -40,7 +40,8 @@ def spying(modules: dict, seen: dict):
 DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for the kernels' dependent launch
 GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx kernels keep theirs)
 EARLY_WEIGHTS = "early_weights"  # one for the GEMMs' weight loads before their wait (off by default: see models.py)
-SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS)
+UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
+SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, UNTUNED)
 
 
 def unknown_names(names) -> list[str]:
@@ -141,14 +142,18 @@ def build(name: str, case: str, opts: dict, path: str, exported: dict) -> dict:
     if opts["graph"]:
         info["tvmfuse_cuda_graph"] = _graph_build(mod, target, tv, os.path.join(folder, "cuda_graph.so"))
     if opts.get("before"):  # the same export built again without these templates: the "before" of the pair
-        left_out = tuple(opts.get("without_templates", ())) + tuple(opts["before"])
-        before, before_mod, _ = _product(name, case, opts, path, os.path.join(folder, "before"), target, left_out)
+        left_out = tuple(opts.get("without_templates", ())) + tuple(n for n in opts["before"] if n != UNTUNED)
+        before_opts = opts if UNTUNED not in opts["before"] else dict(  # --trials 0, as a user's build without tuning
+            opts, trials=0, logs=os.path.join(folder, "before", "logs"))
+        before, before_mod, _ = _product(name, case, before_opts, path, os.path.join(folder, "before"), target,
+                                         left_out)
         if opts["graph"]:  # measure its CUDA-graph library, as tvmfuse_cuda_graph (compiled as it was built)
             with without_templates(left_out):
                 graph = _graph_build(before_mod, target, before, os.path.join(folder, "before", "cuda_graph.so"))
             before.update(library=graph["library"], graph_captures=graph["graph_captures"])
             before.pop("export", None)
-        info["tvmfuse_before"] = dict(before, without_templates=list(left_out))
+        info["tvmfuse_before"] = dict(before, without_templates=list(left_out),
+                                      changed_kernels=changed_kernels(tv, before))
     if opts["default"]:  # stock TVM on run_job's own import and precision conversion: no patterns, dlight
         if "to_compute_dtype" not in seen:
             raise RuntimeError("run_job no longer calls prepare.to_compute_dtype: bench/model_builds.py needs updating")
@@ -163,9 +168,17 @@ def build(name: str, case: str, opts: dict, path: str, exported: dict) -> dict:
     return info
 
 
+def changed_kernels(after: dict, before: dict) -> list[str]:
+    """The kernels of two product builds (their manifests' `schedules`) whose schedule or kernel differ, or that one
+    of them lacks: what a tuned build changed against an untuned one (`--before untuned`)."""
+    a, b = after.get("schedules", {}), before.get("schedules", {})
+    pick = lambda s: s and (s["schedule"], s.get("kernel"))  # noqa: E731
+    return sorted(k for k in set(a) | set(b) if pick(a.get(k)) != pick(b.get(k)))
+
+
 def _product(name: str, case: str, opts: dict, path: str, folder: str, target, left_out: tuple) -> tuple:
     """One `pipeline.run_job` build without the templates `left_out`: (its row's build info, the module it compiled,
-    what the spies saw)."""
+    what the spies saw). Its tuning database is `opts["logs"]`, else the work folder's `logs`."""
     from tvmfuse import pipeline, prepare
     from tvmfuse.build import compile_module
     from tvmfuse.fuse.fusion import called_prim_funcs, launches
@@ -177,8 +190,8 @@ def _product(name: str, case: str, opts: dict, path: str, folder: str, target, l
     t = time.time()
     with spying({prepare: ("to_compute_dtype",), pipeline: ("compile_module", "tune")}, {}) as seen, \
             without_templates(left_out):
-        result = pipeline.run_job(job, target, os.path.join(folder, "export"), os.path.join(opts["work"], "logs"),
-                                  say=lines.append)
+        result = pipeline.run_job(job, target, os.path.join(folder, "export"),
+                                  opts.get("logs") or os.path.join(opts["work"], "logs"), say=lines.append)
     if "compile_module" not in seen:
         raise RuntimeError(f"run_job built nothing: {result.error}\n" + "\n".join(lines[-20:]))
     mod = seen["compile_module"]

@@ -232,7 +232,8 @@ def main(argv=None) -> dict:
                    "on CUDA): a before/after pair in one run, e.g. --before attention_prefill_wgmma; also "
                    "dependent_launch (none launched dependent), generic_waits (only the TIRx kernels) and "
                    "early_weights (the GEMMs' weights loaded before their wait, off by default: on in the "
-                   "other build)")
+                   "other build); untuned: built with --trials 0 (with --trials N: what tuning bought, and "
+                   "changed_kernels)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)
     if args.chart:

@@ -148,8 +148,33 @@ def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table or "
-                        "one of dependent_launch, generic_waits, early_weights)"), err
+                        "one of dependent_launch, generic_waits, early_weights, untuned)"), err
     assert not (tmp_path / "o").exists()
+
+
+def test_before_untuned_builds_the_export_again_with_no_trials_and_its_own_database(tmp_path, monkeypatch):
+    """`--trials N --before untuned` (issue 26: one model with --trials 0 and --trials N in one run): the before
+    build is the same export at --trials 0 with an empty tuning database of its own (the tuned records would
+    otherwise reach it), every template kept; the row says which kernels the tuned build changed."""
+    from bench import model_builds
+
+    calls = []
+
+    def product(name, case, opts, path, folder, target, left_out):
+        calls.append((opts["trials"], opts.get("logs"), left_out))
+        kernel = "wgmma 512x4096x4096, tile 128x128" + ("" if opts["trials"] == 0 else ", 6 stages")
+        return {"schedules": {"gemm": {"schedule": "wgmma (TIRx kernel)", "kernel": kernel},
+                              "norm": {"schedule": "row (TIRx kernel)", "kernel": "row"}}}, None, {}
+
+    monkeypatch.setattr(model_builds, "_product", product)
+    opts = {"work": str(tmp_path), "target": "llvm", "graph": False, "default": False, "dtype": "float16",
+            "trials": 8, "before": ["untuned", "attention_prefill"]}
+    info = model_builds.build("llama", "prefill_512", opts, "m.onnx", {})
+    (tuned, untuned) = calls
+    assert tuned == (8, None, ()) and untuned[0] == 0 and untuned[2] == ("attention_prefill",)
+    assert untuned[1].startswith(str(tmp_path)) and untuned[1] != os.path.join(str(tmp_path), "logs")
+    assert info["tvmfuse_before"]["changed_kernels"] == ["gemm"]
+    assert model_builds.changed_kernels({"schedules": {"a": {"schedule": "x"}}}, {}) == ["a"]
 
 
 def test_before_builds_each_case_again_without_the_templates_from_the_same_export(tmp_path):
