@@ -62,25 +62,19 @@ def without_templates(names: tuple[str, ...]):
     EARLY_WEIGHTS: no GEMM loads its weights before its wait (`bench/models.py --before early_weights` turns them
     on for the other build)."""
     from tvmfuse.build import dependent_launch as launch_pass
-    from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH, dependent_launch_off
+    from tvmfuse.kernels.dependent_launch import dependent_launch_off, early_weights_off
     from tvmfuse.kernels.table import TABLE
 
-    saved, generic, early = dict(TABLE), launch_pass.GENERIC_WAITS, os.environ.get(EARLY_WEIGHTS_SWITCH)
+    saved, generic = dict(TABLE), launch_pass.GENERIC_WAITS
     for key, entry in saved.items():
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
     launch_pass.GENERIC_WAITS = generic and GENERIC_WAITS not in names
-    if EARLY_WEIGHTS in names:
-        os.environ[EARLY_WEIGHTS_SWITCH] = "0"
     try:
-        with dependent_launch_off(DEPENDENT_LAUNCH in names):
+        with dependent_launch_off(DEPENDENT_LAUNCH in names), early_weights_off(EARLY_WEIGHTS in names):
             yield
     finally:
         TABLE.update(saved)
         launch_pass.GENERIC_WAITS = generic
-        if early is None:
-            os.environ.pop(EARLY_WEIGHTS_SWITCH, None)
-        else:
-            os.environ[EARLY_WEIGHTS_SWITCH] = early
 
 
 def case_dir(name: str, case: str, dtype: str) -> str:

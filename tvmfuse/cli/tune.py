@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", action="store_true",
                    help="cuda: capture each static run of kernel launches as a CUDA graph (TVM's RewriteCUDAGraph); "
                         "cuts launch overhead at decode sizes; symbolic-shape regions stay launches")
-    p.add_argument("--weights", choices=WEIGHT_PLACEMENTS, metavar="{auto,external,library}",
+    p.add_argument("--weights", choices=WEIGHT_PLACEMENTS, default="auto", metavar="{auto,external,library}",
                    help="where the export keeps the weights: auto (default) puts them in weights/ beside model.so for "
                         "models stored as ONNX external data or of 1 GiB or more and in model.so otherwise; external "
                         "always beside it, library always in it (under 2 GiB); a jobs file's weights wins")
@@ -80,12 +80,12 @@ def collect_jobs(args: argparse.Namespace) -> list[Job]:
     tolerance = parse_tolerance(args.tolerance) if args.tolerance is not None else None
     jobs = [job_from_path(m, shapes, args.trials, dtype) for m in args.models]
     for job in jobs:
-        job.io_dtype, job.tolerance, job.weights = io_dtype, tolerance, args.weights or "auto"
+        job.io_dtype, job.tolerance, job.weights = io_dtype, tolerance, args.weights
     if args.jobs:
-        jobs += load_jobs(args.jobs, args.trials, dtype, io_dtype, tolerance, args.weights or "auto")
+        jobs += load_jobs(args.jobs, args.trials, dtype, io_dtype, tolerance, args.weights)
     if not jobs:
         jobs = [Job(name="tiny-block", path=None, shapes=shapes, trials=args.trials, dtype=dtype, io_dtype=io_dtype,
-                    tolerance=tolerance, weights=args.weights or "auto")]
+                    tolerance=tolerance, weights=args.weights)]
     buckets = parse_buckets(args.buckets)
     for job in jobs:  # a jobs file's own buckets win
         job.buckets = job.buckets or dict(buckets)

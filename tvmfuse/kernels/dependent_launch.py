@@ -37,16 +37,27 @@ def release_late() -> bool:
 
 
 @contextlib.contextmanager
-def dependent_launch_off(off: bool = True):
-    """With `off`, SWITCH at 0 while the block runs and as it was after (a job built with --no-dependent-launch);
-    otherwise nothing changes."""
-    before = os.environ.get(SWITCH)
+def _switched_off(name: str, off: bool):
+    """With `off`, environment switch `name` at 0 while the block runs and as it was after; otherwise nothing
+    changes."""
+    before = os.environ.get(name)
     if off:
-        os.environ[SWITCH] = "0"
+        os.environ[name] = "0"
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(SWITCH, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[SWITCH] = before
+            os.environ[name] = before
+
+
+def dependent_launch_off(off: bool = True):
+    """With `off`, SWITCH at 0 while the block runs and as it was after (a job built with --no-dependent-launch);
+    otherwise nothing changes."""
+    return _switched_off(SWITCH, off)
+
+
+def early_weights_off(off: bool = True):
+    """With `off`, EARLY_WEIGHTS_SWITCH at 0 while the block runs and as it was after; otherwise nothing changes."""
+    return _switched_off(EARLY_WEIGHTS_SWITCH, off)

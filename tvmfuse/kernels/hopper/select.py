@@ -115,25 +115,20 @@ def weight_params(mod: tvm.IRModule) -> dict[str, set[int]]:
     parameters that every call fills with a constant (a bound weight, which no kernel writes)."""
     seen: dict[str, set[int]] = {}
     for func in mod.functions.values():
-        if not isinstance(func, relax.Function):
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
             continue
-        consts = set()
-
-        def visit(expr):
-            if isinstance(expr, relax.VarBinding) and isinstance(expr.value, tvm.ir.GenericConst):
-                consts.add(expr.var)
-            call = expr.value if isinstance(expr, relax.VarBinding) else None
+        consts = set()  # the function's variables bound to a constant
+        for binding in (b for block in func.body.blocks for b in block.bindings):
+            call = binding.value
+            if isinstance(call, tvm.ir.GenericConst):
+                consts.add(binding.var)
             if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
                     and call.op.name in ("relax.call_tir", "relax.call_tir_inplace")):
-                return
+                continue
             args = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
             here = {i for i, a in enumerate(args) if isinstance(a, tvm.ir.GenericConst) or a in consts}
             name = call.args[0].name_hint
             seen[name] = seen[name] & here if name in seen else here
-
-        for block in func.body.blocks if isinstance(func.body, relax.SeqExpr) else []:
-            for binding in block.bindings:
-                visit(binding)
     return seen
 
 
@@ -150,9 +145,10 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
     m, n, k = info["m"], info["n"], info["k"]
     if m == 1:  # measured in the models (decode b1); this kernel at M = 1 only alone (smallm_tc_run1.json)
         return None, f"1x{n}x{k}: M=1 stays with the GEMV schedule"
+    early = early_weights() and next(i for i, p in enumerate(func.params) if p.same_as(info["b"])) in weights
     if m <= MAX_M:
         small = tile or choose_smallm_tile(m, n, k)
-        if early_weights() and _b_at(func, info) in weights:
+        if early:
             small = replace(small, early_weights=True)
         why = check_smallm_shape(m, n, k, small)
         unroll = f", unroll {small.unroll}" if small.unroll != 4 else ""
@@ -161,8 +157,7 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
                 + (", weights prefetched before the wait" if small.early_weights else ""))
     else:
         tile = tile or choose_tile(m, n, k)
-        if (tile and early_weights() and _b_at(func, info) in weights and not tile.persistent
-                and tile.cluster == 1):
+        if tile and early and not tile.persistent and tile.cluster == 1:
             tile = replace(tile, early_weights=True)
         why = check_wgmma_shape(m, n, k, tile or WgmmaTile())
         make = wgmma_kernel
@@ -180,11 +175,6 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
     except ValueError as err:
         return None, str(err)
     return make(m, n, k, tile, a, b, out, finish, place, list(fresh.values()), name, setup=setup), desc
-
-
-def _b_at(func: tirx.PrimFunc, info: dict) -> int:
-    """The position of the GEMM's B operand among `func`'s parameters."""
-    return next(i for i, p in enumerate(func.params) if p.same_as(info["b"]))
 
 
 def _knob_notes(tile: WgmmaTile) -> str:

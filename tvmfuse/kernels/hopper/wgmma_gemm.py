@@ -174,19 +174,18 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         alone (the stage's bytes expected), "a": then its A."""
         if part != "a":
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[(g0 + kt) % stages]), T.uint32(stage_bytes))
-        if part == "b":
-            T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
-        elif part == "a":
-            T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
-        elif share_a:  # this CTA's half of the A tile, to the same place in both CTAs; B whole, its own
+        if share_a:  # this CTA's half of the A tile, to the same place in both CTAs; B whole, its own (a stage loaded
+            # in parts, `early_weights`, takes no cluster: check_wgmma_shape)
             T.ptx[multicast](T.address_of(As[(g0 + kt) % stages, rank * half * bk]), T.address_of(a_map), kt * bk, by * bm + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
             T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
         elif cluster == 2:  # A whole, its own; this CTA's half of the B tile, to the same place in both CTAs
             T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
             T.ptx[multicast](T.address_of(Bs[(g0 + kt) % stages, rank * half * bk]), T.address_of(b_map), kt * bk, bx * bn + rank * half, T.address_of(full[(g0 + kt) % stages]), T.uint16(3))
         else:
-            T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
-            T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
+            if part != "b":
+                T.ptx[tma](T.address_of(As[(g0 + kt) % stages, 0]), T.address_of(a_map), kt * bk, by * bm, T.address_of(full[(g0 + kt) % stages]))
+            if part != "a":
+                T.ptx[tma](T.address_of(Bs[(g0 + kt) % stages, 0]), T.address_of(b_map), kt * bk, bx * bn, T.address_of(full[(g0 + kt) % stages]))
 
     @T.macro
     def load_tile(bx, by, g0, As, Bs, full, empty, a_map, b_map, rank):
