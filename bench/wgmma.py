@@ -11,7 +11,7 @@ encoded once a k-tile and stepped, `p` for persistent CTAs, `r` for setmaxnreg, 
 suspend-time hint), `e` for one stage release a warpgroup, `b` for the first B k-tiles loaded before the dependency
 wait (no effect alone: nothing launches it dependent), `fF` for B prefetched into L2 F k-tiles ahead, `gG` for
 groups of G row tiles; (smallm) `n8 x warps x
-vec x unroll`; diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no wgmma.
+vec x unroll [x stages]` (stages: the cp.async ring, `SmallMTile.stages`); diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no wgmma.
 Each case also records the kernels torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of 32 MiB
 or less stay in the H200's L2 between timed runs (time_evaluator), so those cases time L2-resident weights, torch's
 too; `--cold` times every kernel and torch over copies of the weight that together exceed L2 three times, each call
@@ -41,10 +41,13 @@ SMALL_CASES = [  # name, M, K, N, bias + GELU: the issue-5 GEMV, Llama and GPT-2
     ("m16_k4096_n4096", 16, 4096, 4096, False),
     ("m16_k11008_n4096", 16, 11008, 4096, False),
     ("m16_k4096_n22016", 16, 4096, 22016, False),
+    ("m16_k4096_n12288", 16, 4096, 12288, False),  # Llama-2-7B's Q, K and V as one GEMM
     ("m16_k768_n3072_bias_gelu", 16, 768, 3072, True),
     ("m16_k3072_n768", 16, 3072, 768, False),
     ("m1_k4096_n11008_bias_gelu", 1, 4096, 11008, True),
     ("m1_k4096_n4096", 1, 4096, 4096, False),
+    ("m1_k4096_n12288", 1, 4096, 12288, False),
+    ("m1_k11008_n4096", 1, 11008, 4096, False),
     ("m4_k4096_n11008_bias_gelu", 4, 4096, 11008, True),
     ("m64_k4096_n11008_bias_gelu", 64, 4096, 11008, True),
 ]

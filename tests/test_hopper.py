@@ -311,6 +311,59 @@ def test_small_m_kernel_matches_numpy_on_the_gpu(rows, batch, k, n):
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
+def test_small_m_ring_copies_the_weights_asynchronously_stages_ahead():
+    """`SmallMTile.stages` = 4: each lane's weight loads of a round become cp.async copies into its slots of a
+    shared-memory ring (the first three rounds before the loop), the loop waits until at most three groups are in
+    flight and reads its round back with ld.shared; no weight goes straight to registers. It compiles for sm_90a.
+    Without stages the CUDA keeps its register loads (the default)."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
+    from tvmfuse.kernels.hopper.mma_smallm import make_smallm_gemm, ring_bytes
+
+    tile = SmallMTile(n8=2, warps=16, vec=1, unroll=2, stages=4)
+    assert ring_bytes(tile) == 4 * 16 * 4 * 512 and check_smallm_shape(16, 4096, 4096, tile) is None
+    target = hopper_target()
+    (src,) = cuda_sources(tvm.compile(tvm.IRModule({"main": make_smallm_gemm(16, 4096, 4096, tile)}), target=target,
+                                      tir_pipeline="tirx"))
+    kernel = src.split("__global__")[-1]
+    loads = tile.unroll * tile.n8 * tile.vec
+    assert kernel.count("tvmfuse_cp_async16(") == loads * tile.stages  # three rounds ahead, one in the loop
+    assert kernel.count("tvmfuse_cp_async_commit()") == tile.stages + 1  # the loop's own, issued or empty
+    assert "tvmfuse_cp_async_wait3()" in kernel and kernel.count("tvmfuse_lds16(") == loads
+    assert "cp.async.cg.shared.global" in src and "tvmfuse_ld_stream(" not in kernel
+    assert "sm_90a" in str(target.attrs["arch"]) and len(_nvcc_fatbin(src, target)) > 1000
+    plain = make_smallm_gemm(16, 4096, 4096, SmallMTile(n8=2, warps=16, vec=1, unroll=2))
+    (src,) = cuda_sources(tvm.compile(tvm.IRModule({"main": plain}), target=target, tir_pipeline="tirx"))
+    assert "tvmfuse_cp_async16(" not in src.split("__global__")[-1] and "tvmfuse_ld_stream(" in src
+
+
+@pytest.mark.parametrize("stages,why", [(1, "unsupported"), (9, "unsupported"), (8, "ring of")])
+def test_small_m_ring_takes_two_to_eight_stages_that_fit_shared_memory(stages, why):
+    assert why in check_smallm_shape(16, 4096, 4096, SmallMTile(n8=4, warps=16, vec=1, unroll=4, stages=stages))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,tile", [(16, 1000, 1024, (2, 16, 1, 2, 4)), (3, 1001, 200, (1, 4, 2, 2, 3)),
+                                        (1, 384, 4104, (4, 8, 1, 4, 2)), (16, 4096, 4096, (2, 8, 1, 2, 3)),
+                                        (16, 4096, 11008, (2, 16, 1, 2, 4))])
+def test_small_m_ring_matches_numpy_on_the_gpu(m, n, k, tile):
+    """The ring (cp.async stages ahead) computing gelu(x @ w^T + b): one round (the empty commits), more rounds
+    than stages (each slot reused: 5, 8 and 11 rounds), K not a multiple of the chunks (zero-filled copies past K:
+    200, 4104, 11008), ragged N."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
+    from tvmfuse.kernels.hopper.mma_smallm import make_smallm_gemm
+
+    lib = tvm.compile(tvm.IRModule({"main": make_smallm_gemm(m, n, k, SmallMTile(*tile), "bias_gelu")}),
+                      target=hopper_target(), tir_pipeline="tirx")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((m, k)).astype("float16")
+    w = (rng.standard_normal((n, k)) * 0.05).astype("float16")
+    b = (rng.standard_normal(n) * 0.1).astype("float16")
+    dev = tvm.cuda(0)
+    out = tvm.runtime.empty((m, n), "float16", dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
+    np.testing.assert_allclose(out.numpy().astype("float32"), _bf16_gelu_reference(x, w, b), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("tiles_m,tiles_n,group", [(4, 63, 1), (4, 63, 4), (16, 43, 8), (5, 7, 2), (3, 5, 8)])
 def test_cta_order_covers_every_tile_once_rows_fastest_in_groups(tiles_m, tiles_n, group):
     group = min(group, tiles_m)  # as wgmma_kernel clamps it

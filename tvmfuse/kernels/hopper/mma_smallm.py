@@ -38,6 +38,28 @@ def mma_helper(dtype: str) -> tuple[str, str]:
 
 
 MAX_M = 64
+MAX_RING_BYTES = 160 << 10  # of the H100's 227 KB of shared memory a block, the warps' partial sums beside it
+#: 16-byte asynchronous copy global -> shared (cached in L2 only: the weight is read once); `bytes` 0 fills zeros
+CP_ASYNC_SRC = ("__device__ __forceinline__ void tvmfuse_cp_async16(void* dst, const void* src, unsigned bytes) { "
+                "unsigned s = (unsigned)__cvta_generic_to_shared(dst); asm volatile(\"cp.async.cg.shared.global "
+                "[%0], [%1], 16, %2;\" :: \"r\"(s), \"l\"(src), \"r\"(bytes) : \"memory\"); }")
+COMMIT_SRC = ("__device__ __forceinline__ void tvmfuse_cp_async_commit() { "
+              "asm volatile(\"cp.async.commit_group;\" ::: \"memory\"); }")
+LDS_SRC = ("__device__ __forceinline__ void tvmfuse_lds16(const void* p, unsigned& a, unsigned& b, unsigned& c, "
+           "unsigned& d) { unsigned s = (unsigned)__cvta_generic_to_shared(p); asm volatile(\"ld.shared.v4.u32 "
+           "{%0,%1,%2,%3}, [%4];\" : \"=r\"(a), \"=r\"(b), \"=r\"(c), \"=r\"(d) : \"r\"(s) : \"memory\"); }")
+
+
+def wait_src(pending: int) -> tuple[str, str]:
+    """(name, source) of the helper that waits until at most `pending` committed copy groups are in flight."""
+    name = f"tvmfuse_cp_async_wait{pending}"
+    return name, (f"__device__ __forceinline__ void {name}() {{ "
+                  f"asm volatile(\"cp.async.wait_group {pending};\" ::: \"memory\"); }}")
+
+
+def ring_bytes(tile) -> int:
+    """Shared memory the weight ring of `tile` takes: per stage, per warp, its loads of a round (16 bytes a lane)."""
+    return tile.stages * tile.warps * tile.unroll * tile.n8 * tile.vec * 32 * 16
 
 
 @dataclass(frozen=True)
@@ -49,6 +71,10 @@ class SmallMTile:
     warps: int = 8
     vec: int = 1
     unroll: int = 4
+    #: 0: each round's weights are loaded straight into registers (ptxas keeps two or three loads a warp in flight);
+    #: S >= 2: each lane copies them asynchronously (`cp.async`, no registers held) into its own slots of a
+    #: shared-memory ring of S rounds, issued S - 1 rounds ahead of the mma that reads them
+    stages: int = 0
     #: before waiting for the kernel before (programmatic dependent launch), the block prefetches the first
     #: EARLY_BYTES of each of its weight rows into L2, so the weights stream from HBM while that kernel ends; only
     #: where the weight is one no kernel writes (`select.weight_params`; chosen with
@@ -66,8 +92,11 @@ def check_smallm_shape(m: int, n: int, k: int, tile: SmallMTile) -> str | None:
         return f"M={m} is not in 1..{MAX_M}"
     if k % 8:
         return f"K={k} is not a multiple of 8 (16-byte loads of each row)"
-    if tile.n8 < 1 or tile.warps < 1 or tile.vec not in (1, 2) or tile.unroll < 1:
+    if tile.n8 < 1 or tile.warps < 1 or tile.vec not in (1, 2) or tile.unroll < 1 or tile.stages == 1 or not (
+            0 <= tile.stages <= 8):
         return f"unsupported tile {tile}"
+    if ring_bytes(tile) > MAX_RING_BYTES:
+        return f"tile {tile}: a ring of {ring_bytes(tile)} bytes (at most {MAX_RING_BYTES})"
     return None
 
 
@@ -102,7 +131,33 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     pdl = dependent_launch()  # kernels.dependent_launch
     early = pdl and tile.early_weights
     early_bytes = min(EARLY_BYTES, k * 2 // 16 * 16)  # of each weight row (K contiguous 2-byte values)
+    stages = tile.stages
+    ringed = stages > 0  # a Python bool: TIRx's parser takes it as a static condition
+    loads = unroll * n8 * vec  # a lane's 16-byte weight loads a round
+    ring_words = stages * warps * loads * 32 * 4  # beside the partial sums, in the one dynamic allocation
+    wait_name, wait_code = wait_src(max(stages - 1, 0))
+
+    def slot(stage, warp, u, t, v, lane):  # the first of the 4 words a lane's load (u, t, v) of a stage fills
+        return (((((stage * warps + warp) * unroll + u) * n8 + t) * vec + v) * 32 + lane) * 4
+
     # fmt: off
+    @T.macro
+    def issue_round(ring, rr, bid, warp, lane):
+        """Round rr's weights: each lane's `loads` 16-byte copies into its slots of stage rr % stages."""
+        for u in T.unroll(unroll):
+            for t in T.unroll(n8):
+                for v in T.unroll(vec):
+                    kk = T.meta_var(((rr * unroll + u) * warps + warp) * chunk + (lane % 4) * 8 * vec + v * 8)
+                    col = T.meta_var(T.min(bid * tile.bn + t * 8 + lane // 4, n - 1))
+                    dst = T.meta_var(T.address_of(ring[slot(rr % stages, warp, u, t, v, lane)]))
+                    if guard:
+                        T.cuda.func_call("tvmfuse_cp_async16", dst, T.address_of(B[col, T.min(kk, k - 8)]),
+                                         T.Select(kk < k, T.uint32(16), T.uint32(0)), source_code=CP_ASYNC_SRC)
+                    else:
+                        T.cuda.func_call("tvmfuse_cp_async16", dst, T.address_of(B[col, kk]), T.uint32(16),
+                                         source_code=CP_ASYNC_SRC)
+        T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
+
     @T.prim_func(check_well_formed=False)
     def gemm():
         T.device_entry()
@@ -110,7 +165,9 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         bid = T.cta_id([-(-n // tile.bn)])
         tx = T.thread_id([threads])
         A2 = T.decl_buffer((m, k), dt, data=A.data)
-        red = T.alloc_buffer((warps * per_warp,), "float32", scope="shared.dyn")
+        red = T.alloc_buffer((warps * per_warp + ring_words,), "float32", scope="shared.dyn")  # the sums, the ring
+        ring = T.decl_buffer((max(ring_words, 4),), "uint32", data=red.data, elem_offset=warps * per_warp,
+                             scope="shared.dyn")
         wreg = T.alloc_local((unroll * n8 * vec * 4,), "uint32")
         areg = T.alloc_local((mt * 2 * vec * 4,), "uint32")
         acc = T.alloc_local((mt * n8 * 4,), "float32")
@@ -126,21 +183,40 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
             T.ptx.griddepcontrol.launch_dependents()
         for i in T.unroll(mt * n8 * 4):
             acc[i] = T.float32(0)
+        if ringed:  # the ring's first stages - 1 rounds in flight
+            for p in T.unroll(stages - 1):
+                if p < rounds:
+                    issue_round(ring, p, bid, warp, lane)
+                else:
+                    T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
         for r in T.serial(rounds):
-            for u in T.unroll(unroll):  # the weights of `unroll` chunks in flight at once
-                for t in T.unroll(n8):
-                    for v in T.unroll(vec):
-                        kk = T.meta_var(((r * unroll + u) * warps + warp) * chunk + (lane % 4) * 8 * vec + v * 8)
-                        col = T.meta_var(T.min(bid * tile.bn + t * 8 + lane // 4, n - 1))
-                        ws = T.meta_var([wreg[((u * n8 + t) * vec + v) * 4 + j] for j in range(4)])
-                        if guard:
-                            if kk < k:
-                                T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws, source_code=STREAM_SRC)
+            if ringed:  # round r + stages - 1 issued, then round r's copies waited for and read back
+                if r + stages - 1 < rounds:
+                    issue_round(ring, r + stages - 1, bid, warp, lane)
+                else:
+                    T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
+                T.cuda.func_call(wait_name, source_code=wait_code)
+                for u in T.unroll(unroll):
+                    for t in T.unroll(n8):
+                        for v in T.unroll(vec):
+                            T.cuda.func_call("tvmfuse_lds16", T.address_of(ring[slot(r % stages, warp, u, t, v, lane)]),
+                                             *[wreg[((u * n8 + t) * vec + v) * 4 + j] for j in range(4)],
+                                             source_code=LDS_SRC)
+            else:
+                for u in T.unroll(unroll):  # the weights of `unroll` chunks in flight at once
+                    for t in T.unroll(n8):
+                        for v in T.unroll(vec):
+                            kk = T.meta_var(((r * unroll + u) * warps + warp) * chunk + (lane % 4) * 8 * vec + v * 8)
+                            col = T.meta_var(T.min(bid * tile.bn + t * 8 + lane // 4, n - 1))
+                            ws = T.meta_var([wreg[((u * n8 + t) * vec + v) * 4 + j] for j in range(4)])
+                            if guard:
+                                if kk < k:
+                                    T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws, source_code=STREAM_SRC)
+                                else:
+                                    for j in T.unroll(4):
+                                        wreg[((u * n8 + t) * vec + v) * 4 + j] = T.uint32(0)
                             else:
-                                for j in T.unroll(4):
-                                    wreg[((u * n8 + t) * vec + v) * 4 + j] = T.uint32(0)
-                        else:
-                            T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws, source_code=STREAM_SRC)
+                                T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws, source_code=STREAM_SRC)
             for u in T.unroll(unroll):
                 for i in T.unroll(mt):
                     for h in T.unroll(2):
