@@ -40,8 +40,9 @@ def spying(modules: dict, seen: dict):
 DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for the kernels' dependent launch
 GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx kernels keep theirs)
 EARLY_WEIGHTS = "early_weights"  # one for the GEMMs' weight loads before their wait (off by default: see models.py)
+SMALLM_RING = "smallm_ring"  # one for the small-M GEMMs' weight ring (off by default: see models.py)
 UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
-SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, UNTUNED)
+SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, UNTUNED)
 
 
 def unknown_names(names) -> list[str]:
@@ -60,9 +61,10 @@ def without_templates(names: tuple[str, ...]):
     kernels are built without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and
     without it from one export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays);
     EARLY_WEIGHTS: no GEMM loads its weights before its wait (`bench/models.py --before early_weights` turns them
-    on for the other build)."""
+    on for the other build); SMALLM_RING: no small-M GEMM takes a weight ring (`--before smallm_ring`)."""
     from tvmfuse.build import dependent_launch as launch_pass
-    from tvmfuse.kernels.dependent_launch import dependent_launch_off, early_weights_off
+    from tvmfuse.kernels.dependent_launch import dependent_launch_off, early_weights_off, switched_off
+    from tvmfuse.kernels.hopper.mma_smallm import RING_SWITCH
     from tvmfuse.kernels.table import TABLE
 
     saved, generic = dict(TABLE), launch_pass.GENERIC_WAITS
@@ -70,7 +72,8 @@ def without_templates(names: tuple[str, ...]):
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
     launch_pass.GENERIC_WAITS = generic and GENERIC_WAITS not in names
     try:
-        with dependent_launch_off(DEPENDENT_LAUNCH in names), early_weights_off(EARLY_WEIGHTS in names):
+        with dependent_launch_off(DEPENDENT_LAUNCH in names), early_weights_off(EARLY_WEIGHTS in names), \
+                switched_off(RING_SWITCH, SMALLM_RING in names):
             yield
     finally:
         TABLE.update(saved)

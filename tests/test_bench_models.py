@@ -127,6 +127,18 @@ def test_without_early_weights_turns_the_switch_off_and_restores_it(before, monk
     assert os.environ.get(EARLY_WEIGHTS_SWITCH) == before and early_weights() is (before == "1")
 
 
+def test_without_the_smallm_ring_the_rules_tiles_take_none_and_the_switch_is_restored(monkeypatch):
+    """`--before smallm_ring`: the before build's small-M tiles have no ring; the switch is as it was after."""
+    from bench.model_builds import SMALLM_RING, without_templates
+    from tvmfuse.kernels.hopper.mma_smallm import RING_SWITCH
+    from tvmfuse.kernels.hopper.select import choose_smallm_tile
+
+    monkeypatch.setenv(RING_SWITCH, "4")
+    with without_templates((SMALLM_RING,)):
+        assert choose_smallm_tile(16, 4096, 4096).stages == 0
+    assert os.environ[RING_SWITCH] == "4" and choose_smallm_tile(16, 4096, 4096).stages == 4
+
+
 def test_without_generic_waits_only_the_kernels_that_wait_themselves_are_launched_dependent(monkeypatch):
     """`--before generic_waits`: a generic kernel gets no wait (nor the launch tag), a TIRx kernel that waits keeps
     its tag; after the block the generic kernels wait again."""
@@ -148,7 +160,7 @@ def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table or "
-                        "one of dependent_launch, generic_waits, early_weights, untuned)"), err
+                        "one of dependent_launch, generic_waits, early_weights, smallm_ring, untuned)"), err
     assert not (tmp_path / "o").exists()
 
 

@@ -336,6 +336,23 @@ def test_small_m_ring_copies_the_weights_asynchronously_stages_ahead():
     assert "tvmfuse_cp_async16(" not in src.split("__global__")[-1] and "tvmfuse_ld_stream(" in src
 
 
+@pytest.mark.parametrize("m,n,k,stages", [(16, 4096, 4096, 4), (16, 11008, 4096, 2), (64, 11008, 4096, 4)])
+def test_ring_switch_gives_the_rules_tiles_the_most_stages_that_fit(monkeypatch, m, n, k, stages):
+    """TVMFUSE_SMALLM_RING=4: the rule's tile keeps its columns, warps and unroll and takes the most stages up to 4
+    whose ring fits 128 KB (4x8x1x4: two); unset, none, and the log line says which."""
+    from tvmfuse.kernels.hopper.mma_smallm import RING_BUDGET, RING_SWITCH, ring_bytes
+
+    monkeypatch.delenv(RING_SWITCH, raising=False)
+    plain = choose_smallm_tile(m, n, k)
+    assert plain.stages == 0
+    monkeypatch.setenv(RING_SWITCH, "4")
+    ringed = choose_smallm_tile(m, n, k)
+    assert ringed == dataclasses.replace(plain, stages=stages) and ring_bytes(ringed) <= RING_BUDGET
+    cuda, logged = resolve_target("cuda"), []
+    apply_hopper_kernels(_gelu_projection(m, k, n), cuda, logged.append)
+    assert f"a weight ring of {stages} stages" in logged[0], logged
+
+
 @pytest.mark.parametrize("stages,why", [(1, "unsupported"), (9, "unsupported"), (8, "ring of")])
 def test_small_m_ring_takes_two_to_eight_stages_that_fit_shared_memory(stages, why):
     assert why in check_smallm_shape(16, 4096, 4096, SmallMTile(n8=4, warps=16, vec=1, unroll=4, stages=stages))

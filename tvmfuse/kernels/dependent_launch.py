@@ -37,7 +37,7 @@ def release_late() -> bool:
 
 
 @contextlib.contextmanager
-def _switched_off(name: str, off: bool):
+def switched_off(name: str, off: bool):
     """With `off`, environment switch `name` at 0 while the block runs and as it was after; otherwise nothing
     changes."""
     before = os.environ.get(name)
@@ -55,9 +55,9 @@ def _switched_off(name: str, off: bool):
 def dependent_launch_off(off: bool = True):
     """With `off`, SWITCH at 0 while the block runs and as it was after (a job built with --no-dependent-launch);
     otherwise nothing changes."""
-    return _switched_off(SWITCH, off)
+    return switched_off(SWITCH, off)
 
 
 def early_weights_off(off: bool = True):
     """With `off`, EARLY_WEIGHTS_SWITCH at 0 while the block runs and as it was after; otherwise nothing changes."""
-    return _switched_off(EARLY_WEIGHTS_SWITCH, off)
+    return switched_off(EARLY_WEIGHTS_SWITCH, off)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -38,6 +39,11 @@ def mma_helper(dtype: str) -> tuple[str, str]:
 
 
 MAX_M = 64
+#: environment switch read when a small-M tile is chosen: "S" gives the rules' tiles a weight ring of up to S stages
+#: (`SmallMTile.stages`, within RING_BUDGET); unset or 0: none. Off by default until measured on the GPU
+#: (`bench/models.py --before smallm_ring` builds a case with a ring of 4 and without)
+RING_SWITCH = "TVMFUSE_SMALLM_RING"
+RING_BUDGET = 128 << 10  # the rules' rings: at most this much shared memory a block
 MAX_RING_BYTES = 160 << 10  # of the H100's 227 KB of shared memory a block, the warps' partial sums beside it
 #: 16-byte asynchronous copy global -> shared (cached in L2 only: the weight is read once); `bytes` 0 fills zeros
 CP_ASYNC_SRC = ("__device__ __forceinline__ void tvmfuse_cp_async16(void* dst, const void* src, unsigned bytes) { "
@@ -55,6 +61,12 @@ def wait_src(pending: int) -> tuple[str, str]:
     name = f"tvmfuse_cp_async_wait{pending}"
     return name, (f"__device__ __forceinline__ void {name}() {{ "
                   f"asm volatile(\"cp.async.wait_group {pending};\" ::: \"memory\"); }}")
+
+
+def ring_stages() -> int:
+    """The stages RING_SWITCH asks of the rules' small-M tiles (0: no ring)."""
+    value = os.environ.get(RING_SWITCH, "0").strip()
+    return int(value) if value.isdigit() else 0
 
 
 def ring_bytes(tile) -> int:

@@ -10,7 +10,8 @@ from tvm import relax, tirx
 
 from tvmfuse.kernels.dependent_launch import early_weights
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, epilogue
-from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, smallm_kernel
+from tvmfuse.kernels.hopper.mma_smallm import (MAX_M, RING_BUDGET, SmallMTile, check_smallm_shape, ring_bytes,
+                                              ring_stages, smallm_kernel)
 from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
@@ -103,11 +104,14 @@ def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
     fewest of 4, 8, 16 that make 2560 in all (more weight bytes in flight), 4 above M = 16 (4 m16 tiles of
     accumulators per warp). On the H200 (smallm_tc_run1.json in the results archive, 10 tiles per shape) this picks the
     measured best, or a tile within 3% of it, at 8 of the 10 shapes; at M = 4 one 13% slower; at M x K x N =
-    16x3072x768 a tile not measured (1x16: the 2x16 tile was the best)."""
+    16x3072x768 a tile not measured (1x16: the 2x16 tile was the best). With `mma_smallm.RING_SWITCH` at S: a
+    weight ring of the most stages up to S that fits RING_BUDGET (none where not even 2 do)."""
     n8 = next((c for c in (4, 2) if -(-n // (8 * c)) >= 256), 1)
     blocks = -(-n // (8 * n8))
     warps = 4 if m > 16 else next((w for w in (4, 8) if blocks * w >= 2560), 16)
-    return SmallMTile(n8=n8, warps=warps, vec=1, unroll=2 if warps == 16 else 4)
+    tile = SmallMTile(n8=n8, warps=warps, vec=1, unroll=2 if warps == 16 else 4)
+    stages = next((s for s in range(ring_stages(), 1, -1) if ring_bytes(replace(tile, stages=s)) <= RING_BUDGET), 0)
+    return replace(tile, stages=stages)
 
 
 def weight_params(mod: tvm.IRModule) -> dict[str, set[int]]:
@@ -154,6 +158,7 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
         unroll = f", unroll {small.unroll}" if small.unroll != 4 else ""
         tile, make = small, smallm_kernel
         desc = (f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns{unroll}"
+                + (f", a weight ring of {small.stages} stages" if small.stages else "")
                 + (", weights prefetched before the wait" if small.early_weights else ""))
     else:
         tile = tile or choose_tile(m, n, k)
