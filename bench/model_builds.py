@@ -41,8 +41,9 @@ DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for th
 GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx kernels keep theirs)
 EARLY_WEIGHTS = "early_weights"  # one for the GEMMs' weight loads before their wait (off by default: see models.py)
 SMALLM_RING = "smallm_ring"  # one for the small-M GEMMs' weight ring (off by default: see models.py)
+SMALLM_M1 = "smallm_m1"  # one for M = 1 GEMMs on the small-M kernel (off by default: the GEMV schedule)
 UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
-SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, UNTUNED)
+SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_M1, UNTUNED)
 
 
 def unknown_names(names) -> list[str]:
@@ -61,10 +62,11 @@ def without_templates(names: tuple[str, ...]):
     kernels are built without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and
     without it from one export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays);
     EARLY_WEIGHTS: no GEMM loads its weights before its wait (`bench/models.py --before early_weights` turns them
-    on for the other build); SMALLM_RING: no small-M GEMM takes a weight ring (`--before smallm_ring`)."""
+    on for the other build); SMALLM_RING: no small-M GEMM takes a weight ring (`--before smallm_ring`); SMALLM_M1:
+    M = 1 GEMMs keep the GEMV schedule (`--before smallm_m1`)."""
     from tvmfuse.build import dependent_launch as launch_pass
     from tvmfuse.kernels.dependent_launch import dependent_launch_off, early_weights_off, switched_off
-    from tvmfuse.kernels.hopper.mma_smallm import RING_SWITCH
+    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH
     from tvmfuse.kernels.table import TABLE
 
     saved, generic = dict(TABLE), launch_pass.GENERIC_WAITS
@@ -73,7 +75,7 @@ def without_templates(names: tuple[str, ...]):
     launch_pass.GENERIC_WAITS = generic and GENERIC_WAITS not in names
     try:
         with dependent_launch_off(DEPENDENT_LAUNCH in names), early_weights_off(EARLY_WEIGHTS in names), \
-                switched_off(RING_SWITCH, SMALLM_RING in names):
+                switched_off(RING_SWITCH, SMALLM_RING in names), switched_off(M1_SWITCH, SMALLM_M1 in names):
             yield
     finally:
         TABLE.update(saved)

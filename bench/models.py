@@ -232,7 +232,8 @@ def main(argv=None) -> dict:
                    "on CUDA): a before/after pair in one run, e.g. --before attention_prefill_wgmma; also "
                    "dependent_launch (none launched dependent), generic_waits (only the TIRx kernels) and "
                    "early_weights (the GEMMs' weights loaded before their wait, off by default: on in the "
-                   "other build), smallm_ring (the small-M GEMMs' weight ring of 4 stages, likewise); untuned: built with --trials 0 (with --trials N: what tuning bought, and "
+                   "other build), smallm_ring (the small-M GEMMs' weight ring of 4 stages, likewise), smallm_m1 "
+                   "(M = 1 GEMMs on the small-M kernel, likewise); untuned: built with --trials 0 (with --trials N: what tuning bought, and "
                    "changed_kernels)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)
@@ -258,9 +259,11 @@ def main(argv=None) -> dict:
     from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH, early_weights, release_late
     if model_builds.EARLY_WEIGHTS in args.before.split(","):  # off by default: on in the build measured against
         os.environ[EARLY_WEIGHTS_SWITCH] = "1"
-    from tvmfuse.kernels.hopper.mma_smallm import RING_SWITCH, ring_stages
+    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH, ring_stages, takes_m1
     if model_builds.SMALLM_RING in args.before.split(","):  # likewise
         os.environ[RING_SWITCH] = "4"
+    if model_builds.SMALLM_M1 in args.before.split(","):  # likewise
+        os.environ[M1_SWITCH] = "1"
     from tvmfuse.targets import device_for, resolve_target
     torch.set_grad_enabled(False)
     target = resolve_target("llvm" if args.smoke else "cuda")
@@ -274,6 +277,7 @@ def main(argv=None) -> dict:
                before=[n for n in args.before.split(",") if n],
                dependent_launch=applies_to(target) and ("late" if release_late() else True),
                early_weights=applies_to(target) and early_weights(), smallm_ring=ring_stages(),
+               smallm_m1=takes_m1(),
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "

@@ -139,6 +139,17 @@ def test_without_the_smallm_ring_the_rules_tiles_take_none_and_the_switch_is_res
     assert os.environ[RING_SWITCH] == "4" and choose_smallm_tile(16, 4096, 4096).stages == 4
 
 
+def test_without_smallm_m1_gemvs_keep_the_gemv_schedule(monkeypatch):
+    """`--before smallm_m1`: the before build leaves M = 1 to the GEMV schedule; after it the switch is back."""
+    from bench.model_builds import SMALLM_M1, without_templates
+    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, takes_m1
+
+    monkeypatch.setenv(M1_SWITCH, "1")
+    with without_templates((SMALLM_M1,)):
+        assert not takes_m1()
+    assert takes_m1()
+
+
 def test_without_generic_waits_only_the_kernels_that_wait_themselves_are_launched_dependent(monkeypatch):
     """`--before generic_waits`: a generic kernel gets no wait (nor the launch tag), a TIRx kernel that waits keeps
     its tag; after the block the generic kernels wait again."""
@@ -160,7 +171,7 @@ def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table or "
-                        "one of dependent_launch, generic_waits, early_weights, smallm_ring, untuned)"), err
+                        "one of dependent_launch, generic_waits, early_weights, smallm_ring, smallm_m1, untuned)"), err
     assert not (tmp_path / "o").exists()
 
 

@@ -336,6 +336,21 @@ def test_small_m_ring_copies_the_weights_asynchronously_stages_ahead():
     assert "tvmfuse_cp_async16(" not in src.split("__global__")[-1] and "tvmfuse_ld_stream(" in src
 
 
+def test_m1_switch_gives_gemvs_the_small_m_kernel(monkeypatch):
+    """TVMFUSE_SMALLM_M1=1: a decode batch of 1 (M = 1) takes the small-M kernel with the rule's tile (and its ring
+    when TVMFUSE_SMALLM_RING asks); without it, the GEMV schedule."""
+    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH
+
+    monkeypatch.delenv(M1_SWITCH, raising=False)
+    got, why = gemm_kernel_from_fused(_kernel(_projection(1, 4096, 4096)), "main")
+    assert got is None and "GEMV" in why
+    monkeypatch.setenv(M1_SWITCH, "1")
+    monkeypatch.setenv(RING_SWITCH, "4")
+    got, why = gemm_kernel_from_fused(_kernel(_projection(1, 4096, 4096)), "main")
+    assert got is not None and got.attrs[TIRX_ATTR] == "mma_smallm", why
+    assert "mma.sync small-M 1x4096x4096, 16 warps x 16 columns, unroll 2, a weight ring of 4 stages" in why, why
+
+
 @pytest.mark.parametrize("m,n,k,stages", [(16, 4096, 4096, 4), (16, 11008, 4096, 2), (64, 11008, 4096, 4)])
 def test_ring_switch_gives_the_rules_tiles_the_most_stages_that_fit(monkeypatch, m, n, k, stages):
     """TVMFUSE_SMALLM_RING=4: the rule's tile keeps its columns, warps and unroll and takes the most stages up to 4

@@ -43,6 +43,9 @@ MAX_M = 64
 #: (`SmallMTile.stages`, within RING_BUDGET); unset or 0: none. Off by default until measured on the GPU
 #: (`bench/models.py --before smallm_ring` builds a case with a ring of 4 and without)
 RING_SWITCH = "TVMFUSE_SMALLM_RING"
+#: environment switch read when a GEMM's kernel is chosen: "1" gives M = 1 GEMMs this kernel too (they keep the
+#: GEMV schedule otherwise, measured in the models; `bench/models.py --before smallm_m1` builds a case both ways)
+M1_SWITCH = "TVMFUSE_SMALLM_M1"
 RING_BUDGET = 128 << 10  # the rules' rings: at most this much shared memory a block
 MAX_RING_BYTES = 160 << 10  # of the H100's 227 KB of shared memory a block, the warps' partial sums beside it
 #: 16-byte asynchronous copy global -> shared (cached in L2 only: the weight is read once); `bytes` 0 fills zeros
@@ -61,6 +64,11 @@ def wait_src(pending: int) -> tuple[str, str]:
     name = f"tvmfuse_cp_async_wait{pending}"
     return name, (f"__device__ __forceinline__ void {name}() {{ "
                   f"asm volatile(\"cp.async.wait_group {pending};\" ::: \"memory\"); }}")
+
+
+def takes_m1() -> bool:
+    """Whether M = 1 GEMMs take this kernel (M1_SWITCH=1) rather than the GEMV schedule."""
+    return os.environ.get(M1_SWITCH) == "1"
 
 
 def ring_stages() -> int:

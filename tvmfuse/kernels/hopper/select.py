@@ -11,7 +11,7 @@ from tvm import relax, tirx
 from tvmfuse.kernels.dependent_launch import early_weights
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, epilogue
 from tvmfuse.kernels.hopper.mma_smallm import (MAX_M, RING_BUDGET, SmallMTile, check_smallm_shape, ring_bytes,
-                                              ring_stages, smallm_kernel)
+                                              ring_stages, smallm_kernel, takes_m1)
 from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
@@ -147,7 +147,7 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
     if info is None:
         return None, why
     m, n, k = info["m"], info["n"], info["k"]
-    if m == 1:  # measured in the models (decode b1); this kernel at M = 1 only alone (smallm_tc_run1.json)
+    if m == 1 and not takes_m1():  # measured in the models (decode b1); this kernel at M = 1 alone only
         return None, f"1x{n}x{k}: M=1 stays with the GEMV schedule"
     early = early_weights() and next(i for i, p in enumerate(func.params) if p.same_as(info["b"])) in weights
     if m <= MAX_M:
