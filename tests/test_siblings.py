@@ -1,6 +1,8 @@
 """tvmfuse.prepare.siblings: sibling projections of one input become one matmul and a split where the rule says it
 pays; the numbers stay onnxruntime's, and a weight read elsewhere, another width or a symbolic row count blocks it."""
 
+import re
+
 import numpy as np
 import onnx_models
 import pytest
@@ -66,6 +68,47 @@ def _symbolic_rows(model):
     model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "rows"
     model.graph.output[0].type.tensor_type.shape.dim[1].dim_param = "rows"
     return model
+
+
+@pytest.mark.parametrize("sizes,pays,want", [([{"rows": 128}, {"rows": 512}], ALWAYS, [("128..512", 64, 64, 3)]),
+                                             ([{"rows": 512}], ALWAYS, [(512, 64, 64, 3)]),
+                                             ([{"rows": 128}, {"rows": 512}], lambda m, *_: m > 200, []),
+                                             ([{"other": 512}], ALWAYS, [])])
+def test_symbolic_rows_merge_where_the_rule_pays_at_every_bucket(sizes, pays, want):
+    """A dynamic export (rows a named dim) is judged at the build's bucket sizes: merged where the rule pays at
+    each (the numbers stay onnxruntime's at any row count), not where it fails at one or no size names the dim."""
+    model = _symbolic_rows(onnx_models.sibling_projections())
+    imp = import_model(model)
+    merged = []
+    bound = prepare_module(imp, merge_pays=pays, merged=merged, merge_sizes=sizes)
+    assert merged == want
+    assert len(_ops(bound, "matmul")) == (1 if want else 3) and len(_ops(bound, "split")) == (1 if want else 0)
+    if want:
+        check = check_against_ort(model, imp, lower(bound), resolve_target("llvm"))
+        assert check.ok and check.max_abs_err < 1e-4, check
+
+
+@pytest.mark.parametrize("buckets,merges", [("rows=512", True), ("rows=16,512", False)])
+def test_a_cuda_build_of_a_dynamic_export_merges_at_its_buckets(buckets, merges, tmp_path, capsys):
+    """The product path on sm_90a without a GPU, rows symbolic: with --buckets rows=512 the log names the merged
+    group at 512 rows and the bucket's GEMM is the merged wgmma one; with a decode-sized bucket too (16 rows, where
+    the rule says the small-M kernel gains nothing from the merge) nothing merges."""
+    import onnx
+
+    from tvmfuse.cli.tune import main
+
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a GPU (the job would verify and time on it)")
+    onnx.save(_symbolic_rows(onnx_models.sibling_projections(rows=512, k=256, n=256)), tmp_path / "qkv.onnx")
+    code = main(["--target", "cuda", "--trials", "0", "--dtype", "fp16", "--buckets", buckets,
+                 "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"), str(tmp_path / "qkv.onnx")])
+    assert code == 0
+    out = capsys.readouterr().out
+    if merges:
+        assert "sibling projections: 1 group(s) of 3 x 512x256x256 GEMMs" in out, out
+        assert re.search(r"main_rows512: \S+: wgmma 512x768x256,", out), out
+    else:
+        assert "sibling projections" not in out and re.search(r"main_rows512: \S+: wgmma 512x256x256,", out), out
 
 
 def test_the_hopper_rule_merges_where_its_estimate_beats_the_siblings():

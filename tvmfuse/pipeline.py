@@ -29,7 +29,8 @@ from tvmfuse.export import weights as weight_files
 from tvmfuse.export.generate import cuda_graph_summary
 from tvmfuse.frontend.onnx_io import has_external_data, weights_nbytes
 from tvmfuse.frontend import DEFAULT_MODEL, Imported, import_model, load_onnx, make_tiny_block
-from tvmfuse.fuse import Bucketed, Fused, add_dispatch, check_buckets, kernel_calls, lower, lower_buckets
+from tvmfuse.fuse import (Bucketed, Fused, add_dispatch, bucket_shapes, check_buckets, kernel_calls, lower,
+                          lower_buckets)
 from tvmfuse.fuse import verification_dims
 from tvmfuse.isolation import VERIFICATION, collecting
 from tvmfuse.isolation import current as failures_so_far
@@ -397,10 +398,12 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
             "schedules (fix them with --shape NAME=VALUE, or name sizes to tune with --buckets)")
     merged: list = []
     bound = prepare_module(imported, job.dtype, job.io_dtype, job.low_lookups, one_copy=outside,
-                           merge_pays=_merge_rule(target, job.dtype), merged=merged)
+                           merge_pays=_merge_rule(target, job.dtype), merged=merged,
+                           merge_sizes=bucket_shapes(job.buckets) if job.buckets else None)
     for (m, n, k, count), times in Counter(merged).items():
-        log(f"sibling projections: {times} group(s) of {count} x {m}x{n}x{k} GEMMs (one input, weights of one width) "
-            f"merged into one {m}x{n * count}x{k} GEMM and a split each")
+        rows = m if isinstance(m, int) else f"({m})"  # symbolic rows: the buckets' range
+        log(f"sibling projections: {times} group(s) of {count} x {rows}x{n}x{k} GEMMs (one input, weights of one "
+            f"width) merged into one {rows}x{n * count}x{k} GEMM and a split each")
     past_inputs = [p.name for p, _, _ in find_cache_sites(bound)]
     bound, cache = kv_cache_phase(bound, imported, job, log)
     fused = fuse_phase(bound, target)

@@ -30,16 +30,18 @@ def bind_params(mod: tvm.IRModule, params: list | None) -> tvm.IRModule:
 
 def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None,
                    low_lookups: bool = True, one_copy: bool = False, merge_pays: MergeRule | None = None,
-                   merged: list | None = None) -> tvm.IRModule:
+                   merged: list | None = None, merge_sizes: list[dict[str, int]] | None = None) -> tvm.IRModule:
     """The imported model as decide and fuse see it: weights bound as constants, precision (fp16/bf16 kernels),
     sibling projections merged where `merge_pays` says so (`siblings.merge_sibling_matmuls`; `merged` gets each
-    group), then the weight layout (constant weights [N, K], read through a permute the kernel absorbs).
+    group; symbolic row counts are judged at each of `merge_sizes`, the build's bucket shapes), then the weight
+    layout (constant weights [N, K], read through a permute the kernel absorbs).
     `one_copy` (big models): `imported.params` is emptied once bound and the layout transposes in place (no second
     copy)."""
     bound = bind_params(imported.mod, imported.params)
     if one_copy:
         imported.params = []  # the module's constants are the one copy of the weights from here on
-    computing = merge_sibling_matmuls(to_compute_dtype(bound, dtype, io_dtype, low_lookups), merge_pays, merged)
+    computing = merge_sibling_matmuls(to_compute_dtype(bound, dtype, io_dtype, low_lookups), merge_pays, merged,
+                                      merge_sizes)
     return transpose_weights(computing, in_place=one_copy)
 
 

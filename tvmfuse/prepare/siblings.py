@@ -10,6 +10,7 @@ import numpy as np
 import tvm
 from tvm import relax
 from tvm.ir import GenericConst
+from tvm.sym import Analyzer
 
 from tvmfuse.prepare.opmath import mutate_functions
 
@@ -43,15 +44,18 @@ class _Chain:
                 self.bias is not None)
 
 
-def merge_sibling_matmuls(mod: tvm.IRModule, pays: MergeRule | None, merged: list | None = None) -> tvm.IRModule:
+def merge_sibling_matmuls(mod: tvm.IRModule, pays: MergeRule | None, merged: list | None = None,
+                          sizes: list[dict[str, int]] | None = None) -> tvm.IRModule:
     """Each group of two or more `matmul(x, W_i)` (same x, 2-D constant W_i [K, N] of one shape and dtype, each W_i
     read there only), every one followed alike by nothing, a cast, and/or an `add` of a 1-D constant bias [N] read
     there only, becomes `split(add(cast(matmul(x, [W_1 ... W_n])), [b_1 ... b_n]), n, axis=-1)` where `pays(M, N,
-    K, n)` (M: x's rows, static) says so; None merges nothing. `merged`, if given, gets one (M, N, K, n) per group."""
+    K, n)` says so; None merges nothing. M: x's rows; where they are symbolic, at each of `sizes` (the symbolic
+    dims' values the build is specialized for, its buckets: the group merges where it pays at every one; without
+    sizes, never). `merged`, if given, gets one (M, N, K, n) per group (M the rows, or "lo..hi" over `sizes`)."""
     if pays is None:
         return mod
     found: list = [] if merged is None else merged
-    return mutate_functions(mod, lambda copy: _Merger(copy, pays, found))
+    return mutate_functions(mod, lambda copy: _Merger(copy, pays, found, sizes or []))
 
 
 def _const_uses(fn: relax.Function) -> dict:
@@ -65,12 +69,27 @@ def _const_uses(fn: relax.Function) -> dict:
     return uses
 
 
-def _rows(x: relax.Var) -> int | None:
-    """x's rows (every dim but the last), or None where one is symbolic."""
+def _rows(x: relax.Var, sizes: list[dict[str, int]]) -> list[int] | None:
+    """x's rows (every dim but the last): [M] where static, else M at each of `sizes` (its symbolic dims bound by
+    name); None where a dim stays symbolic (no sizes, or one that does not name it)."""
     dims = getattr(getattr(x.ty, "shape", None), "values", None)
-    if dims is None or any(not isinstance(d, tvm.tirx.IntImm) for d in dims):
+    if dims is None:
         return None
-    return int(np.prod([int(d) for d in dims[:-1]]))
+    rows = dims[:-1]
+    if all(isinstance(d, tvm.tirx.IntImm) for d in rows):
+        return [int(np.prod([int(d) for d in rows]))]
+    found = []
+    for size in sizes:
+        analyzer = Analyzer()
+        for d in rows:
+            for v in tvm.tirx.analysis.undefined_vars(d):
+                if v.name in size:
+                    analyzer.bind(v, tvm.tirx.IntImm(str(v.ty.dtype), size[v.name]))
+        bound = [analyzer.simplify(d) for d in rows]
+        if any(not isinstance(d, tvm.tirx.IntImm) for d in bound):
+            return None
+        found.append(int(np.prod([int(d) for d in bound])))
+    return found or None
 
 
 def _chains(fn: relax.Function) -> dict:
@@ -125,20 +144,21 @@ def _source(x: relax.Var, value: dict):
 
 @relax.expr_functor.mutator
 class _Merger(relax.PyExprMutator):
-    def __init__(self, mod, pays: MergeRule, merged: list):
+    def __init__(self, mod, pays: MergeRule, merged: list, sizes: list[dict[str, int]]):
         super().__init__(mod)
-        self.pays, self.merged = pays, merged
+        self.pays, self.merged, self.sizes = pays, merged, sizes
         self.first: dict = {}  # the first sibling's matmul var -> its group
         self.skip: set = set()  # every sibling's chain bindings
 
     def visit_function_(self, fn):  # pylint: disable=arguments-renamed
         for group in _chains(fn).values():
-            m, (k, n) = _rows(group[0].x), group[0].weight.value.shape
-            if m is None or not self.pays(m, int(n), int(k), len(group)):
+            ms, (k, n) = _rows(group[0].x, self.sizes), group[0].weight.value.shape
+            if ms is None or not all(self.pays(m, int(n), int(k), len(group)) for m in ms):
                 continue
             self.first[group[0].matmul] = group
             self.skip.update(v for c in group for v in c.vars)
-            self.merged.append((m, int(n), int(k), len(group)))
+            rows = ms[0] if len(set(ms)) == 1 else f"{min(ms)}..{max(ms)}"
+            self.merged.append((rows, int(n), int(k), len(group)))
         return super().visit_function_(fn)
 
     def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
