@@ -16,8 +16,8 @@ from tvm.s_tir import meta_schedule as ms
 
 from tvmfuse.kernels.hopper import apply_hopper_kernels, choose_smallm_tile, choose_tile
 from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, GROUPS, HOPPER_GEMMS, PICK_VARIANTS, hopper_gemm_sites,
-                                               measured_tiles, smallm_space, wgmma_space)
-from tvmfuse.kernels.hopper.mma_smallm import check_smallm_shape
+                                               measured_tiles, ringed, smallm_space, wgmma_space)
+from tvmfuse.kernels.hopper.mma_smallm import SmallMTile, check_smallm_shape
 from tvmfuse.kernels.hopper.select import TILE_COSTS, gemm_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
 from tvmfuse.records import TuningDatabase
@@ -59,9 +59,16 @@ def test_wgmma_space_is_the_fitted_pick_first_then_every_tile_that_fits(m, n, k)
 
 @pytest.mark.parametrize("m,n,k", [(16, 4096, 4096), (4, 11008, 4096), (64, 768, 768)])
 def test_smallm_space_is_the_rule_first_then_every_tile_that_fits(m, n, k):
+    """The rule's tile, then each columns x warps x unroll set without and with a weight ring (the most stages up to
+    4 within 128 KB: 32 columns x 16 warps x 4 chunks has none, 2 stages of it would take 256 KB)."""
     space = smallm_space(m, n, k)
     assert space[0] == choose_smallm_tile(m, n, k) and len(space) == len(set(space)) > 10
     assert all(check_smallm_shape(m, n, k, t) is None for t in space)
+    plain = [t for t in space if t.stages == 0]
+    widest = SmallMTile(n8=4, warps=16, unroll=4)
+    assert ringed(widest) is None and ringed(SmallMTile(n8=4, warps=8, unroll=4)).stages == 2
+    assert {t for t in space if t.stages} == {ringed(t) for t in plain if t != widest}
+    assert {t.stages for t in space} == {0, 2, 4}
 
 
 def test_sites_are_the_static_gemms_keyed_by_what_they_compute_not_their_name():

@@ -11,7 +11,7 @@ import tvm_ffi
 from tvm import tirx
 
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm
-from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape
+from tvmfuse.kernels.hopper.mma_smallm import MAX_M, RING_BUDGET, SmallMTile, check_smallm_shape, ring_bytes
 from tvmfuse.kernels.hopper.select import (TILE_COSTS, choose_smallm_tile, choose_tile, estimate_us,
                                            gemm_kernel_from_fused, is_hopper)
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
@@ -33,6 +33,9 @@ PICK_VARIANTS = ({"stepped_desc": True}, {"persistent": True}, {"setmaxnreg": Tr
 DEEP_STAGES = 6
 #: the small-M kernel's candidates: columns (8 * n8) a block, warps splitting K, K chunks loaded ahead
 SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
+#: the deepest weight ring (`SmallMTile.stages`) each small-M candidate is also measured with, as many stages up to
+#: this as fit RING_BUDGET (not measured on the GPU yet: tuning decides, the rule's pick measured first)
+SMALLM_RING = 4
 
 
 def deeper_rings(m: int, n: int, k: int, pick: WgmmaTile) -> list[WgmmaTile]:
@@ -63,11 +66,20 @@ def wgmma_space(m: int, n: int, k: int) -> list[WgmmaTile]:
     return list(dict.fromkeys(space))
 
 
+def ringed(tile: SmallMTile) -> SmallMTile | None:
+    """`tile` with a weight ring of the most stages up to SMALLM_RING that fit RING_BUDGET, or None (not 2)."""
+    stages = next((s for s in range(SMALLM_RING, 1, -1)
+                   if ring_bytes(dataclasses.replace(tile, stages=s)) <= RING_BUDGET), None)
+    return dataclasses.replace(tile, stages=stages) if stages else None
+
+
 def smallm_space(m: int, n: int, k: int) -> list[SmallMTile]:
-    """The rule's tile (`choose_smallm_tile`) first, then every other columns x warps x unroll set."""
+    """The rule's tile (`choose_smallm_tile`) first, then every other columns x warps x unroll set, each also with a
+    weight ring (`ringed`)."""
     pick = choose_smallm_tile(m, n, k)
     tiles = [SmallMTile(n8=c, warps=w, vec=1, unroll=u) for c in SMALLM_N8 for w in SMALLM_WARPS
              for u in SMALLM_UNROLL]
+    tiles += [r for r in map(ringed, tiles) if r is not None]
     return list(dict.fromkeys([pick] + [t for t in tiles if check_smallm_shape(m, n, k, t) is None]))
 
 
