@@ -381,19 +381,10 @@ def test_small_m_ring_matches_numpy_on_the_gpu(m, n, k, tile):
     """The ring (cp.async stages ahead) computing gelu(x @ w^T + b): one round (the empty commits), more rounds
     than stages (each slot reused: 5, 8 and 11 rounds), K not a multiple of the chunks (zero-filled copies past K:
     200, 4104, 11008), ragged N."""
-    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
     from tvmfuse.kernels.hopper.mma_smallm import make_smallm_gemm
 
-    lib = tvm.compile(tvm.IRModule({"main": make_smallm_gemm(m, n, k, SmallMTile(*tile), "bias_gelu")}),
-                      target=hopper_target(), tir_pipeline="tirx")
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((m, k)).astype("float16")
-    w = (rng.standard_normal((n, k)) * 0.05).astype("float16")
-    b = (rng.standard_normal(n) * 0.1).astype("float16")
-    dev = tvm.cuda(0)
-    out = tvm.runtime.empty((m, n), "float16", dev)
-    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
-    np.testing.assert_allclose(out.numpy().astype("float32"), _bf16_gelu_reference(x, w, b), atol=2e-2, rtol=2e-2)
+    x, w, b, got = _gemm_on_the_gpu(make_smallm_gemm(m, n, k, SmallMTile(*tile), "bias_gelu"), m, n, k, "float16", 4)
+    np.testing.assert_allclose(got, _bf16_gelu_reference(x, w, b), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("tiles_m,tiles_n,group", [(4, 63, 1), (4, 63, 4), (16, 43, 8), (5, 7, 2), (3, 5, 8)])
@@ -804,10 +795,18 @@ def test_wgmma_variants_match_numpy_on_the_gpu(tile, dtype):
 
 def _check_gelu_gemm_on_the_gpu(m, n, k, tile, dtype, seed):
     """The wgmma kernel with `tile` computing gelu(x @ w^T + b) at m x n x k, against numpy (bf16's rounding)."""
-    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+    from tvmfuse.kernels.hopper.gemm_bench import make_wgmma_gemm
 
-    lib = tvm.compile(tvm.IRModule({"main": make_wgmma_gemm(m, n, k, tile, "bias_gelu", dtype)}),
-                      target=hopper_target(), tir_pipeline="tirx")
+    x, w, b, got = _gemm_on_the_gpu(make_wgmma_gemm(m, n, k, tile, "bias_gelu", dtype), m, n, k, dtype, seed)
+    np.testing.assert_allclose(got, _bf16_gelu_reference(x, w, b), atol=2e-2, rtol=2e-2)
+
+
+def _gemm_on_the_gpu(func, m, n, k, dtype, seed):
+    """(x, w, b, the output as fp32) of a benchmark GEMM kernel (parameters x [m, k], w [n, k], b [n], out [m, n])
+    built for sm_90a and run on seeded inputs."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
+
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx")
     rng = np.random.default_rng(seed)
     np_dtype = BF16 if dtype == "bfloat16" else "float16"
     x = rng.standard_normal((m, k)).astype(np_dtype)
@@ -816,7 +815,7 @@ def _check_gelu_gemm_on_the_gpu(m, n, k, tile, dtype, seed):
     dev = tvm.cuda(0)
     out = tvm.runtime.empty((m, n), dtype, dev)
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
-    np.testing.assert_allclose(out.numpy().astype("float32"), _bf16_gelu_reference(x, w, b), atol=2e-2, rtol=2e-2)
+    return x, w, b, out.numpy().astype("float32")
 
 
 @pytest.mark.gpu
@@ -893,17 +892,9 @@ def test_persistent_ctas_walk_every_tile_once(tile):
 def test_persistent_ctas_match_numpy_on_the_gpu(tile):
     """Persistent CTAs (up to three tiles each, 11 k-tiles a tile: stages and phases carried across tiles), ragged
     N, against numpy."""
-    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+    from tvmfuse.kernels.hopper.gemm_bench import make_wgmma_gemm
 
     m, n, k = 2048, 2100, 704
-    lib = tvm.compile(tvm.IRModule({"main": make_wgmma_gemm(m, n, k, tile, "bias")}), target=hopper_target(),
-                      tir_pipeline="tirx")
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((m, k)).astype("float16")
-    w = (rng.standard_normal((n, k)) * 0.05).astype("float16")
-    b = (rng.standard_normal(n) * 0.1).astype("float16")
-    dev = tvm.cuda(0)
-    out = tvm.runtime.empty((m, n), "float16", dev)
-    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, w, b)], out)
+    x, w, b, got = _gemm_on_the_gpu(make_wgmma_gemm(m, n, k, tile, "bias"), m, n, k, "float16", 4)
     want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
-    np.testing.assert_allclose(out.numpy().astype("float32"), want, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
