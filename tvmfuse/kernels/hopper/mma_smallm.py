@@ -231,12 +231,14 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
                             ws = T.meta_var([wreg[((u * n8 + t) * vec + v) * 4 + j] for j in range(4)])
                             if guard:
                                 if kk < k:
-                                    T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws, source_code=STREAM_SRC)
+                                    T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws,
+                                                     source_code=STREAM_SRC)
                                 else:
                                     for j in T.unroll(4):
                                         wreg[((u * n8 + t) * vec + v) * 4 + j] = T.uint32(0)
                             else:
-                                T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws, source_code=STREAM_SRC)
+                                T.cuda.func_call("tvmfuse_ld_stream", T.address_of(B[col, kk]), *ws,
+                                                 source_code=STREAM_SRC)
             for u in T.unroll(unroll):
                 for i in T.unroll(mt):
                     for h in T.unroll(2):
