@@ -11,7 +11,7 @@ import tvm_ffi
 from tvm import tirx
 
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm
-from tvmfuse.kernels.hopper.mma_smallm import MAX_M, RING_BUDGET, SmallMTile, check_smallm_shape, ring_bytes
+from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, with_ring
 from tvmfuse.kernels.hopper.select import (TILE_COSTS, choose_smallm_tile, choose_tile, estimate_us,
                                            gemm_kernel_from_fused, is_hopper)
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
@@ -34,7 +34,7 @@ DEEP_STAGES = 6
 #: the small-M kernel's candidates: columns (8 * n8) a block, warps splitting K, K chunks loaded ahead
 SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
 #: the deepest weight ring (`SmallMTile.stages`) each small-M candidate is also measured with, as many stages up to
-#: this as fit RING_BUDGET (not measured on the GPU yet: tuning decides, the rule's pick measured first)
+#: this as fit `mma_smallm.RING_BUDGET` (not measured on the GPU yet: tuning decides, the rule's pick measured first)
 SMALLM_RING = 4
 
 
@@ -67,10 +67,8 @@ def wgmma_space(m: int, n: int, k: int) -> list[WgmmaTile]:
 
 
 def ringed(tile: SmallMTile) -> SmallMTile | None:
-    """`tile` with a weight ring of the most stages up to SMALLM_RING that fit RING_BUDGET, or None (not 2)."""
-    stages = next((s for s in range(SMALLM_RING, 1, -1)
-                   if ring_bytes(dataclasses.replace(tile, stages=s)) <= RING_BUDGET), None)
-    return dataclasses.replace(tile, stages=stages) if stages else None
+    """`tile` with a weight ring of the most stages up to SMALLM_RING that fit (`mma_smallm.with_ring`), or None."""
+    return with_ring(tile, SMALLM_RING)
 
 
 def smallm_space(m: int, n: int, k: int) -> list[SmallMTile]:

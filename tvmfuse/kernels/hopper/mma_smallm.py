@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -80,6 +80,12 @@ def ring_stages() -> int:
 def ring_bytes(tile) -> int:
     """Shared memory the weight ring of `tile` takes: per stage, per warp, its loads of a round (16 bytes a lane)."""
     return tile.stages * tile.warps * tile.unroll * tile.n8 * tile.vec * 32 * 16
+
+
+def with_ring(tile, most: int):
+    """`tile` with a weight ring of the most stages up to `most` that fit RING_BUDGET, or None where not even 2 do."""
+    stages = next((s for s in range(most, 1, -1) if ring_bytes(replace(tile, stages=s)) <= RING_BUDGET), None)
+    return replace(tile, stages=stages) if stages else None
 
 
 @dataclass(frozen=True)

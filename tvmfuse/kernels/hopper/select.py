@@ -10,8 +10,8 @@ from tvm import relax, tirx
 
 from tvmfuse.kernels.dependent_launch import early_weights
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, epilogue
-from tvmfuse.kernels.hopper.mma_smallm import (MAX_M, RING_BUDGET, SmallMTile, check_smallm_shape, ring_bytes,
-                                              ring_stages, smallm_kernel, takes_m1)
+from tvmfuse.kernels.hopper.mma_smallm import (MAX_M, SmallMTile, check_smallm_shape, ring_stages, smallm_kernel,
+                                              takes_m1, with_ring)
 from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
@@ -110,8 +110,7 @@ def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
     blocks = -(-n // (8 * n8))
     warps = 4 if m > 16 else next((w for w in (4, 8) if blocks * w >= 2560), 16)
     tile = SmallMTile(n8=n8, warps=warps, vec=1, unroll=2 if warps == 16 else 4)
-    stages = next((s for s in range(ring_stages(), 1, -1) if ring_bytes(replace(tile, stages=s)) <= RING_BUDGET), 0)
-    return replace(tile, stages=stages)
+    return with_ring(tile, ring_stages()) or tile
 
 
 def weight_params(mod: tvm.IRModule) -> dict[str, set[int]]:
