@@ -46,6 +46,15 @@ UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tunin
 SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_M1, UNTUNED)
 
 
+def off_by_default() -> dict[str, tuple[str, str]]:
+    """The kernel switches that are off by default, NAME -> (environment switch, its value when on): `--before NAME`
+    turns one on for the measured build (bench/models.py), `without_templates` off for the before build."""
+    from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH
+    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH
+
+    return {EARLY_WEIGHTS: (EARLY_WEIGHTS_SWITCH, "1"), SMALLM_RING: (RING_SWITCH, "4"), SMALLM_M1: (M1_SWITCH, "1")}
+
+
 def unknown_names(names) -> list[str]:
     """The names `without_templates` does not know (neither a template of the table nor one of SWITCHES)."""
     from tvmfuse.kernels.table import TABLE
@@ -65,8 +74,7 @@ def without_templates(names: tuple[str, ...]):
     on for the other build); SMALLM_RING: no small-M GEMM takes a weight ring (`--before smallm_ring`); SMALLM_M1:
     M = 1 GEMMs keep the GEMV schedule (`--before smallm_m1`)."""
     from tvmfuse.build import dependent_launch as launch_pass
-    from tvmfuse.kernels.dependent_launch import dependent_launch_off, early_weights_off, switched_off
-    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH
+    from tvmfuse.kernels.dependent_launch import dependent_launch_off, switched_off
     from tvmfuse.kernels.table import TABLE
 
     saved, generic = dict(TABLE), launch_pass.GENERIC_WAITS
@@ -74,8 +82,9 @@ def without_templates(names: tuple[str, ...]):
         TABLE[key] = dataclasses.replace(entry, templates=tuple(t for t in entry.templates if t.name not in names))
     launch_pass.GENERIC_WAITS = generic and GENERIC_WAITS not in names
     try:
-        with dependent_launch_off(DEPENDENT_LAUNCH in names), early_weights_off(EARLY_WEIGHTS in names), \
-                switched_off(RING_SWITCH, SMALLM_RING in names), switched_off(M1_SWITCH, SMALLM_M1 in names):
+        with dependent_launch_off(DEPENDENT_LAUNCH in names), contextlib.ExitStack() as switches:
+            for name, (switch, _) in off_by_default().items():
+                switches.enter_context(switched_off(switch, name in names))
             yield
     finally:
         TABLE.update(saved)

@@ -256,14 +256,11 @@ def main(argv=None) -> dict:
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
     import torch
     from tvmfuse.build.dependent_launch import applies_to
-    from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH, early_weights, release_late
-    if model_builds.EARLY_WEIGHTS in args.before.split(","):  # off by default: on in the build measured against
-        os.environ[EARLY_WEIGHTS_SWITCH] = "1"
-    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH, ring_stages, takes_m1
-    if model_builds.SMALLM_RING in args.before.split(","):  # likewise
-        os.environ[RING_SWITCH] = "4"
-    if model_builds.SMALLM_M1 in args.before.split(","):  # likewise
-        os.environ[M1_SWITCH] = "1"
+    from tvmfuse.kernels.dependent_launch import early_weights, release_late
+    from tvmfuse.kernels.hopper.mma_smallm import ring_stages, takes_m1
+    for name, (switch, on) in model_builds.off_by_default().items():  # on in the build measured against
+        if name in args.before.split(","):
+            os.environ[switch] = on
     from tvmfuse.targets import device_for, resolve_target
     torch.set_grad_enabled(False)
     target = resolve_target("llvm" if args.smoke else "cuda")

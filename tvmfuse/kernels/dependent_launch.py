@@ -56,8 +56,3 @@ def dependent_launch_off(off: bool = True):
     """With `off`, SWITCH at 0 while the block runs and as it was after (a job built with --no-dependent-launch);
     otherwise nothing changes."""
     return switched_off(SWITCH, off)
-
-
-def early_weights_off(off: bool = True):
-    """With `off`, EARLY_WEIGHTS_SWITCH at 0 while the block runs and as it was after; otherwise nothing changes."""
-    return switched_off(EARLY_WEIGHTS_SWITCH, off)
