@@ -78,13 +78,12 @@ def _rows(x: relax.Var, sizes: list[dict[str, int]]) -> list[int] | None:
     rows = dims[:-1]
     if all(isinstance(d, tvm.tirx.IntImm) for d in rows):
         return [int(np.prod([int(d) for d in rows]))]
+    symbols = {v.name: v for d in rows for v in tvm.tirx.analysis.undefined_vars(d)}
     found = []
     for size in sizes:
         analyzer = Analyzer()
-        for d in rows:
-            for v in tvm.tirx.analysis.undefined_vars(d):
-                if v.name in size:
-                    analyzer.bind(v, tvm.tirx.IntImm(str(v.ty.dtype), size[v.name]))
+        for name in symbols.keys() & size.keys():
+            analyzer.bind(symbols[name], tvm.tirx.IntImm(str(symbols[name].ty.dtype), size[name]))
         bound = [analyzer.simplify(d) for d in rows]
         if any(not isinstance(d, tvm.tirx.IntImm) for d in bound):
             return None
