@@ -20,6 +20,7 @@ from tvmfuse.build.dependent_launch import TAG, applies_to, with_dependent_launc
 from tvmfuse.fuse.fusion import lower
 from tvmfuse.kernels.dependent_launch import (EARLY_WEIGHTS_SWITCH, SWITCH, dependent_launch, dependent_launch_off,
                                                early_weights, release_late)
+from tvmfuse.kernels.hopper.mma_smallm import RING_SWITCH
 from tvmfuse.kernels.hopper.select import apply_hopper_kernels
 from tvmfuse.spaces.defaults import apply_default_schedules
 from tvmfuse.targets import resolve_target
@@ -243,6 +244,17 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
     assert 0 < prefetch < wait < src.index("ld_stream((&(")
     assert len(_nvcc_fatbin(cuda_sources(compile_module(apply_default_schedules(
         apply_hopper_kernels(_chain(rows=16, k=1024)[0], cuda, lambda _: None), cuda), cuda))[0], cuda)) > 1000
+    monkeypatch.setenv(RING_SWITCH, "4")  # with a weight ring: its first rounds are copied before the wait too
+    src, logged = kernel(_chain(rows=16, k=1024)[0])
+    assert "the ring's first rounds copied before the wait" in logged[0], logged
+    wait = src.index("griddepcontrol_wait();")
+    stages = int(logged[0].split("a weight ring of ")[1].split()[0])
+    assert src[:wait].count("tvmfuse_cp_async_commit()") == stages - 1, src[:wait]  # one group a round
+    assert src[:wait].count("tvmfuse_cp_async16(") > 0 and src.index("tvmfuse_prefetch_l2_bulk((&(") < wait
+    assert "tvmfuse_lds16(" not in src[:wait]
+    assert len(_nvcc_fatbin(cuda_sources(compile_module(apply_default_schedules(
+        apply_hopper_kernels(_chain(rows=16, k=1024)[0], cuda, lambda _: None), cuda), cuda))[0], cuda)) > 1000
+    monkeypatch.delenv(RING_SWITCH)
     monkeypatch.setenv(SWITCH, "0")  # no dependent launch: nothing to load early for
     assert not early_weights()
     for rows in (256, 16):

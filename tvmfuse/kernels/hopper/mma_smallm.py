@@ -102,7 +102,8 @@ class SmallMTile:
     #: shared-memory ring of S rounds, issued S - 1 rounds ahead of the mma that reads them
     stages: int = 0
     #: before waiting for the kernel before (programmatic dependent launch), the block prefetches the first
-    #: EARLY_BYTES of each of its weight rows into L2, so the weights stream from HBM while that kernel ends; only
+    #: EARLY_BYTES of each of its weight rows into L2 and (with a ring) issues the ring's first `stages - 1` rounds
+    #: of weight copies, so the weights stream from HBM while that kernel ends; only
     #: where the weight is one no kernel writes (`select.weight_params`; chosen with
     #: `kernels.dependent_launch.early_weights()`); nothing changes without the dependent launch
     early_weights: bool = False
@@ -184,6 +185,15 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
                                          source_code=CP_ASYNC_SRC)
         T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
 
+    @T.macro
+    def ring_prologue(ring, bid, warp, lane):
+        """Rounds 0 .. stages - 2 issued (an empty group for each past the last round)."""
+        for p in T.unroll(stages - 1):
+            if p < rounds:
+                issue_round(ring, p, bid, warp, lane)
+            else:
+                T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
+
     @T.prim_func(check_well_formed=False)
     def gemm():
         T.device_entry()
@@ -204,17 +214,17 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
             if tx < tile.bn and bid * tile.bn + tx < n:
                 T.cuda.func_call("tvmfuse_prefetch_l2_bulk", T.address_of(B[bid * tile.bn + tx, 0]),
                                  T.uint32(early_bytes), source_code=PREFETCH_SRC)
+        if ringed:  # the ring's first stages - 1 rounds in flight (with early weights: before the wait)
+            if early:
+                ring_prologue(ring, bid, warp, lane)
         if pdl:  # the kernel before has finished and its writes are seen; the next may launch
             T.ptx.griddepcontrol.wait()
             T.ptx.griddepcontrol.launch_dependents()
         for i in T.unroll(mt * n8 * 4):
             acc[i] = T.float32(0)
-        if ringed:  # the ring's first stages - 1 rounds in flight
-            for p in T.unroll(stages - 1):
-                if p < rounds:
-                    issue_round(ring, p, bid, warp, lane)
-                else:
-                    T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
+        if ringed:
+            if not early:
+                ring_prologue(ring, bid, warp, lane)
         for r in T.serial(rounds):
             if ringed:  # round r + stages - 1 issued, then round r's copies waited for and read back
                 if r + stages - 1 < rounds:
