@@ -15,14 +15,15 @@ from test_smallm import _projection
 from tvm.s_tir import meta_schedule as ms
 
 from tvmfuse.kernels.hopper import apply_hopper_kernels, choose_smallm_tile, choose_tile
-from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, GROUPS, HOPPER_GEMMS, PICK_VARIANTS, hopper_gemm_sites,
-                                               measured_tiles, ringed, smallm_space, wgmma_space)
+from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, GROUPS, HOPPER_GEMMS, PICK_VARIANTS, WHOLE_WAVES,
+                                               hopper_gemm_sites, measured_tiles, ringed, smallm_space,
+                                               whole_wave_tiles, wgmma_space)
 from tvmfuse.kernels.hopper.mma_smallm import SmallMTile, check_smallm_shape
 from tvmfuse.kernels.hopper.select import TILE_COSTS, gemm_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
 from tvmfuse.records import TuningDatabase
 from tvmfuse.records.keys import knob_key
-from tvmfuse.targets import resolve_target
+from tvmfuse.targets import SMS, resolve_target
 from tvmfuse.tune.templates import FAILED_SECS, tune_sites
 
 SHAPES = [(512, 4096, 4096), (2048, 11008, 4096), (512, 768, 3072), (130, 1000, 256), (2048, 50257, 768)]
@@ -55,6 +56,27 @@ def test_wgmma_space_is_the_fitted_pick_first_then_every_tile_that_fits(m, n, k)
                                           and t not in ranked and t not in deep)  # the pick's variants come last
     assert all(t.bm >= 128 or not t.setmaxnreg for t in space)  # one computing warpgroup: ptxas ignores setmaxnreg
     assert wgmma_space(32, n, k) == []  # below every tile (the family gives such rows the small-M kernel)
+
+
+@pytest.mark.parametrize("m,n,k,widths", [(512, 11008, 4096, [168]), (2048, 11008, 4096, [232, 200, 168]),
+                                          (512, 4096, 4096, []), (512, 22016, 4096, [224, 168, 136])])
+def test_whole_wave_tiles_are_the_narrowest_widths_that_fit_each_count_of_waves(m, n, k, widths):
+    """cuBLAS's 168-wide tile at Llama's gate / up projection (512 rows, N 11008: 264 tiles, two waves of 132): for
+    each count of waves the narrowest multiple of 8 above 128 whose tiles fit, none of 8 narrower would; the
+    deepest ring that fits, stepped descriptors and setmaxnreg; after the pick's deeper rings in the space."""
+    tiles = whole_wave_tiles(m, n, k)
+    assert [t.bn for t in tiles] == widths
+    for t in tiles:
+        waves = -(-(-(-m // 128) * -(-n // t.bn)) // SMS)
+        narrower = -(-m // 128) * -(-n // (t.bn - 8))
+        assert waves <= WHOLE_WAVES and (narrower > waves * SMS or t.bn - 8 <= 128), t
+        assert t.stepped_desc and t.setmaxnreg and t.bm == 128 and check_wgmma_shape(m, n, k, t) is None
+        assert t.stages == DEEP_STAGES or check_wgmma_shape(m, n, k, dataclasses.replace(t, stages=t.stages + 1))
+    space = wgmma_space(m, n, k)
+    pick = space[0]
+    deep = [t for t in space[1:3] if t.bn == pick.bn and t.stages > pick.stages]
+    assert space[1 + len(deep):1 + len(deep) + len(tiles)] == [t for t in tiles if t not in space[:1 + len(deep)]]
+    assert tiles == [] or (m, n) != (512, 11008) or tiles[0].stages == 5  # (128 + 168) x 128 B x 5 = 189 KB
 
 
 @pytest.mark.parametrize("m,n,k", [(16, 4096, 4096), (4, 11008, 4096), (64, 768, 768)])

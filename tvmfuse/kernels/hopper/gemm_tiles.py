@@ -20,6 +20,7 @@ from tvmfuse.isolation import HOPPER
 from tvmfuse.isolation import record as record_failure
 from tvmfuse.records.keys import knob_key
 from tvmfuse.records.knobs import best_knobs, failed_knobs
+from tvmfuse.targets import SMS
 
 #: CTA orders measured besides the default's 16 row tiles a group (wgmma_run6.json: 4 was best at 2048x11008x4096)
 GROUPS = (16, 4)
@@ -31,6 +32,8 @@ PICK_VARIANTS = ({"stepped_desc": True}, {"persistent": True}, {"setmaxnreg": Tr
 #: Nsight Compute's samples; 6 stages took it from 30.7 to 29.4 µs, with stepped descriptors and setmaxnreg 28.4
 #: (cuBLAS 26.4; wgmma_run12.json, ncu_run1.json, H100)
 DEEP_STAGES = 6
+#: the most waves of CTAs `whole_wave_tiles` fits a tile width to
+WHOLE_WAVES = 8
 #: the small-M kernel's candidates: columns (8 * n8) a block, warps splitting K, K chunks loaded ahead
 SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
 #: the deepest weight ring (`SmallMTile.stages`) each small-M candidate is also measured with, as many stages up to
@@ -49,10 +52,30 @@ def deeper_rings(m: int, n: int, k: int, pick: WgmmaTile) -> list[WgmmaTile]:
     return [dataclasses.replace(pick, stages=deep), dataclasses.replace(pick, stages=deep, **tuned)]
 
 
+def whole_wave_tiles(m: int, n: int, k: int) -> list[WgmmaTile]:
+    """128-row tiles, for each w of 1 .. WHOLE_WAVES the narrowest width (a multiple of 8 above 128, at most 256)
+    whose output tiles fit in w waves of SMS CTAs, with the deepest ring up to DEEP_STAGES that fits, stepped
+    descriptors and setmaxnreg: the widest k-steps that leave no CTA of a last wave waiting alone. cuBLAS takes a
+    168-wide tile at 512x4096 @ 11008 (4 x 66 = 264 tiles, two full waves of 132; wgmma_run13_llama.json), where
+    the fitted 176-wide one makes 252 tiles."""
+    rows, found = -(-m // 128), []
+    for waves in range(1, WHOLE_WAVES + 1):
+        cols = waves * SMS // rows
+        bn = -(-n // cols // 8) * 8 if cols else 0
+        if not 128 < bn <= 256:
+            continue
+        for stages in range(DEEP_STAGES, 1, -1):
+            tile = WgmmaTile(bn, stages, stepped_desc=True, setmaxnreg=True)
+            if check_wgmma_shape(m, n, k, tile) is None:
+                found.append(tile)
+                break
+    return found
+
+
 def wgmma_space(m: int, n: int, k: int) -> list[WgmmaTile]:
-    """The fitted pick (`choose_tile`) first, then its deeper rings (`deeper_rings`), then every TILE_COSTS tile
-    in each CTA order of GROUPS that fits, cheapest estimate first, then the pick with each of PICK_VARIANTS: what
-    `--trials N` measures, in that order."""
+    """The fitted pick (`choose_tile`) first, then its deeper rings (`deeper_rings`), then the whole-wave tiles
+    (`whole_wave_tiles`), then every TILE_COSTS tile in each CTA order of GROUPS that fits, cheapest estimate
+    first, then the pick with each of PICK_VARIANTS: what `--trials N` measures, in that order."""
     pick = choose_tile(m, n, k)
     if pick is None:
         return []
@@ -62,7 +85,7 @@ def wgmma_space(m: int, n: int, k: int) -> list[WgmmaTile]:
                                    GROUPS.index(t.group_m)))
     variants = [dataclasses.replace(pick, **v) for v in PICK_VARIANTS]
     variants = [t for t in variants if check_wgmma_shape(m, n, k, t) is None]
-    space = [pick] + deeper_rings(m, n, k, pick) + ranked + variants
+    space = [pick] + deeper_rings(m, n, k, pick) + whole_wave_tiles(m, n, k) + ranked + variants
     return list(dict.fromkeys(space))
 
 
