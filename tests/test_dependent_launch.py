@@ -172,9 +172,10 @@ def _chain(rows: int = 256, k: int = 512, seed: int = 0):
     return lower(bb.get()).mod, ws
 
 
-def _build_chain(monkeypatch, cuda_graph: bool, rows: int = 256):
+def _build_chain(monkeypatch, cuda_graph: bool, rows: int = 256, ring: int = 0):
     monkeypatch.setenv(SWITCH, "1")
     monkeypatch.setenv(EARLY_WEIGHTS_SWITCH, "1")
+    monkeypatch.setenv(RING_SWITCH, str(ring))
     cuda = resolve_target("cuda")
     mod, ws = _chain(rows)
     logged = []
@@ -182,6 +183,7 @@ def _build_chain(monkeypatch, cuda_graph: bool, rows: int = 256):
     kernel = "wgmma" if rows > 64 else "mma.sync small-M"
     assert len(logged) == 1 and f": {kernel} {rows}x512x512" in logged[0], logged  # one kernel, called four times
     assert "before the wait" in logged[0], logged  # constant weights: loaded (prefetched) before it
+    assert ("the ring's first rounds copied before the wait" in logged[0]) == bool(ring), logged
     return compile_module(mod, cuda, cuda_graph=cuda_graph), ws
 
 
@@ -263,13 +265,13 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [256, 16])
+@pytest.mark.parametrize("rows,ring", [(256, 0), (16, 0), (16, 4)])
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_dependent_kernels_in_a_cuda_graph_match_numpy_on_the_gpu(monkeypatch, cuda_graph, rows):
+def test_dependent_kernels_in_a_cuda_graph_match_numpy_on_the_gpu(monkeypatch, cuda_graph, rows, ring):
     """Each GEMM reads what the one before wrote: a kernel that read before its predecessor finished would read
     stale values (the output buffers are reused across the 20 calls with new inputs each time). The weights are
-    loaded (wgmma) or prefetched (small M) before each kernel's wait."""
-    ex, ws = _build_chain(monkeypatch, cuda_graph, rows)
+    loaded (wgmma) or prefetched (small M; with a ring, its first rounds also copied) before each kernel's wait."""
+    ex, ws = _build_chain(monkeypatch, cuda_graph, rows, ring)
     vm = relax.VirtualMachine(ex, tvm.cuda(0))
     rng = np.random.default_rng(1)
     for _ in range(20):
