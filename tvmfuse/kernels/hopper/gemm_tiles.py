@@ -55,7 +55,7 @@ def deeper_rings(m: int, n: int, k: int, pick: WgmmaTile) -> list[WgmmaTile]:
 def whole_wave_tiles(m: int, n: int, k: int) -> list[WgmmaTile]:
     """128-row tiles, for each w of 1 .. WHOLE_WAVES the narrowest width (a multiple of 8 above 128, at most 256)
     whose output tiles fit in w waves of SMS CTAs, with the deepest ring up to DEEP_STAGES that fits, stepped
-    descriptors and setmaxnreg: the widest k-steps that leave no CTA of a last wave waiting alone. cuBLAS takes a
+    descriptors and setmaxnreg (no wave partly empty where a narrower width would fill it). cuBLAS takes a
     168-wide tile at 512x4096 @ 11008 (4 x 66 = 264 tiles, two full waves of 132; wgmma_run13_llama.json), where
     the fitted 176-wide one makes 252 tiles."""
     rows, found = -(-m // 128), []
