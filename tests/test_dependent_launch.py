@@ -264,6 +264,31 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
         assert "before the wait" not in logged[0] and "griddepcontrol" not in src and "prefetch_l2" not in src
 
 
+def test_ptxas_keeps_the_early_ring_copies_before_the_dependency_wait(monkeypatch):
+    """ptxas hoists the wait (`ACQBULK`) above plain `ld.global` loads written before it (docs/kernels.md), so the
+    early ring is checked in the SASS: every asynchronous copy (`LDGSTS`) of the ring's first stages - 1 rounds and
+    their commits (`LDGDEPBAR`) lie before it, the L2 prefetch (`UBLKPF`) too, and the rest after it."""
+    from bench.attention_sass import parse_sass  # pylint: disable=import-outside-toplevel
+    from bench.sass_mix import sass_of, tool  # pylint: disable=import-outside-toplevel
+    try:
+        tool("nvcc"), tool("cuobjdump"), tool("nvdisasm")
+    except SystemExit as e:
+        pytest.skip(str(e))
+    cuda = resolve_target("cuda")
+    for name, value in ((SWITCH, "1"), (EARLY_WEIGHTS_SWITCH, "1"), (RING_SWITCH, "4")):
+        monkeypatch.setenv(name, value)
+    logged = []
+    (src,) = cuda_sources(compile_module(apply_default_schedules(
+        apply_hopper_kernels(_chain(rows=16, k=4096)[0], cuda, logged.append), cuda), cuda))
+    stages = int(logged[0].split("a weight ring of ")[1].split()[0])
+    (ops,) = [[op for _, _, op, _ in ins] for ins in parse_sass(sass_of(src)).values()]
+    wait = ops.index("ACQBULK")
+    before, after = ops[:wait], ops[wait:]
+    copies = [op for op in before if op.startswith("LDGSTS")]
+    assert before.count("LDGDEPBAR") == stages - 1 and len(copies) >= stages - 1, before
+    assert any(op.startswith("UBLKPF") for op in before) and any(op.startswith("LDGSTS") for op in after)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,ring", [(256, 0), (16, 0), (16, 4)])
 @pytest.mark.parametrize("cuda_graph", [False, True])
