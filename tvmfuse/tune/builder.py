@@ -23,13 +23,13 @@ TIRX_ATTR = "tvmfuse.tirx"  # tvmfuse.kernels.hopper.wgmma_gemm.TIRX_ATTR, spell
 def fast_build(mod, target, _params):
     """f_build that skips importing the tensor intrinsics in every worker (15-30 s each on a 2-core box); a module
     of TIRx kernels (the knob sets of the Hopper templates, marked TIRX_ATTR) goes through the tirx pipeline."""
-    from tvm.driver import build as tvm_build  # pylint: disable=import-outside-toplevel
+    from tvm.tirx import build as tvm_build  # pylint: disable=import-outside-toplevel
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # pylint: disable=import-outside-toplevel
 
     import tvm  # pylint: disable=import-outside-toplevel
 
     if any(TIRX_ATTR in (getattr(f, "attrs", None) or {}) for f in mod.functions.values()):
-        return tvm_build(mod, target=target, pipeline="tirx")
+        return tvm_build(mod, target, "tirx")
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     if target.kind.name == "cuda":
         _register_mma_index_maps()
@@ -37,4 +37,4 @@ def fast_build(mod, target, _params):
     outer = tvm.transform.PassContext.current()
     config = {**dict(outer.config), **({"tirx.use_async_copy": True} if target.kind.name == "cuda" else {})}
     with tvm.transform.PassContext(opt_level=outer.opt_level, config=config):
-        return tvm_build(mod, target=target)
+        return tvm_build(mod, target)
