@@ -42,8 +42,9 @@ GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx 
 EARLY_WEIGHTS = "early_weights"  # one for the GEMMs' weight loads before their wait (off by default: see models.py)
 SMALLM_RING = "smallm_ring"  # one for the small-M GEMMs' weight ring (off by default: see models.py)
 SMALLM_M1 = "smallm_m1"  # one for M = 1 GEMMs on the small-M kernel (off by default: the GEMV schedule)
+MERGE_SIBLINGS = "merge_siblings"  # one for every sibling group merged at prefill rows (off by default: the estimate)
 UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
-SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_M1, UNTUNED)
+SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_M1, MERGE_SIBLINGS, UNTUNED)
 
 
 def off_by_default() -> dict[str, tuple[str, str]]:
@@ -51,8 +52,10 @@ def off_by_default() -> dict[str, tuple[str, str]]:
     turns one on for the measured build (bench/models.py), `without_templates` off for the before build."""
     from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH
     from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH
+    from tvmfuse.kernels.hopper.select import MERGE_SWITCH
 
-    return {EARLY_WEIGHTS: (EARLY_WEIGHTS_SWITCH, "1"), SMALLM_RING: (RING_SWITCH, "4"), SMALLM_M1: (M1_SWITCH, "1")}
+    return {EARLY_WEIGHTS: (EARLY_WEIGHTS_SWITCH, "1"), SMALLM_RING: (RING_SWITCH, "4"), SMALLM_M1: (M1_SWITCH, "1"),
+            MERGE_SIBLINGS: (MERGE_SWITCH, "1")}
 
 
 def unknown_names(names) -> list[str]:
@@ -72,7 +75,8 @@ def without_templates(names: tuple[str, ...]):
     without it from one export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays);
     EARLY_WEIGHTS: no GEMM loads its weights before its wait (`bench/models.py --before early_weights` turns them
     on for the other build); SMALLM_RING: no small-M GEMM takes a weight ring (`--before smallm_ring`); SMALLM_M1:
-    M = 1 GEMMs keep the GEMV schedule (`--before smallm_m1`)."""
+    M = 1 GEMMs keep the GEMV schedule (`--before smallm_m1`); MERGE_SIBLINGS: sibling projections merge only where
+    the estimate says so (`--before merge_siblings`)."""
     from tvmfuse.build import dependent_launch as launch_pass
     from tvmfuse.kernels.dependent_launch import dependent_launch_off, switched_off
     from tvmfuse.kernels.table import TABLE

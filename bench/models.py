@@ -233,7 +233,8 @@ def main(argv=None) -> dict:
                    "dependent_launch (none launched dependent), generic_waits (only the TIRx kernels) and "
                    "early_weights (the GEMMs' weights loaded before their wait, off by default: on in the "
                    "other build), smallm_ring (the small-M GEMMs' weight ring of 4 stages, likewise), smallm_m1 "
-                   "(M = 1 GEMMs on the small-M kernel, likewise); untuned: built with --trials 0 (with --trials "
+                   "(M = 1 GEMMs on the small-M kernel, likewise), merge_siblings (every sibling group merged at "
+                   "prefill rows, likewise); untuned: built with --trials 0 (with --trials "
                    "N: what tuning bought, and changed_kernels)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)
@@ -258,6 +259,7 @@ def main(argv=None) -> dict:
     from tvmfuse.build.dependent_launch import applies_to
     from tvmfuse.kernels.dependent_launch import early_weights, release_late
     from tvmfuse.kernels.hopper.mma_smallm import ring_stages, takes_m1
+    from tvmfuse.kernels.hopper.select import merges_siblings_always
     for name, (switch, on) in model_builds.off_by_default().items():  # on in the build measured against
         if name in args.before.split(","):
             os.environ[switch] = on
@@ -274,7 +276,7 @@ def main(argv=None) -> dict:
                before=[n for n in args.before.split(",") if n],
                dependent_launch=applies_to(target) and ("late" if release_late() else True),
                early_weights=applies_to(target) and early_weights(), smallm_ring=ring_stages(),
-               smallm_m1=takes_m1(),
+               smallm_m1=takes_m1(), merge_siblings=merges_siblings_always(),
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "

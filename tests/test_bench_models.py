@@ -150,6 +150,18 @@ def test_without_smallm_m1_gemvs_keep_the_gemv_schedule(monkeypatch):
     assert takes_m1()
 
 
+def test_without_merge_siblings_the_estimate_decides_again(monkeypatch):
+    """`--before merge_siblings`: the before build merges Llama's 512-row Q, K and V only where the estimate says
+    so (it does not), the measured one merges them; after the block the switch is back."""
+    from bench.model_builds import MERGE_SIBLINGS, without_templates
+    from tvmfuse.kernels.hopper.select import MERGE_SWITCH, sibling_merge_pays
+
+    monkeypatch.setenv(MERGE_SWITCH, "1")
+    with without_templates((MERGE_SIBLINGS,)):
+        assert not sibling_merge_pays(512, 4096, 4096, 3)
+    assert sibling_merge_pays(512, 4096, 4096, 3)
+
+
 def test_without_generic_waits_only_the_kernels_that_wait_themselves_are_launched_dependent(monkeypatch):
     """`--before generic_waits`: a generic kernel gets no wait (nor the launch tag), a TIRx kernel that waits keeps
     its tag; after the block the generic kernels wait again."""
@@ -171,7 +183,8 @@ def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table or "
-                        "one of dependent_launch, generic_waits, early_weights, smallm_ring, smallm_m1, untuned)"), err
+                        "one of dependent_launch, generic_waits, early_weights, smallm_ring, smallm_m1, "
+                        "merge_siblings, untuned)"), err
     assert not (tmp_path / "o").exists()
 
 
