@@ -42,7 +42,7 @@ GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx 
 EARLY_WEIGHTS = "early_weights"  # one for the GEMMs' weight loads before their wait (off by default: see models.py)
 SMALLM_RING = "smallm_ring"  # one for the small-M GEMMs' weight ring (off by default: see models.py)
 SMALLM_M1 = "smallm_m1"  # one for M = 1 GEMMs on the small-M kernel (off by default: the GEMV schedule)
-MERGE_SIBLINGS = "merge_siblings"  # one for every sibling group merged at prefill rows (off by default: the estimate)
+MERGE_SIBLINGS = "merge_siblings"  # one for every sibling group merged (off by default: the estimate decides)
 UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
 SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_M1, MERGE_SIBLINGS, UNTUNED)
 

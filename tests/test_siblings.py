@@ -125,13 +125,14 @@ def test_the_hopper_rule_merges_where_its_estimate_beats_the_siblings():
 
 def test_the_merge_switch_merges_every_group_the_wgmma_kernel_takes(monkeypatch):
     """TVMFUSE_MERGE_SIBLINGS=1 (off by default, for `bench/models.py --before merge_siblings`): Llama-2-7B's Q, K, V
-    at 512 and 2048 rows merge too; decode rows (the GEMV and small-M kernels) and rows below one wgmma tile
-    still do not; any other value leaves the estimate to decide."""
+    at 512 and 2048 rows merge too, and at decode rows (the GEMV and small-M kernels); any other value leaves the
+    estimate to decide."""
     monkeypatch.setenv(MERGE_SWITCH, "1")
     assert sibling_merge_pays(512, 4096, 4096, 3) and sibling_merge_pays(2048, 11008, 4096, 2)
-    assert not sibling_merge_pays(16, 4096, 4096, 3) and not sibling_merge_pays(64, 4096, 4096, 3)
+    assert sibling_merge_pays(16, 4096, 4096, 3) and sibling_merge_pays(1, 4096, 4096, 3)
     monkeypatch.setenv(MERGE_SWITCH, "0")
     assert not sibling_merge_pays(512, 4096, 4096, 3) and sibling_merge_pays(512, 768, 768, 3)
+    assert not sibling_merge_pays(16, 4096, 4096, 3)
 
 
 def test_a_cuda_build_merges_the_siblings_into_one_wgmma_gemm_and_a_split(tmp_path, capsys):

@@ -42,10 +42,11 @@ DEEP_RING = WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True)
 TILE_COSTS[DEEP_RING] = 0.425
 DEEP_RING_MIN_K = 4096
 TILE_FIXED_US = 1.0
-#: environment switch: "1" merges every sibling group the wgmma kernel takes (prefill rows), where the estimate
-#: (which times each GEMM alone, its weight L2-resident) would not: in the Llama layer at 512 rows each 4096x4096
-#: projection took 32.9 µs against 27.5-28.4 alone (models_run36_pdl.json, wgmma_run16_release.json). Off by
-#: default until measured (`bench/models.py --before merge_siblings` builds a case with and without it)
+#: environment switch: "1" merges every sibling group, where the estimate (which times each GEMM alone, its weight
+#: L2-resident) would not: in the Llama layer at 512 rows each 4096x4096 projection took 32.9 µs against 27.5-28.4
+#: alone (models_run36_pdl.json, wgmma_run16_release.json); at decode rows the 4096-wide GEMVs streamed their
+#: weights at 3.3 TB/s, the 11008-wide ones at 3.6-3.7 (generate_run7.json), so one 12288-wide GEMV may beat three.
+#: Off by default until measured (`bench/models.py --before merge_siblings` builds a case with and without it)
 MERGE_SWITCH = "TVMFUSE_MERGE_SIBLINGS"
 SPLIT_BYTES_PER_US = 3.3e6  # a copy kernel's bytes per µs on the H200 (copy bandwidth 3.3-4.3 TB/s in the bench runs)
 
@@ -90,7 +91,7 @@ def choose_tile(m: int, n: int, k: int) -> WgmmaTile | None:
 
 
 def merges_siblings_always() -> bool:
-    """Whether MERGE_SWITCH asks every sibling group the wgmma kernel takes to be merged, whatever the estimate."""
+    """Whether MERGE_SWITCH asks every sibling group to be merged, whatever the estimate."""
     return os.environ.get(MERGE_SWITCH) == "1"
 
 
@@ -102,13 +103,13 @@ def sibling_merge_pays(m: int, n: int, k: int, count: int) -> bool:
     wgmma_run6.json: 3 x 4.9-6.2 against 8.8); at 2048 rows, with the 192x192 tile for the merged GEMM: 3 x 6.6
     against 11.9 + 6.7 (not measured apart). Llama-2-7B's at 512 (each fills its wave already): the merge would not
     pay by the estimate, which times each GEMM alone with its weight in L2."""
+    if merges_siblings_always():
+        return True
     if m <= MAX_M:  # decode rows: the GEMV and small-M kernels, bandwidth-bound either way
         return False
     one, merged = choose_tile(m, n, k), choose_tile(m, n * count, k)
     if one is None or merged is None:
         return False
-    if merges_siblings_always():
-        return True
     split_us = 2 * m * n * count * 2 / SPLIT_BYTES_PER_US + TILE_FIXED_US  # 16-bit parts read and written
     return estimate_us(m, n * count, k, merged) + split_us < count * estimate_us(m, n, k, one)
 
