@@ -328,6 +328,27 @@ def test_generate_command_prints_its_times(kv_exports, tmp_path, capsys):
     assert "6/6 tokens" in out and out.count("tokens[") == 2
 
 
+def test_a_step_longer_than_the_cache_is_one_error_line_and_nothing_is_written(kv_model, tmp_path, capsys):
+    """--buckets seq=300 with --max-seq 64: a prompt of the bucket cannot fit the cache (it was an internal error
+    from a view past the cache's end); one error line naming both sizes, exit 2, no export."""
+    code = tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--max-seq", "64",
+                      "--buckets", "seq=1,300", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:"), err
+    assert "a step of 300 tokens (seq)" in err[0] and "KV cache of 64 positions" in err[0], err
+    assert not (tmp_path / "o" / "llama_kv-llvm").exists()
+
+
+def test_without_max_seq_a_long_step_bucket_sizes_the_cache_for_it_and_new_tokens(kv_model, tmp_path):
+    """No --max-seq and a seq bucket of 300 (over the default 256): the cache holds that prompt and 256 new tokens
+    (556 positions), where it had 256 and the build failed."""
+    out = tmp_path / "o"
+    code = tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--buckets", "seq=1,300",
+                      "--out", str(out), "--logs", str(tmp_path / "l")])
+    assert code == 0
+    assert json.loads((out / "llama_kv-llvm" / "manifest.json").read_text())["kv_cache"]["capacity"] == 300 + 256
+
+
 def test_inplace_on_a_model_without_a_cache_is_an_error():
     from tvm import relax  # pylint: disable=import-outside-toplevel
 

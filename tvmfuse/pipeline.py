@@ -137,15 +137,26 @@ def frontend_phase(job: Job) -> Imported:
 def kv_cache_phase(bound: tvm.IRModule, imported: Imported, job: Job, say: Say) -> tuple[tvm.IRModule,
                                                                                      CacheLayout | None]:
     """A decoder step with past K/V inputs: unless --kv-cache onnx, its caches become preallocated tensors of
-    --max-seq positions (else the largest bucket of the past or total length, else DEFAULT_MAX_SEQ) written in
-    place (prepare.kv_cache); returns the module and the cache layout (or None)."""
+    --max-seq positions (else the largest bucket of the past or total length, else DEFAULT_MAX_SEQ, or the longest
+    step plus DEFAULT_MAX_SEQ where the step's own length is bucketed or fixed at DEFAULT_MAX_SEQ or more) written in
+    place (prepare.kv_cache); returns the module and the cache layout (or None). A step longer than the cache (a seq
+    bucket or size over --max-seq) is a TvmfuseError."""
     sites = find_cache_sites(bound)
     if job.kv_cache == "onnx" or (job.kv_cache is None and not sites):
         return bound, None
     mask = next((t for t in imported.inputs if "mask" in t.name), None)  # attention_mask [batch, past + seq]
     lengths = {str(p.ty.shape.values[2]) for p, _, _ in sites} | {  # the past dim, and the mask's past + seq
         d for d in (mask.shape[-1:] if mask else []) if isinstance(d, str)}
-    capacity = job.max_seq or max((max(v) for d, v in job.buckets.items() if d in lengths), default=DEFAULT_MAX_SEQ)
+    steps = {str(kv.ty.shape.values[2]) for _, _, kv in sites}  # the step's own length: its tokens (seq)
+    longest = max([max(v) for d, v in job.buckets.items() if d in steps] + [int(d) for d in steps if d.isdigit()],
+                  default=1)
+    capacity = job.max_seq or max((max(v) for d, v in job.buckets.items() if d in lengths),
+                                  default=DEFAULT_MAX_SEQ if longest < DEFAULT_MAX_SEQ else longest + DEFAULT_MAX_SEQ)
+    if longest > capacity:
+        dim = next(iter(steps))
+        raise TvmfuseError(f"a step of {longest} tokens ({dim}) does not fit the in-place KV cache of {capacity} "
+                           f"positions: raise --max-seq to the longest prompt plus the tokens to generate, or drop "
+                           f"that size")
     mod, layout = in_place_kv_cache(bound, capacity, [t.name for t in imported.outputs],
                                     parse_dtype(job.dtype, "dtype"))
     say(f"KV cache in place: {len(layout.sites)} caches of {capacity} positions ({layout.dtype}), written at "
