@@ -328,15 +328,28 @@ def test_generate_command_prints_its_times(kv_exports, tmp_path, capsys):
     assert "6/6 tokens" in out and out.count("tokens[") == 2
 
 
-def test_a_step_longer_than_the_cache_is_one_error_line_and_nothing_is_written(kv_model, tmp_path, capsys):
-    """--buckets seq=300 with --max-seq 64: a prompt of the bucket cannot fit the cache (it was an internal error
-    from a view past the cache's end); one error line naming both sizes, exit 2, no export."""
-    code = tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--max-seq", "64",
-                      "--buckets", "seq=1,300", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l")])
+@pytest.mark.parametrize("size,named", [(["--buckets", "seq=1,300"], " (seq)"), (["--shape", "seq=300"], "")])
+def test_a_step_longer_than_the_cache_is_one_error_line_and_nothing_is_written(kv_model, tmp_path, capsys, size,
+                                                                               named):
+    """--buckets seq=300 (or --shape seq=300) with --max-seq 64: a prompt of that length cannot fit the cache (it
+    was an internal error from a view past the cache's end); one error line naming both sizes, exit 2, no export."""
+    code = tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--max-seq", "64", *size,
+                      "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and err[0].startswith("error:"), err
-    assert "a step of 300 tokens (seq)" in err[0] and "KV cache of 64 positions" in err[0], err
+    assert f"a step of 300 tokens{named} does not fit" in err[0] and "KV cache of 64 positions" in err[0], err
     assert not (tmp_path / "o" / "llama_kv-llvm").exists()
+
+
+def test_a_step_of_a_fixed_length_builds_and_verifies_in_place(kv_model, tmp_path, capsys):
+    """--shape seq=8: the decoder mask is probed at that query length and the verification's step has 8 tokens
+    (both had probed 1-3 and 2, an internal error); the in-place step matches onnxruntime."""
+    code = tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--max-seq", "64",
+                      "--shape", "seq=8", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l")])
+    out = capsys.readouterr().out
+    assert code == 0 and "decoder mask: the 2 masks are one launch" in out, out
+    manifest = json.loads((tmp_path / "o" / "llama_kv-llvm" / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed" and manifest["kv_cache"]["capacity"] == 64
 
 
 def test_without_max_seq_a_long_step_bucket_sizes_the_cache_for_it_and_new_tokens(kv_model, tmp_path):

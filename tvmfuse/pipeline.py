@@ -147,14 +147,15 @@ def kv_cache_phase(bound: tvm.IRModule, imported: Imported, job: Job, say: Say) 
     mask = next((t for t in imported.inputs if "mask" in t.name), None)  # attention_mask [batch, past + seq]
     lengths = {str(p.ty.shape.values[2]) for p, _, _ in sites} | {  # the past dim, and the mask's past + seq
         d for d in (mask.shape[-1:] if mask else []) if isinstance(d, str)}
-    steps = {str(kv.ty.shape.values[2]) for _, _, kv in sites}  # the step's own length: its tokens (seq)
-    longest = max([max(v) for d, v in job.buckets.items() if d in steps] + [int(d) for d in steps if d.isdigit()],
-                  default=1)
+    steps = [kv.ty.shape.values[2] for _, _, kv in sites]  # the step's own length: its tokens (seq)
+    names = {str(d) for d in steps if not isinstance(d, tvm.tirx.IntImm)}
+    longest = max([max(v) for d, v in job.buckets.items() if d in names]
+                  + [int(d) for d in steps if isinstance(d, tvm.tirx.IntImm)], default=1)
     capacity = job.max_seq or max((max(v) for d, v in job.buckets.items() if d in lengths),
                                   default=DEFAULT_MAX_SEQ if longest < DEFAULT_MAX_SEQ else longest + DEFAULT_MAX_SEQ)
     if longest > capacity:
-        dim = next(iter(steps))
-        raise TvmfuseError(f"a step of {longest} tokens ({dim}) does not fit the in-place KV cache of {capacity} "
+        dim = "".join(f" ({d})" for d in sorted(names))  # the bucketed dim, by name
+        raise TvmfuseError(f"a step of {longest} tokens{dim} does not fit the in-place KV cache of {capacity} "
                            f"positions: raise --max-seq to the longest prompt plus the tokens to generate, or drop "
                            f"that size")
     mod, layout = in_place_kv_cache(bound, capacity, [t.name for t in imported.outputs],

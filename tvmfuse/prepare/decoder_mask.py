@@ -104,20 +104,25 @@ def _probe_params(fn: relax.Function, mask: relax.Var, position: relax.Var) -> l
 def check_mask_site(probe: relax.Function, site: MaskSite, mask: relax.Var, position: relax.Var, capacity: int,
                     seqs: list[int]) -> str | None:
     """None when `probe` (`_probe_function` of the site) equals `expected_mask` on every probe input (batch 2,
-    random masks with zeros, query lengths `seqs` and 1-3, pasts from 0 to the capacity's last), else why not."""
+    random masks with zeros, query lengths `seqs` and 1-3, pasts from 0 to the capacity's last; a batch or query
+    length the step fixes (`--shape`) at its own size), else why not."""
     params = list(probe.params)
+    ids = [p for p in params if not p.same_as(mask) and not p.same_as(position)]
+    dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in (ids[0].ty.shape.values if ids else [])]
+    batch, fixed_seq = (dims + [None, None])[:2]
     try:
         ex = tvm.compile(tvm.IRModule({"main": probe}), target="llvm")
         vm = relax.VirtualMachine(ex, tvm.cpu())
     except Exception as err:  # pylint: disable=broad-except  (an op the probe cannot build: leave the mask alone)
         return f"its ops do not build on their own ({type(err).__name__})"
     rng = np.random.default_rng(0)
-    probes = [(s, p) for s in sorted({1, 2, 3, *seqs}) for p in (0, 1, capacity - s) if 0 <= p <= capacity - s]
+    lengths = [fixed_seq] if fixed_seq else sorted({1, 2, 3, *seqs})
+    probes = [(s, p) for s in lengths for p in (0, 1, capacity - s) if 0 <= p <= capacity - s]
     for seq, past in probes:
-        am = (rng.random((2, past + seq)) < 0.7).astype(str(mask.ty.dtype))
+        am = (rng.random((batch or 2, past + seq)) < 0.7).astype(str(mask.ty.dtype))
         am[0] = 1
         feed = [tvm.runtime.ShapeTuple([past]) if p.same_as(position) else tvm.runtime.tensor(am) if p.same_as(mask)
-                else tvm.runtime.tensor(np.zeros((2, seq), str(p.ty.dtype))) for p in params]
+                else tvm.runtime.tensor(np.zeros((batch or 2, seq), str(p.ty.dtype))) for p in params]
         got = vm["main"](*feed).numpy()
         want = expected_mask(am, past, seq, site.masked, site.dtype)
         if got.shape != want.shape or not np.array_equal(got, want):
