@@ -41,15 +41,19 @@ SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
 SMALLM_RING = 4
 
 
+def deepest_ring(m: int, n: int, k: int, tile: WgmmaTile, above: int = 1) -> WgmmaTile | None:
+    """`tile` with the most stages above `above`, up to DEEP_STAGES, that fit the m x n x k GEMM, or None."""
+    return next((dataclasses.replace(tile, stages=d) for d in range(DEEP_STAGES, above, -1)
+                 if check_wgmma_shape(m, n, k, dataclasses.replace(tile, stages=d)) is None), None)
+
+
 def deeper_rings(m: int, n: int, k: int, pick: WgmmaTile) -> list[WgmmaTile]:
     """The pick with the most stages up to DEEP_STAGES that fit, alone and with stepped descriptors (and setmaxnreg
     where it has two computing warpgroups); none where the pick's ring cannot grow."""
-    deep = max((d for d in range(pick.stages + 1, DEEP_STAGES + 1)
-                if check_wgmma_shape(m, n, k, dataclasses.replace(pick, stages=d)) is None), default=None)
+    deep = deepest_ring(m, n, k, pick, pick.stages)
     if deep is None:
         return []
-    tuned = dict(stepped_desc=True, setmaxnreg=pick.bm >= 128)
-    return [dataclasses.replace(pick, stages=deep), dataclasses.replace(pick, stages=deep, **tuned)]
+    return [deep, dataclasses.replace(deep, stepped_desc=True, setmaxnreg=pick.bm >= 128)]
 
 
 def whole_wave_tiles(m: int, n: int, k: int) -> list[WgmmaTile]:
@@ -64,11 +68,9 @@ def whole_wave_tiles(m: int, n: int, k: int) -> list[WgmmaTile]:
         bn = -(-n // cols // 8) * 8 if cols else 0
         if not 128 < bn <= 256:
             continue
-        for stages in range(DEEP_STAGES, 1, -1):
-            tile = WgmmaTile(bn, stages, stepped_desc=True, setmaxnreg=True)
-            if check_wgmma_shape(m, n, k, tile) is None:
-                found.append(tile)
-                break
+        tile = deepest_ring(m, n, k, WgmmaTile(bn, DEEP_STAGES, stepped_desc=True, setmaxnreg=True))
+        if tile is not None:
+            found.append(tile)
     return found
 
 

@@ -173,8 +173,8 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
         tile, make = small, smallm_kernel
         desc = (f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns{unroll}"
                 + (f", a weight ring of {small.stages} stages" if small.stages else "")
-                + (", weights prefetched" + (" and the ring's first rounds copied" if small.stages else "")
-                   + " before the wait" if small.early_weights else ""))
+                + ((", weights prefetched" + (" and the ring's first rounds copied" if small.stages else "")
+                    + " before the wait") if small.early_weights else ""))
     else:
         tile = tile or choose_tile(m, n, k)
         if tile and early and not tile.persistent and tile.cluster == 1:
