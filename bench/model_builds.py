@@ -41,7 +41,7 @@ DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for th
 GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx kernels keep theirs)
 EARLY_WEIGHTS = "early_weights"  # one for the GEMMs' weight loads before their wait (off by default: see models.py)
 SMALLM_RING = "smallm_ring"  # one for the small-M GEMMs' weight ring (off by default: see models.py)
-SMALLM_M1 = "smallm_m1"  # one for M = 1 GEMMs on the small-M kernel (off by default: the GEMV schedule)
+SMALLM_M1 = "smallm_m1"  # one for M = 1 GEMMs on the small-M kernel (on by default; off: the GEMV schedule)
 MERGE_SIBLINGS = "merge_siblings"  # one for every sibling group merged (off by default: the estimate decides)
 UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
 SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_M1, MERGE_SIBLINGS, UNTUNED)
@@ -51,11 +51,19 @@ def off_by_default() -> dict[str, tuple[str, str]]:
     """The kernel switches that are off by default, NAME -> (environment switch, its value when on): `--before NAME`
     turns one on for the measured build (bench/models.py), `without_templates` off for the before build."""
     from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH
-    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH
+    from tvmfuse.kernels.hopper.mma_smallm import RING_SWITCH
     from tvmfuse.kernels.hopper.select import MERGE_SWITCH
 
-    return {EARLY_WEIGHTS: (EARLY_WEIGHTS_SWITCH, "1"), SMALLM_RING: (RING_SWITCH, "4"), SMALLM_M1: (M1_SWITCH, "1"),
+    return {EARLY_WEIGHTS: (EARLY_WEIGHTS_SWITCH, "1"), SMALLM_RING: (RING_SWITCH, "4"),
             MERGE_SIBLINGS: (MERGE_SWITCH, "1")}
+
+
+def on_by_default() -> dict[str, str]:
+    """The kernel switches that are on by default, NAME -> environment switch: `without_templates` sets it to 0 for
+    the before build (`--before NAME`: with it, as built by default, and without)."""
+    from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH
+
+    return {SMALLM_M1: M1_SWITCH}
 
 
 def unknown_names(names) -> list[str]:
@@ -88,6 +96,8 @@ def without_templates(names: tuple[str, ...]):
     try:
         with dependent_launch_off(DEPENDENT_LAUNCH in names), contextlib.ExitStack() as switches:
             for name, (switch, _) in off_by_default().items():
+                switches.enter_context(switched_off(switch, name in names))
+            for name, switch in on_by_default().items():
                 switches.enter_context(switched_off(switch, name in names))
             yield
     finally:

@@ -144,10 +144,11 @@ def test_without_smallm_m1_gemvs_keep_the_gemv_schedule(monkeypatch):
     from bench.model_builds import SMALLM_M1, without_templates
     from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, takes_m1
 
-    monkeypatch.setenv(M1_SWITCH, "1")
+    monkeypatch.delenv(M1_SWITCH, raising=False)
+    assert takes_m1()  # on by default
     with without_templates((SMALLM_M1,)):
         assert not takes_m1()
-    assert takes_m1()
+    assert takes_m1() and M1_SWITCH not in os.environ
 
 
 def test_without_merge_siblings_the_estimate_decides_again(monkeypatch):

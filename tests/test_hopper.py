@@ -281,7 +281,7 @@ def test_small_m_tile_rule_fills_the_gpu(m, n, k, tile):
     assert f"{t.n8}x{t.warps}x{t.vec}x{t.unroll}" == tile
 
 
-def test_small_m_takes_batched_rows_and_ragged_sizes():
+def test_small_m_takes_batched_rows_and_ragged_sizes(monkeypatch):
     """Rows from several leading dims (decode batch 8, sequence 1) flatten to M = 8; K = 200 (not a multiple of
     the 32-wide chunks) zero-fills the loads past K; N = 1001 guards the stores."""
     info, why = analyze_gemm(_kernel(_projection(1, 512, 384, batch=8)))
@@ -290,13 +290,17 @@ def test_small_m_takes_batched_rows_and_ragged_sizes():
     assert got is not None and "mma.sync small-M 3x1001x200" in why, why
     assert "T.uint32(0)" in got.script()  # the zero-filled tail
     assert check_smallm_shape(65, 256, 256, SmallMTile()) is not None
-    got, why = gemm_kernel_from_fused(_kernel(_projection(1, 512, 384)), "main")  # M = 1: the GEMV schedule
+    got, why = gemm_kernel_from_fused(_kernel(_projection(1, 512, 384)), "main")  # M = 1 too, by default
+    assert got is not None and "mma.sync small-M 1x384x512" in why, why
+    monkeypatch.setenv("TVMFUSE_SMALLM_M1", "0")
+    got, why = gemm_kernel_from_fused(_kernel(_projection(1, 512, 384)), "main")  # switched off: the GEMV schedule
     assert got is None and "M=1" in why, why
     assert "multiple of 8" in check_smallm_shape(16, 256, 100, SmallMTile())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,batch,k,n", [(16, 1, 512, 384), (3, 1, 200, 1001), (1, 8, 1024, 256), (64, 1, 1024, 1024)])
+@pytest.mark.parametrize("rows,batch,k,n", [(16, 1, 512, 384), (3, 1, 200, 1001), (1, 8, 1024, 256), (64, 1, 1024, 1024),
+                                            (1, 1, 4096, 1001)])
 def test_small_m_kernel_matches_numpy_on_the_gpu(rows, batch, k, n):
     cuda = resolve_target("cuda")
     mod = apply_hopper_kernels(_projection(rows, k, n, batch=batch), cuda, lambda s: None)
@@ -336,15 +340,15 @@ def test_small_m_ring_copies_the_weights_asynchronously_stages_ahead():
     assert "tvmfuse_cp_async16(" not in src.split("__global__")[-1] and "tvmfuse_ld_stream(" in src
 
 
-def test_m1_switch_gives_gemvs_the_small_m_kernel(monkeypatch):
-    """TVMFUSE_SMALLM_M1=1: a decode batch of 1 (M = 1) takes the small-M kernel with the rule's tile (and its ring
-    when TVMFUSE_SMALLM_RING asks); without it, the GEMV schedule."""
+def test_gemvs_take_the_small_m_kernel_unless_the_m1_switch_is_0(monkeypatch):
+    """By default a decode batch of 1 (M = 1) takes the small-M kernel with the rule's tile (and its ring when
+    TVMFUSE_SMALLM_RING asks); TVMFUSE_SMALLM_M1=0: the GEMV schedule."""
     from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH, RING_SWITCH
 
-    monkeypatch.delenv(M1_SWITCH, raising=False)
+    monkeypatch.setenv(M1_SWITCH, "0")
     got, why = gemm_kernel_from_fused(_kernel(_projection(1, 4096, 4096)), "main")
     assert got is None and "GEMV" in why
-    monkeypatch.setenv(M1_SWITCH, "1")
+    monkeypatch.delenv(M1_SWITCH)
     monkeypatch.setenv(RING_SWITCH, "4")
     got, why = gemm_kernel_from_fused(_kernel(_projection(1, 4096, 4096)), "main")
     assert got is not None and got.attrs[TIRX_ATTR] == "mma_smallm", why
@@ -666,7 +670,8 @@ def test_bf16_gemm_kernels_match_numpy_on_the_gpu(rows, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,batch,k,n", [(16, 1, 512, 384), (3, 1, 200, 1001), (1, 8, 1024, 256), (64, 1, 1024, 1024)])
+@pytest.mark.parametrize("rows,batch,k,n", [(16, 1, 512, 384), (3, 1, 200, 1001), (1, 8, 1024, 256), (64, 1, 1024, 1024),
+                                            (1, 1, 4096, 1001)])
 def test_bf16_small_m_kernel_matches_numpy_on_the_gpu(rows, batch, k, n):
     cuda = resolve_target("cuda")
     mod = apply_hopper_kernels(_projection(rows, k, n, batch=batch, dtype="bfloat16"), cuda, lambda s: None)

@@ -43,8 +43,8 @@ MAX_M = 64
 #: (`SmallMTile.stages`, within RING_BUDGET); unset or 0: none. Off by default until measured on the GPU
 #: (`bench/models.py --before smallm_ring` builds a case with a ring of 4 and without)
 RING_SWITCH = "TVMFUSE_SMALLM_RING"
-#: environment switch read when a GEMM's kernel is chosen: "1" gives M = 1 GEMMs this kernel too (they keep the
-#: GEMV schedule otherwise, measured in the models; `bench/models.py --before smallm_m1` builds a case both ways)
+#: environment switch read when a GEMM's kernel is chosen: M = 1 GEMMs take this kernel unless it is "0" (then the
+#: GEMV schedule); `bench/models.py --before smallm_m1` builds a case both ways (Llama decode b1 188 against 202 µs)
 M1_SWITCH = "TVMFUSE_SMALLM_M1"
 RING_BUDGET = 128 << 10  # the rules' rings: at most this much shared memory a block
 MAX_RING_BYTES = 160 << 10  # of the H100's 227 KB of shared memory a block, the warps' partial sums beside it
@@ -67,8 +67,8 @@ def wait_src(pending: int) -> tuple[str, str]:
 
 
 def takes_m1() -> bool:
-    """Whether M = 1 GEMMs take this kernel (M1_SWITCH=1) rather than the GEMV schedule."""
-    return os.environ.get(M1_SWITCH) == "1"
+    """Whether M = 1 GEMMs take this kernel (the default; M1_SWITCH=0: the GEMV schedule)."""
+    return os.environ.get(M1_SWITCH, "1").strip() != "0"
 
 
 def ring_stages() -> int:
