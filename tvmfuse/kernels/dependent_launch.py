@@ -19,8 +19,8 @@ def dependent_launch() -> bool:
 
 
 #: environment switch read when a GEMM kernel is chosen: "1" lets a GEMM whose B is a weight issue its first weight
-#: loads (wgmma: the ring's first k-tiles of B; small M: an L2 prefetch of its rows) before its wait. Off by default
-#: until measured on the GPU (`bench/models.py --before early_weights` builds a case with and without)
+#: loads (wgmma: the ring's first k-tiles of B; small M: an L2 prefetch of its rows) before its wait. Off by default:
+#: the Llama layer's decode b1 took 235.6 µs with it against 188.1 (models_run41_early.json, H100)
 EARLY_WEIGHTS_SWITCH = "TVMFUSE_EARLY_WEIGHTS"
 
 

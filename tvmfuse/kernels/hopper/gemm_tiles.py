@@ -37,7 +37,8 @@ WHOLE_WAVES = 8
 #: the small-M kernel's candidates: columns (8 * n8) a block, warps splitting K, K chunks loaded ahead
 SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
 #: the deepest weight ring (`SmallMTile.stages`) each small-M candidate is also measured with, as many stages up to
-#: this as fit `mma_smallm.RING_BUDGET` (not measured on the GPU yet: tuning decides, the rule's pick measured first)
+#: this as fit `mma_smallm.RING_BUDGET` (tuning decides; the rules' tiles with a ring of 4 made the Llama layer's decode
+#: b16 14% slower, models_run40_ring.json)
 SMALLM_RING = 4
 
 

@@ -40,8 +40,8 @@ def mma_helper(dtype: str) -> tuple[str, str]:
 
 MAX_M = 64
 #: environment switch read when a small-M tile is chosen: "S" gives the rules' tiles a weight ring of up to S stages
-#: (`SmallMTile.stages`, within RING_BUDGET); unset or 0: none. Off by default until measured on the GPU
-#: (`bench/models.py --before smallm_ring` builds a case with a ring of 4 and without)
+#: (`SmallMTile.stages`, within RING_BUDGET); unset or 0: none. Off by default: with 4 the Llama layer's decode b16
+#: took 406.5 µs against 356.3 (models_run40_ring.json, H100; `bench/models.py --before smallm_ring`)
 RING_SWITCH = "TVMFUSE_SMALLM_RING"
 #: environment switch read when a GEMM's kernel is chosen: M = 1 GEMMs take this kernel unless it is "0" (then the
 #: GEMV schedule); `bench/models.py --before smallm_m1` builds a case both ways (Llama decode b1 188 against 202 µs)

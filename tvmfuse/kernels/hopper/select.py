@@ -46,7 +46,8 @@ TILE_FIXED_US = 1.0
 #: L2-resident) would not: in the Llama layer at 512 rows each 4096x4096 projection took 32.9 µs against 27.5-28.4
 #: alone (models_run36_pdl.json, wgmma_run16_release.json); at decode rows the 4096-wide GEMVs streamed their
 #: weights at 3.3 TB/s, the 11008-wide ones at 3.6-3.7 (generate_run7.json), so one 12288-wide GEMV may beat three.
-#: Off by default until measured (`bench/models.py --before merge_siblings` builds a case with and without it)
+#: Off by default: with it the Llama layer's decode b1 took 184.2 µs against 187.7, its prefill 512 459.2 against
+#: 445.4 (models_run41_merge.json, H100; `bench/models.py --before merge_siblings`)
 MERGE_SWITCH = "TVMFUSE_MERGE_SIBLINGS"
 SPLIT_BYTES_PER_US = 3.3e6  # a copy kernel's bytes per µs on the H200 (copy bandwidth 3.3-4.3 TB/s in the bench runs)
 
