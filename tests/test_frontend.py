@@ -138,6 +138,25 @@ def test_range_to_symbolic_dim_has_that_length():
     run_vs_ort(model, mod, [{"x": rand(2, 3)}, {"x": rand(1, 7)}])
 
 
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul"])
+def test_a_symbolic_dim_with_a_constant_array_is_computed_as_tensors(op):
+    """`past + arange(seq)` once seq is fixed (the decoder step at `--shape seq=8`): the past length (a symbolic
+    dim gathered from a shape) meets a constant array; TVM's converter folds it in numpy and fails (`can only
+    convert an array of size 1 to a Python scalar`)."""
+    from tvmfuse.frontend.shape_ops import check_dim_meets_array
+
+    nodes = [oh.make_node("Shape", ["past"], ["s"]), oh.make_node("Gather", ["s", "i1"], ["d"], axis=0),
+             oh.make_node(op, ["pos", "d"], ["y"])]
+    model = make(nodes, [vi("past", F, [1, "p"])], [vi("y", I64, [8])], [const("i1", 1), const("pos", range(8))])
+    mod = convert(model)
+    assert ret_shape(mod) == 'R.Tensor((8,), dtype="int64")'
+    run_vs_ort(model, mod, [{"past": rand(1, 5)}, {"past": rand(1, 11)}])
+    dim = tvm.tirx.Var("p", "int64")
+    assert check_dim_meets_array([relax.const(np.arange(8)), dim])
+    assert not check_dim_meets_array([relax.const(np.arange(1)), dim])  # one element: TVM's own path folds it
+    assert not check_dim_meets_array([relax.const(np.arange(8)), relax.const(np.arange(8))])
+
+
 def test_gather_of_shape_with_vector_indices_stays_a_shape():
     nodes = [oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Gather", ["s", "perm"], ["t"], axis=0),
              oh.make_node("Reshape", ["x", "t"], ["y"])]
@@ -290,6 +309,6 @@ def test_tvm_converter_map_is_not_modified():
     fe.from_onnx(_mlp())
     stock = tvm_onnx._get_convert_map()
     ours = convert_map()
-    for op in ("Range", "Reshape", "Gather", "Expand", "ConstantOfShape"):
+    for op in ("Range", "Reshape", "Gather", "Expand", "ConstantOfShape", "Add", "Sub", "Mul", "Div"):
         assert stock[op].__module__ == tvm_onnx.__name__
         assert ours[op] is not stock[op] and issubclass(ours[op], stock[op])

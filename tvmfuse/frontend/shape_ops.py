@@ -1,4 +1,5 @@
-"""Converter overrides for ONNX ops that take shape-valued inputs (Reshape, Expand, ConstantOfShape, Range, Gather)."""
+"""Converter overrides for ONNX ops that take shape-valued inputs (Reshape, Expand, ConstantOfShape, Range, Gather,
+and the elementwise binary ops where a symbolic dim meets a constant array)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,41 @@ class Expand(_tvm.Expand):
         return super()._impl_v13(bb, inputs, attr, params)
 
 
+def check_dim_meets_array(inputs) -> bool:
+    """Whether a binary op's inputs are a symbolic scalar (a dim, e.g. the cache's past length) and a constant of
+    more than one element: `past + arange(seq)` once seq is fixed (`--shape seq=8`), which TVM's converter folds
+    in numpy into an array of PrimExprs and then fails on (`can only convert an array of size 1 to a Python
+    scalar`)."""
+    dim = any(tvm.ir.is_prim_expr(x) and not isinstance(x, tvm.tirx.IntImm | tvm.tirx.FloatImm) for x in inputs)
+    return dim and any(isinstance(x, tvm.ir.GenericConst) and x.value.numpy().size > 1 for x in inputs)
+
+
+def _dim_as_tensor(x, dtype: str):
+    """A symbolic dim as a one-element tensor of `dtype` (it broadcasts against the array); other inputs as they
+    are."""
+    if not tvm.ir.is_prim_expr(x) or isinstance(x, tvm.ir.GenericConst):
+        return x
+    tensor = relax.op.shape_to_tensor(relax.ShapeExpr([x]))  # int64
+    return tensor if dtype == "int64" else relax.op.astype(tensor, dtype)
+
+
+def _binary_with_dims(base: type) -> type:
+    """`base` (one of TVM's BinaryBase converters) that computes a symbolic dim with a constant array as tensors
+    (`check_dim_meets_array`) and defers to TVM otherwise."""
+
+    def base_impl(cls, bb, inputs, attr, params):
+        if check_dim_meets_array(inputs):
+            dtype = next(str(x.value.dtype) for x in inputs if isinstance(x, tvm.ir.GenericConst))
+            return base.relax_op(*(_dim_as_tensor(x, dtype) for x in inputs))
+        return base.base_impl.__func__(cls, bb, inputs, attr, params)
+
+    return type(base.__name__, (base,), {"__doc__": _binary_with_dims.__doc__, "base_impl": classmethod(base_impl)})
+
+
+#: the arithmetic ops a position computation uses (`past + arange(seq)`, and its kin)
+DIM_ARITHMETIC = ("Add", "Sub", "Mul", "Div")
+
 OVERRIDES: dict[str, type] = {
     "Range": Range, "Gather": Gather, "Reshape": Reshape, "ConstantOfShape": ConstantOfShape, "Expand": Expand,
+    **{op: _binary_with_dims(getattr(_tvm, op)) for op in DIM_ARITHMETIC},
 }
