@@ -156,8 +156,9 @@ def _last_block_transposes(func: tirx.PrimFunc) -> bool:
     for read in sch.get(infos[-1].block_rv).reads:
         if not any(read.source.same_as(b) for b in made):
             continue
-        for position, rng in enumerate(read.region[:leading]):
-            if any(rng.min.same_as(v) for v in axes) and not rng.min.same_as(axes[position]):
+        starts = [r.min for r in read.region if not isinstance(r.min, tirx.IntImm)]  # unit dims (batch 1) dropped,
+        for position, start in enumerate(starts[:leading]):  # as normalize_prim_func drops their iterators
+            if any(start.same_as(v) for v in axes) and not start.same_as(axes[position]):
                 return True
     return False
 
