@@ -101,3 +101,20 @@ def sibling_projections(rows=128, k=64, n=64, bias: bool = True, tied: bool = Fa
         inputs.append(_f32("x2", [1, rows, k]))
         outputs.append(_f32("y2", [1, rows, widths[1]]))
     return _model(nodes, inputs, outputs, inits)
+
+
+def learned_positions(vocab=32, positions=16, hidden=8) -> onnx.ModelProto:
+    """GPT-2's embedding: y = wte[ids] + wpe[arange(seq)], ids [batch, seq] symbolic; a sequence longer than
+    `positions` runs past wpe's end."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Gather", ["wte", "ids"], ["tok"]),
+             helper.make_node("Shape", ["ids"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["seq"], axis=0),
+             helper.make_node("Range", ["zero", "seq", "one"], ["pos"]),
+             helper.make_node("Gather", ["wpe", "pos"], ["pe"], name="position_table"),
+             helper.make_node("Add", ["tok", "pe"], ["y"])]
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])
+    return _model(nodes, [ids], [_f32("y", ["batch", "seq", hidden])],
+                  [_const("wte", rng.standard_normal((vocab, hidden)).astype(np.float32)),
+                   _const("wpe", rng.standard_normal((positions, hidden)).astype(np.float32)),
+                   _const("one", np.int64(1)), _const("zero", np.int64(0))])

@@ -176,6 +176,45 @@ def test_a_model_onnxruntime_cannot_load_is_one_error_line_not_an_internal_error
     assert not (tmp_path / "o" / "m-llvm").exists()
 
 
+def test_shapes_the_model_cannot_run_are_one_error_line_naming_its_node(tmp_path, capsys):
+    """--shape seq=20 on a model of 16 learned positions: onnxruntime, which verification runs it on, cannot (its
+    position Gather runs past the table's end; it was an internal error with onnxruntime's log line before it): one
+    error line naming the node, what onnxruntime said and the inputs' shapes, exit 2, nothing exported."""
+    onnx.save(onnx_models.learned_positions(positions=16), tmp_path / "pos.onnx")
+    code = main(["--target", "llvm", "--trials", "0", "--shape", "seq=20", "--shape", "batch=1",
+                 "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"), str(tmp_path / "pos.onnx")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: onnxruntime cannot run the model on these "
+                                                             "inputs (ids 1x20): its "), err
+    # (onnxruntime's optimizer turns the position Gather into a slice: the Add after it is what fails)
+    assert "Add node" in err[0] and "16 by 20" in err[0] and "onnxruntime_src" not in err[0], err
+    assert not (tmp_path / "o" / "pos-llvm").exists()
+
+
+@pytest.mark.parametrize("message,said", [
+    ("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code returned while running Gather node. "
+     "Name:'/model/transformer/wpe/Gather' Status Message: indices element out of data bounds, idx=128 must be "
+     "within the inclusive range [-128,127]",
+     "its Gather node '/model/transformer/wpe/Gather': indices element out of data bounds, idx=128 must be within "
+     "the inclusive range [-128,127] (an index past the end of a table: a sequence longer than the model's "
+     "positions?)"),
+    ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Add node. Name:'' Status Message: "
+     "/onnxruntime_src/onnxruntime/core/providers/cpu/math/element_wise_ops.h:583 void onnxruntime::"
+     "BroadcastIterator::Append(ptrdiff_t, ptrdiff_t) axis == 1 || axis == largest was false. Attempting to "
+     "broadcast an axis by a dimension other than 1. 16 by 20\n",
+     "its Add node '': axis == 1 || axis == largest was false. Attempting to broadcast an axis by a dimension other "
+     "than 1. 16 by 20 (a dim the model fixes, such as its positions, smaller than the input's?)"),
+    ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : something else", "something else"),
+])
+def test_onnxruntime_run_errors_become_one_line(message, said):
+    """onnxruntime's GPT-2 position overflow (unoptimized: the Gather), the same optimized (the Add), any other."""
+    from tvmfuse.frontend.onnx_io import ort_run_error  # pylint: disable=import-outside-toplevel
+
+    feeds = {"input_ids": np.zeros((4, 200), "int64"), "t": np.zeros((), "float32")}
+    assert ort_run_error(message, feeds) == f"onnxruntime cannot run the model on these inputs (input_ids 4x200, " \
+                                            f"t scalar): {said}"
+
+
 def test_symbolic_dims_build_with_default_schedules(tmp_path, capsys):
     onnx.save(onnx_models.layer_norm_gelu(dyn=True), tmp_path / "dyn.onnx")
     code = main(["--target", "llvm", "--trials", "4", "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"),

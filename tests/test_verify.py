@@ -132,3 +132,24 @@ def test_a_reference_child_that_cannot_load_the_model_says_why_in_one_line(tmp_p
     assert message.startswith(f"{path}: onnxruntime ") and "cannot load it (ONNX IR version 99" in message, message
     assert "Traceback" not in message and "\n" not in message
 
+
+
+def test_a_reference_child_given_inputs_the_model_cannot_run_says_why_in_one_line(tmp_path):
+    """The child's onnxruntime run fails on the inputs (a position past the table's end): its one line, naming
+    the node, comes back (it was the child's traceback's last line, after 'the onnxruntime reference failed')."""
+    import onnx  # pylint: disable=import-outside-toplevel
+
+    import onnx_models  # pylint: disable=import-outside-toplevel
+    from tvmfuse.errors import TvmfuseError  # pylint: disable=import-outside-toplevel
+    from tvmfuse.verify.child_reference import reference_in_child  # pylint: disable=import-outside-toplevel
+
+    path = str(tmp_path / "pos.onnx")
+    onnx.save(onnx_models.learned_positions(positions=16), path)
+    outputs, _ = reference_in_child(path, {"ids": np.zeros((1, 16), "int64")})
+    assert outputs[0].shape == (1, 16, 8)
+    with pytest.raises(TvmfuseError) as info:
+        reference_in_child(path, {"ids": np.zeros((2, 17), "int64")})
+    message = str(info.value)
+    assert message.startswith("onnxruntime cannot run the model on these inputs (ids 2x17): its "), message
+    assert "16 by 17" in message, message
+    assert "Traceback" not in message and "\n" not in message and "reference failed" not in message

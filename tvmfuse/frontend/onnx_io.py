@@ -141,3 +141,34 @@ def ort_session(model: onnx.ModelProto | str, options=None, low_memory: bool = F
         raise ModelError(f"{name}: onnxruntime {ort.__version__}, which verification runs it on, cannot load it "
                          f"(ONNX IR version {proto.ir_version}; a newer onnxruntime may): "
                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def ort_run(session, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """`session.run` on `feeds`; where onnxruntime rejects them (the shapes the job asked for are ones the model
+    cannot run: a sequence longer than its position table), one ModelError line naming the node and the inputs'
+    shapes, not an internal error."""
+    import onnxruntime as ort  # pylint: disable=import-outside-toplevel
+
+    from onnxruntime.capi import onnxruntime_pybind11_state as state  # pylint: disable=import-outside-toplevel
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # fatal only: its own log line of the failure would come before ours
+    try:
+        return session.run(None, feeds, quiet)
+    except (state.Fail, state.InvalidArgument, state.RuntimeException) as err:
+        raise ModelError(ort_run_error(str(err), feeds)) from None
+
+
+def ort_run_error(message: str, feeds: dict[str, np.ndarray]) -> str:
+    """The line for onnxruntime's run-time `message` on `feeds`: its node, what it said, the inputs' shapes."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    shapes = ", ".join(f"{k} {'x'.join(map(str, v.shape)) or 'scalar'}" for k, v in feeds.items())
+    found = re.search(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)", message)
+    what = found[3] if found else (message.strip().splitlines() or ["no message"])[0].split(" : ")[-1]
+    what = re.sub(r"^/\S+:\d+ [^(]*\([^)]*\) ", "", what.strip())  # onnxruntime's source line and function
+    said = f"its {found[1]} node {found[2]!r}: {what}" if found else what
+    hint = (" (an index past the end of a table: a sequence longer than the model's positions?)"
+            if "out of data bounds" in what else " (a dim the model fixes, such as its positions, smaller than the "
+            "input's?)" if "broadcast" in what else "")
+    return f"onnxruntime cannot run the model on these inputs ({shapes}): {said}{hint}"

@@ -27,7 +27,8 @@ def reference_in_child(path: str, feeds: dict[str, np.ndarray]) -> tuple[list[np
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            if proc.returncode == TvmfuseError.exit_code:  # the child's own one-line error (onnxruntime cannot load)
+            if proc.returncode == TvmfuseError.exit_code:  # the child's own one-line error (onnxruntime cannot load
+                # the model, or run it on these inputs)
                 raise TvmfuseError(last)
             killed = " (killed: out of memory?)" if proc.returncode in (-9, 137) else ""
             raise TvmfuseError(f"{path}: the onnxruntime reference failed{killed}: {last}")
@@ -44,10 +45,10 @@ def main(argv: list[str]) -> int:
         feeds = {k: data[k] for k in data.files}
     try:
         session = onnx_io.ort_session(path, low_memory=True)
+        outputs = onnx_io.ort_run(session, feeds)
     except TvmfuseError as err:  # one line, and the exit code that tells the parent it is one
         print(err, file=sys.stderr)
         return err.exit_code
-    outputs = session.run(None, feeds)
     np.savez(outputs_file, **{f"out{i}": o for i, o in enumerate(outputs)})
     return 0
 

@@ -60,7 +60,7 @@ def onnxruntime_outputs(model: onnx.ModelProto | str, feeds: dict[str, np.ndarra
     """onnxruntime's outputs on `feeds`; `model` a path: the session opens the file (external data from the model's
     folder, never one serialized proto), without pre-packed weight copies; else the proto, serialized."""
     session = onnx_io.ort_session(model, low_memory=isinstance(model, str))
-    return session.run(None, onnx_feeds([i.name for i in session.get_inputs()], feeds))
+    return onnx_io.ort_run(session, onnx_feeds([i.name for i in session.get_inputs()], feeds))
 
 
 def onnx_feeds(names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
