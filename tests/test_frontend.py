@@ -138,8 +138,8 @@ def test_range_to_symbolic_dim_has_that_length():
     run_vs_ort(model, mod, [{"x": rand(2, 3)}, {"x": rand(1, 7)}])
 
 
-@pytest.mark.parametrize("op", ["Add", "Sub", "Mul"])
-def test_a_symbolic_dim_with_a_constant_array_is_computed_as_tensors(op):
+@pytest.mark.parametrize("op,length", [("Add", 8), ("Sub", 8), ("Mul", 8), ("Add", 1)])
+def test_a_symbolic_dim_with_a_constant_array_is_computed_as_tensors(op, length):
     """`past + arange(seq)` once seq is fixed (the decoder step at `--shape seq=8`): the past length (a symbolic
     dim gathered from a shape) meets a constant array; TVM's converter folds it in numpy and fails (`can only
     convert an array of size 1 to a Python scalar`)."""
@@ -147,13 +147,15 @@ def test_a_symbolic_dim_with_a_constant_array_is_computed_as_tensors(op):
 
     nodes = [oh.make_node("Shape", ["past"], ["s"]), oh.make_node("Gather", ["s", "i1"], ["d"], axis=0),
              oh.make_node(op, ["pos", "d"], ["y"])]
-    model = make(nodes, [vi("past", F, [1, "p"])], [vi("y", I64, [8])], [const("i1", 1), const("pos", range(8))])
+    model = make(nodes, [vi("past", F, [1, "p"])], [vi("y", I64, [length])],
+                 [const("i1", 1), const("pos", range(length))])
     mod = convert(model)
-    assert ret_shape(mod) == 'R.Tensor((8,), dtype="int64")'
+    assert ret_shape(mod) == f'R.Tensor(({length},), dtype="int64")'
     run_vs_ort(model, mod, [{"past": rand(1, 5)}, {"past": rand(1, 11)}])
     dim = tvm.tirx.Var("p", "int64")
     assert check_dim_meets_array([relax.const(np.arange(8)), dim])
-    assert not check_dim_meets_array([relax.const(np.arange(1)), dim])  # one element: TVM's own path folds it
+    assert check_dim_meets_array([relax.const(np.arange(1)), dim])  # TVM's own path made it a scalar
+    assert not check_dim_meets_array([relax.const(np.int64(3)), dim])  # a scalar: TVM's own path folds it
     assert not check_dim_meets_array([relax.const(np.arange(8)), relax.const(np.arange(8))])
 
 
@@ -189,6 +191,41 @@ def test_shape_fed_to_elementwise_op_becomes_tensor():
                  [const("i1", 1), const("ax", [0]), const("st", [1]), const("en", [2]), const("two", [2])])
     mod = convert(model)
     run_vs_ort(model, mod, [{"x": rand(2, 3)}, {"x": rand(2, 5)}])
+
+
+def test_arithmetic_on_a_static_dim_folds_so_a_slice_keeps_its_dims():
+    """torch.split / chunk as exported (GPT-NeoX's fused QKV): the slice bounds are `(Shape(x)[-1] + 2) // 3 * k`
+    of a static last dim; fed to Add as a runtime tensor they made a dynamic slice that lost every dim (and the
+    export's present K/V outputs with it); as a constant they fold, and the slice is (n, 4)."""
+    nodes = [oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Gather", ["s", "last"], ["d"], axis=0),
+             oh.make_node("Add", ["d", "two"], ["d2"]), oh.make_node("Div", ["d2", "three"], ["third"]),
+             oh.make_node("Slice", ["x", "zero", "third", "last"], ["y"])]
+    model = make(nodes, [vi("x", F, ["n", 12])], [vi("y", F, ["n", 4])],
+                 [const("last", [-1]), const("two", [2]), const("three", [3]), const("zero", [0])])
+    mod = convert(model)
+    assert ret_shape(mod) == 'R.Tensor((n, 4), dtype="float32")'
+    run_vs_ort(model, mod, [{"x": rand(2, 12)}, {"x": rand(5, 12)}])
+
+
+def test_a_slice_to_the_end_from_a_symbolic_start_has_the_rest_of_the_dim():
+    """OPT's `positions[:, past:]`, exported with end INT64_MAX: (b, total - past), where TVM's converter made the
+    length INT64_MAX - past; added to the step's (b, seq, 4) embeddings, whose seq TVM cannot prove equal to
+    total - past, the sum keeps (b, seq, 4): the other input is cast to it (checked when the model runs), where the
+    sum had lost every dim and could not be lowered."""
+    nodes = [oh.make_node("Shape", ["past"], ["s"]), oh.make_node("Gather", ["s", "i1"], ["p"], axis=0),
+             oh.make_node("Unsqueeze", ["p", "ax0"], ["start"]),
+             oh.make_node("Slice", ["mask", "start", "big", "ax1"], ["pos"]),
+             oh.make_node("Unsqueeze", ["pos", "ax2"], ["pos3"]), oh.make_node("Cast", ["pos3"], ["posf"], to=F),
+             oh.make_node("Add", ["emb", "posf"], ["y"])]
+    model = make(nodes, [vi("emb", F, ["b", "seq", 4]), vi("mask", I64, ["b", "total"]), vi("past", F, ["b", "past"])],
+                 [vi("y", F, ["b", "seq", 4])],
+                 [const("i1", 1), const("ax0", [0]), const("ax1", [1]), const("ax2", [2]),
+                  const("big", [np.iinfo(np.int64).max])])
+    mod = convert(model)
+    assert ret_shape(mod) == 'R.Tensor((b, seq, 4), dtype="float32")'
+    mask = np.arange(14, dtype=np.int64).reshape(2, 7)
+    run_vs_ort(model, mod, [{"emb": rand(2, 3, 4), "mask": mask, "past": rand(2, 4)},
+                            {"emb": rand(2, 1, 4), "mask": mask[:, :5], "past": rand(2, 4)}])
 
 
 def test_lost_dims_are_named_so_reshape_infers():
@@ -309,6 +346,6 @@ def test_tvm_converter_map_is_not_modified():
     fe.from_onnx(_mlp())
     stock = tvm_onnx._get_convert_map()
     ours = convert_map()
-    for op in ("Range", "Reshape", "Gather", "Expand", "ConstantOfShape", "Add", "Sub", "Mul", "Div"):
+    for op in ("Range", "Reshape", "Gather", "Expand", "ConstantOfShape", "Slice", "Add", "Sub", "Mul", "Div"):
         assert stock[op].__module__ == tvm_onnx.__name__
         assert ours[op] is not stock[op] and issubclass(ours[op], stock[op])

@@ -91,3 +91,18 @@ def test_token_ids_are_drawn_over_the_rows_of_the_table_they_index():
     feeds = random_inputs(imp.inputs)
     assert 100 < feeds["ids"].max() < 300 and len(set(feeds["ids"].tolist())) > 40
     assert set(feeds["types"].tolist()) == {0, 1, 2} and set(feeds["flags"].tolist()) <= {0, 1}
+
+
+def test_an_output_whose_dims_the_import_loses_keeps_the_dims_its_graph_declares():
+    """A slice of runtime bounds has no dims in Relax (TVM cannot know them); the output's info takes the ONNX
+    graph's declared dims (it was an internal error, TypeError on None dims: GPT-NeoX's decoder step)."""
+    from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
+
+    nodes = [helper.make_node("Slice", ["x", "start", "end"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8]),
+                                           helper.make_tensor_value_info("end", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", 8])],
+                              [helper.make_tensor("start", TensorProto.INT64, [1], [0])])
+    imp = import_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    assert imp.mod["main"].ret_ty.shape is None  # what TVM knows
+    assert [t.as_dict() for t in imp.outputs] == [{"name": "y", "shape": ["m", 8], "dtype": "float32"}]

@@ -134,17 +134,35 @@ def test_prefill_length_is_the_shortest_seq_bucket_of_the_batch_that_holds_the_p
     assert prefill_length(manifest(grid, mode="onnx"), 1, 300) == 300
 
 
-def test_gpt2_inplace_greedy_tokens_match_onnxruntime(tmp_path):
-    """GPT-2 (no GQA, K^T as a permute of the cache's view): in place, no cache copy, onnxruntime's tokens."""
-    path = hf_export.export_with_cache("gpt2", str(tmp_path))
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_more_decoders_inplace_greedy_tokens_match_onnxruntime(tmp_path, arch):
+    """GPT-2 (no GQA, K^T as a permute of the cache's view) and GPT-NeoX (fused QKV split by torch.split, partial
+    rotary: its present K/V lost their dims at import, an internal error): in place, no cache copy, onnxruntime's
+    tokens."""
+    path = hf_export.export_with_cache(arch, str(tmp_path))
     assert _cache_copies(_lowered(path, "inplace")) == []
     out = tmp_path / "out"
     assert tune_main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
                       "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0  # in place by default
     ids = np.random.default_rng(5).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
-    model = load(str(out / "gpt2_kv-llvm"))
+    model = load(str(out / f"{arch}_kv-llvm"))
     assert model.manifest["kv_cache"]["mode"] == "inplace"
     np.testing.assert_array_equal(model.generate(ids, STEPS).tokens, _onnxruntime_greedy(path, ids, STEPS))
+
+
+@pytest.mark.parametrize("cache", ["onnx", "inplace"])
+def test_an_opt_step_of_fixed_length_builds_and_verifies(tmp_path, cache):
+    """OPT (learned positions from the mask's cumsum, sliced [past:] with end INT64_MAX): a step of 1 token
+    (--shape seq=1 --shape batch=1) builds and matches onnxruntime, with the exported cache copy and in place (the
+    slice's length was INT64_MAX - past: an int64 overflow in a Reshape, or the sum with the embeddings lost its
+    dims)."""
+    path = hf_export.export_with_cache("opt", str(tmp_path))
+    out = tmp_path / "out"
+    assert tune_main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--kv-cache", cache,
+                      "--max-seq", str(CAPACITY), "--shape", "seq=1", "--shape", "batch=1", "--out", str(out),
+                      "--logs", str(out / "logs")]) == 0
+    manifest = json.loads((out / "opt_kv-llvm" / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed" and manifest["kv_cache"]["mode"] == cache
 
 
 def test_inplace_with_a_decode_bucket_matches_onnxruntime(kv_model, tmp_path):

@@ -6,6 +6,7 @@ import contextlib
 import io
 import warnings
 
+import numpy as np
 import onnx
 import tvm
 from tvm import relax
@@ -33,7 +34,9 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
                              + (f" ({len(bad) - 1} more unsupported nodes)" if len(bad) > 1 else ""))
 
     def _shape_inputs_as_tensors(self, node: onnx.NodeProto) -> onnx.NodeProto:
-        """TVM refuses shape-valued inputs for ops outside its shape-aware list; feed those an int64 tensor."""
+        """TVM refuses shape-valued inputs for ops outside its shape-aware list; feed those an int64 tensor: a
+        constant where every dim is static (so the arithmetic on it folds: torch.split's `(dim + 2) // 3` of a
+        static dim gives Slice constant bounds, where a runtime tensor lost the slice's dims), else shape_to_tensor."""
         if node.op_type in SHAPE_AWARE_OPS:
             return node
         renamed = None
@@ -42,7 +45,10 @@ class Importer(_tvm_onnx.ONNXGraphImporter):
             if value is not None and isinstance(getattr(value, "ty", None), relax.ShapeType):
                 alias = f"{name}__as_tensor"
                 if alias not in self._nodes:
-                    self._nodes[alias] = self.bb.normalize(relax.op.shape_to_tensor(value))
+                    dims = getattr(value.ty, "values", None)
+                    static = dims is not None and all(isinstance(d, tvm.tirx.IntImm) for d in dims)
+                    self._nodes[alias] = (relax.const(np.array([int(d) for d in dims], "int64")) if static
+                                          else self.bb.normalize(relax.op.shape_to_tensor(value)))
                 if renamed is None:
                     renamed = onnx.NodeProto()
                     renamed.CopyFrom(node)

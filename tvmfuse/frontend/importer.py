@@ -178,9 +178,17 @@ def _info(name: str, ty, index_bound: int | None = None) -> TensorInfo:
 
 
 def _output_infos(model: onnx.ModelProto, ret_ty) -> list[TensorInfo]:
-    names = [o.name for o in model.graph.output]
+    """The outputs' names, dims and dtypes; an output whose dims the import lost keeps the ones its ONNX graph
+    declares ("?" where it declares none)."""
     fields = list(ret_ty.fields) if isinstance(ret_ty, relax.TupleType) else [ret_ty]
-    return [_info(n, f) for n, f in zip(names, fields)]
+    return [_info(o.name, f) if f.shape is not None else
+            TensorInfo(o.name, _declared_dims(o, f.ndim), str(f.dtype))
+            for o, f in zip(model.graph.output, fields)]
+
+
+def _declared_dims(value: onnx.ValueInfoProto, ndim: int) -> list[int | str]:
+    dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in value.type.tensor_type.shape.dim]
+    return dims if len(dims) == ndim else ["?"] * max(ndim, 0)
 
 
 def _fmt(dims) -> str:

@@ -120,13 +120,35 @@ class Expand(_tvm.Expand):
         return super()._impl_v13(bb, inputs, attr, params)
 
 
+#: Slice ends at or above this are "to the end" (exporters write INT64_MAX, some INT32_MAX)
+SLICE_TO_END = (1 << 31) - 1
+
+
+class Slice(_tvm.Slice):
+    """A Slice whose start is symbolic and whose end means "to the end" (OPT's `positions[:, past:]` exported with
+    end INT64_MAX): the end becomes the axis's dim. TVM's converter assumes symbolic bounds are in range and made
+    the length `INT64_MAX - past` (the dims were lost after it, or a Reshape overflowed int64)."""
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        ends = const_array(bb, inputs[2]) if len(inputs) > 2 else None
+        dims = getattr(getattr(inputs[0], "ty", None), "shape", None)
+        if ends is not None and ends.ndim == 1 and (ends >= SLICE_TO_END).any() and dims is not None:
+            axes = const_array(bb, inputs[3]) if len(inputs) > 3 and inputs[3] is not None else np.arange(len(ends))
+            if axes is not None and len(axes) == len(ends):
+                values = list(dims.values)
+                ends = relax.ShapeExpr([values[int(a)] if e >= SLICE_TO_END else int(e) for a, e in zip(axes, ends)])
+                inputs = [inputs[0], inputs[1], ends] + [inputs[i] if i < len(inputs) else None for i in (3, 4)]
+        return super()._impl_v13(bb, inputs, attr, params)
+
+
 def check_dim_meets_array(inputs) -> bool:
-    """Whether a binary op's inputs are a symbolic scalar (a dim, e.g. the cache's past length) and a constant of
-    more than one element: `past + arange(seq)` once seq is fixed (`--shape seq=8`), which TVM's converter folds
+    """Whether a binary op's inputs are a symbolic scalar (a dim, e.g. the cache's past length) and a constant
+    array (rank 1 or more): `past + arange(seq)` once seq is fixed (`--shape seq=8`), which TVM's converter folds
     in numpy into an array of PrimExprs and then fails on (`can only convert an array of size 1 to a Python
-    scalar`)."""
+    scalar`), or at seq 1 folds into a scalar, one rank short (OPT's positions: an Unsqueeze after it failed)."""
     dim = any(tvm.ir.is_prim_expr(x) and not isinstance(x, tvm.tirx.IntImm | tvm.tirx.FloatImm) for x in inputs)
-    return dim and any(isinstance(x, tvm.ir.GenericConst) and x.value.numpy().size > 1 for x in inputs)
+    return dim and any(isinstance(x, tvm.ir.GenericConst) and x.value.numpy().ndim > 0 for x in inputs)
 
 
 def _dim_as_tensor(x, dtype: str):
@@ -138,15 +160,59 @@ def _dim_as_tensor(x, dtype: str):
     return tensor if dtype == "int64" else relax.op.astype(tensor, dtype)
 
 
+def broadcast_dims(types: list, ndim: int) -> list | None:
+    """The dims of an elementwise op's output over inputs of these tensor types, where TVM cannot prove two of
+    them equal: a dim of 1 takes the other; of two symbolic dims, ONNX's rule makes them equal unless one is 1 at
+    run time, so a static dim wins, else a plain one (`seq` over `total - past`: OPT's positions against its
+    embeddings). None unless every input is a tensor of known dims."""
+    if not types or not all(isinstance(t, relax.TensorType) and t.shape is not None for t in types):
+        return None
+    shapes = [list(t.shape.values) for t in types]
+    if any(len(s) > ndim for s in shapes):
+        return None
+    one = tvm.tirx.IntImm("int64", 1)
+    dims = []
+    for column in zip(*[[one] * (ndim - len(s)) + s for s in shapes]):
+        wider = [d for d in column if not (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)]
+        static = [d for d in wider if isinstance(d, tvm.tirx.IntImm)]
+        plain = [d for d in wider if isinstance(d, tvm.tirx.Var)]
+        dims.append((static or plain or wider or [column[0]])[0])
+    return dims
+
+
+def _broadcast_inputs(bb: relax.BlockBuilder, inputs: list) -> list | None:
+    """The inputs, each whose dims differ from `broadcast_dims` (and are not 1) cast to them (a MatchCast, checked
+    when the model runs), or None when that cannot be decided."""
+    types = [getattr(x, "ty", None) for x in inputs]
+    ndim = max((t.ndim for t in types if isinstance(t, relax.TensorType)), default=0)
+    dims = broadcast_dims(types, ndim)
+    if dims is None:
+        return None
+    analyzer, out = Analyzer(), []
+    for x, ty in zip(inputs, types):
+        have = list(ty.shape.values)
+        want = [h if (isinstance(h, tvm.tirx.IntImm) and int(h) == 1) or analyzer.can_prove_equal(h, w) else w
+                for h, w in zip(have, dims[ndim - len(have):])]
+        same = all(a.same_as(b) for a, b in zip(want, have))
+        out.append(x if same else bb.match_cast(x, relax.TensorType(want, ty.dtype)))
+    return out
+
+
 def _binary_with_dims(base: type) -> type:
     """`base` (one of TVM's BinaryBase converters) that computes a symbolic dim with a constant array as tensors
-    (`check_dim_meets_array`) and defers to TVM otherwise."""
+    (`check_dim_meets_array`), defers to TVM otherwise, and where TVM's output has lost its dims (two symbolic
+    dims it cannot prove equal) casts the inputs to `broadcast_dims` and applies the op again."""
 
     def base_impl(cls, bb, inputs, attr, params):
         if check_dim_meets_array(inputs):
             dtype = next(str(x.value.dtype) for x in inputs if isinstance(x, tvm.ir.GenericConst))
             return base.relax_op(*(_dim_as_tensor(x, dtype) for x in inputs))
-        return base.base_impl.__func__(cls, bb, inputs, attr, params)
+        out = base.base_impl.__func__(cls, bb, inputs, attr, params)
+        ty = getattr(bb.normalize(out), "ty", None) if isinstance(out, relax.Call) else None
+        if isinstance(ty, relax.TensorType) and ty.shape is None:
+            aligned = _broadcast_inputs(bb, inputs)
+            return base.relax_op(*aligned) if aligned is not None else out
+        return out
 
     return type(base.__name__, (base,), {"__doc__": _binary_with_dims.__doc__, "base_impl": classmethod(base_impl)})
 
@@ -156,5 +222,5 @@ DIM_ARITHMETIC = ("Add", "Sub", "Mul", "Div")
 
 OVERRIDES: dict[str, type] = {
     "Range": Range, "Gather": Gather, "Reshape": Reshape, "ConstantOfShape": ConstantOfShape, "Expand": Expand,
-    **{op: _binary_with_dims(getattr(_tvm, op)) for op in DIM_ARITHMETIC},
+    "Slice": Slice, **{op: _binary_with_dims(getattr(_tvm, op)) for op in DIM_ARITHMETIC},
 }
