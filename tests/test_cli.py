@@ -176,6 +176,26 @@ def test_a_model_onnxruntime_cannot_load_is_one_error_line_not_an_internal_error
     assert not (tmp_path / "o" / "m-llvm").exists()
 
 
+def test_an_unlowerable_operator_is_one_error_naming_it_and_its_onnx_node(tmp_path, capsys):
+    """Pow of (b, n) and (b, m), dims TVM cannot prove equal (the import aligns only Add, Sub, Mul and Div): the
+    operator cannot be lowered; one `error:` line naming it and its ONNX node, exit 2 (not a VM codegen crash)."""
+    from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
+
+    graph = helper.make_graph([helper.make_node("Pow", ["x", "y"], ["z"], name="the_pow")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "n"]),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "m"])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["b", "n"])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10),
+              tmp_path / "pow.onnx")
+    code = main([str(tmp_path / "pow.onnx"), "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "o"),
+                 "--logs", str(tmp_path / "l"), "--schedules", "none"])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "relax.power" in lines[0] and "ONNX node 'the_pow' (Pow)" in lines[0], err
+    assert "CodeGenVM" not in err and not (tmp_path / "o" / "pow-llvm").exists()
+
+
 def test_shapes_the_model_cannot_run_are_one_error_line_naming_its_node(tmp_path, capsys):
     """--shape seq=20 on a model of 16 learned positions: onnxruntime, which verification runs it on, cannot (its
     position Gather runs past the table's end; it was an internal error with onnxruntime's log line before it): one

@@ -111,17 +111,18 @@ def test_bert_fixed_shape_tunes_the_attention_kernel(hf_exports, tmp_path, monke
 
 
 @pytest.mark.slow
-def test_unlowerable_operator_is_one_error_naming_it_and_its_onnx_node(ids_exports, tmp_path, capsys):
-    """The legacy exporter's mask subgraph (GPT-2, input_ids only) holds a Sub whose output shape TVM cannot infer
-    at symbolic dims: one `error:` line naming the operator and the ONNX node, exit 2 (not a VM codegen crash)."""
+def test_a_mask_sub_of_dims_tvm_cannot_prove_equal_builds_and_matches_onnxruntime(ids_exports, tmp_path):
+    """The legacy exporter's mask subgraph (GPT-2, input_ids only) holds a Sub of two symbolic dims TVM cannot
+    prove equal: its output lost its dims and could not be lowered (one error line); its inputs are cast to the
+    simpler dims now (checked at run time), and the export matches onnxruntime at two shapes."""
     path = ids_exports("gpt2", "legacy")
-    code = main([path, "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "o"),
-                 "--logs", str(tmp_path / "l"), "--schedules", "none"])
-    err = capsys.readouterr().err
-    assert code == 2
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "relax.subtract" in lines[0] and "ONNX node '/model/transformer/Sub" in lines[0]
-    assert "CodeGenVM" not in err
+    assert main([path, "--target", "llvm", "--trials", "0", "--out", str(tmp_path / "o"),
+                 "--logs", str(tmp_path / "l"), "--schedules", "none"]) == 0
+    model = load(str(tmp_path / "o" / "gpt2_legacy_ids-llvm"))
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    for batch, seq in ((2, 7), (1, 3)):
+        feeds = hf_export.example_inputs(batch, seq, seed=3, ids_only=True)
+        np.testing.assert_allclose(model(**feeds)[0], session.run(None, feeds)[0], atol=ATOL, rtol=0)
 
 
 def test_scan_legalization_at_symbolic_shapes():

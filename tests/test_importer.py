@@ -106,3 +106,42 @@ def test_an_output_whose_dims_the_import_loses_keeps_the_dims_its_graph_declares
     imp = import_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
     assert imp.mod["main"].ret_ty.shape is None  # what TVM knows
     assert [t.as_dict() for t in imp.outputs] == [{"name": "y", "shape": ["m", 8], "dtype": "float32"}]
+
+
+def _step(with_positions: bool):
+    """A decoder step's dims: present = Concat(past, x) declared [b, "total"], the mask [b, total]; with
+    `with_positions`, OPT's positions: the mask sliced [past:] (to INT64_MAX) and added to x."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
+
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [helper.make_node("Concat", ["past", "x"], ["present"], axis=1)]
+    inits = []
+    if with_positions:
+        nodes += [helper.make_node("Shape", ["past"], ["s"]), helper.make_node("Gather", ["s", "one"], ["p"], axis=0),
+                  helper.make_node("Unsqueeze", ["p", "zero"], ["start"]),
+                  helper.make_node("Slice", ["mask", "start", "end", "one1"], ["pos"]),
+                  helper.make_node("Cast", ["pos"], ["posf"], to=f), helper.make_node("Add", ["x", "posf"], ["y"])]
+        inits = [helper.make_tensor("one", i64, [], [1]), helper.make_tensor("zero", i64, [1], [0]),
+                 helper.make_tensor("one1", i64, [1], [1]),
+                 helper.make_tensor("end", i64, [1], [int(np.iinfo(np.int64).max)])]
+    else:
+        nodes += [helper.make_node("Cast", ["mask"], ["y"], to=f)]
+    outputs = [helper.make_tensor_value_info("present", f, ["b", "total"]),
+               helper.make_tensor_value_info("y", f, ["b", "seq" if with_positions else "total"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["b", "seq"]),
+                                           helper.make_tensor_value_info("mask", i64, ["b", "total"]),
+                                           helper.make_tensor_value_info("past", f, ["b", "past"])], outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_a_declared_output_dim_binds_an_input_dim_only_where_it_is_subtracted(with_positions):
+    """The mask's `total` is declared at the present output, which the import computes as past + seq: where the
+    graph slices the mask [past:] (total - past, which FuseTIR cannot pass to a kernel) `total` becomes past + seq
+    and the slice is seq long; elsewhere it stays a dim of its own (the interface unchanged)."""
+    imp = import_model(_step(with_positions))
+    mask = next(t for t in imp.inputs if t.name == "mask")
+    assert mask.shape == (["b", "past + seq"] if with_positions else ["b", "total"]), mask
+    assert [t.shape for t in imp.outputs] == [["b", "past + seq"], ["b", "seq" if with_positions else "total"]]
+    assert sorted(imp.symbolic_dims) == (["b", "past", "seq"] if with_positions else ["b", "past", "seq", "total"])

@@ -43,7 +43,8 @@ class Imported:
 
     @property
     def symbolic_dims(self) -> list[str]:
-        return sorted({d for t in self.inputs for d in t.shape if isinstance(d, str)})
+        """The symbolic dims' names (a dim that is an expression of them, such as `past + seq`, is not one)."""
+        return sorted({d for t in self.inputs for d in t.shape if isinstance(d, str) and d.isidentifier()})
 
 
 def load_onnx(path: str) -> onnx.ModelProto:
@@ -86,12 +87,51 @@ def import_model(model: onnx.ModelProto, shapes: ShapeSpec | None = None, source
     except Exception as err:
         raise ModelError(f"{source}: import failed: {type(err).__name__}: {_first_line(err)}") from None
     mod, params = (lambda pair: (carry_sources(mod, pair[0]), pair[1]))(relax.frontend.detach_params(mod))
+    mod = bind_declared_dims(mod, model)
     main = mod["main"]
     n_in = int(main.attrs["num_input"])
     bounds = index_bounds(model)
     infos = [_info(p.name, p.ty, bounds.get(p.name)) for p in main.params[:n_in]]
     outputs = _output_infos(model, main.ret_ty)
     return Imported(mod, list(params.get("main", [])), infos, outputs, model, source)
+
+
+def bind_declared_dims(mod: tvm.IRModule, model: onnx.ModelProto) -> tvm.IRModule:
+    """An input dim that the graph also declares at an output which the import computed as an expression of other
+    dims (a decoder step's `total`, its attention mask's length, at its present K/V: past + seq) becomes that
+    expression, where the import made dims of it minus another (OPT's positions[:, past:], total - past, which
+    FuseTIR cannot pass to a kernel); elsewhere it stays a dim of its own."""
+    main = mod["main"]
+    dims = {v.name: v for p in main.params if isinstance(p.ty, relax.TensorType) and p.ty.shape is not None
+            for v in p.ty.shape.values if isinstance(v, tvm.tirx.Var)}
+    fields = list(main.ret_ty.fields) if isinstance(main.ret_ty, relax.TupleType) else [main.ret_ty]
+    binding = {}
+    for value, ty in zip(model.graph.output, fields):
+        if not isinstance(ty, relax.TensorType) or ty.shape is None:
+            continue
+        for declared, got in zip(value.type.tensor_type.shape.dim, ty.shape.values):
+            var = dims.get(declared.dim_param)
+            if var is not None and not isinstance(got, tvm.tirx.Var | tvm.tirx.IntImm) and \
+                    not any(v.same_as(var) for v in tvm.tirx.analysis.undefined_vars(got)):
+                binding.setdefault(var, got)
+    binding = {var: got for var, got in binding.items() if _subtracted(main, var)}
+    if binding:
+        mod["main"] = main.bind_symbolic_vars(binding)
+    return mod
+
+
+def _subtracted(func: relax.Function, var) -> bool:
+    """Whether some tensor in `func` has a dim that is `var` minus something."""
+    found = []
+
+    def visit(expr):
+        ty = getattr(expr, "ty", None)
+        if isinstance(ty, relax.TensorType) and ty.shape is not None and isinstance(ty.shape, relax.ShapeExpr):
+            found.extend(d for d in ty.shape.values if isinstance(d, tvm.tirx.Sub)
+                         and any(v.same_as(var) for v in tvm.tirx.analysis.undefined_vars(d)))
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return bool(found)
 
 
 def _check_supported(model: onnx.ModelProto, source: str) -> None:
