@@ -1,5 +1,6 @@
-"""Converter overrides for ONNX ops that take shape-valued inputs (Reshape, Expand, ConstantOfShape, Range, Gather,
-and the elementwise binary ops where a symbolic dim meets a constant array)."""
+"""Converter overrides for ONNX ops that take shape-valued inputs or make symbolic dims (Reshape, Expand,
+ConstantOfShape, Range, Gather, Slice, and the arithmetic ops where a symbolic dim meets a constant array or two
+dims TVM cannot prove equal)."""
 
 from __future__ import annotations
 
