@@ -59,7 +59,8 @@ def knob_space(s: dict) -> list[dict]:
             and k["block_n"] // 2 + s["head_dim"] // 2 <= 192]  # S and O accumulators: registers a thread
 
 
-#: the measured picks at head dim 128 (`attention_run11.json` and `attention_run10.json`, H100), tried in this order
+#: the measured picks at head dim 128 (`attention_run11.json` and `attention_run10.json`, the latter in the results'
+#: archive-attention-runs-4-12.tar.xz; H100), tried in this order
 PICKS = [
     # without causality: 176 keys a tile, overlapped, ping-pong, query tiles first; 0.2% behind the best at 2048
     # (133.7 µs against 133.5), 0.9% at 8192 (1837.7 against 1820.5 with clusters, which lose 7% at 2048); with the
