@@ -134,12 +134,13 @@ def test_prefill_length_is_the_shortest_seq_bucket_of_the_batch_that_holds_the_p
     assert prefill_length(manifest(grid, mode="onnx"), 1, 300) == 300
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "opt"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "opt", "qwen2", "gemma"])
 def test_more_decoders_inplace_greedy_tokens_match_onnxruntime(tmp_path, arch):
     """GPT-2 (no GQA, K^T as a permute of the cache's view), GPT-NeoX (fused QKV split by torch.split, partial
     rotary: its present K/V lost their dims at import, an internal error) and OPT (learned positions sliced
     [past:] from the mask's cumsum: total - past, which FuseTIR could not pass, until the mask's `total` became
-    past + seq): in place, no cache copy, onnxruntime's tokens."""
+    past + seq), Qwen2 (QKV bias) and Gemma (GeGLU, scaled embeddings): in place, no cache copy, onnxruntime's
+    tokens."""
     path = hf_export.export_with_cache(arch, str(tmp_path))
     assert _cache_copies(_lowered(path, "inplace")) == []
     out = tmp_path / "out"
