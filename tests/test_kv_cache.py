@@ -167,6 +167,20 @@ def test_an_opt_step_of_fixed_length_builds_and_verifies(tmp_path, cache):
     assert manifest["verification"]["status"] == "passed" and manifest["kv_cache"]["mode"] == cache
 
 
+def test_an_opt_prompt_padded_to_its_bucket_generates_onnxruntimes_tokens(tmp_path):
+    """OPT with --buckets seq=1,16: a 5-token prompt runs in main_seq16, padded with mask zeros; its positions come
+    from the mask's cumsum, so the padding must not shift them: onnxruntime's greedy tokens (unpadded)."""
+    path = hf_export.export_with_cache("opt", str(tmp_path))
+    out = tmp_path / "out"
+    assert tune_main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
+                      "--logs", str(out / "logs"), "--max-seq", str(CAPACITY), "--buckets", "seq=1,16"]) == 0
+    model = load(str(out / "opt_kv-llvm"))
+    ids = np.random.default_rng(7).integers(0, hf_export.VOCAB, (BATCH, 5), dtype=np.int64)
+    result = model.generate(ids, 12)
+    assert result.prefill == {"function": "main_seq16", "length": 16}, result.prefill
+    np.testing.assert_array_equal(result.tokens, _onnxruntime_greedy(path, ids, 12))
+
+
 def test_inplace_with_a_decode_bucket_matches_onnxruntime(kv_model, tmp_path):
     """--buckets seq=1: a static decode copy of the in-place step (dispatched for seq 1), the prefill on the
     generic one; onnxruntime's greedy tokens. (The cost model used to fail on the bucket's "past + 1".)"""
