@@ -109,8 +109,8 @@ def bind_declared_dims(mod: tvm.IRModule, model: onnx.ModelProto) -> tvm.IRModul
     for value, ty in zip(model.graph.output, fields):
         if not isinstance(ty, relax.TensorType) or ty.shape is None:
             continue
-        for declared, got in zip(value.type.tensor_type.shape.dim, ty.shape.values):
-            var = dims.get(declared.dim_param)
+        for declared, got in zip(_declared_dims(value), ty.shape.values):
+            var = dims.get(declared)
             if var is not None and not isinstance(got, tvm.tirx.Var | tvm.tirx.IntImm) and \
                     not any(v.same_as(var) for v in tvm.tirx.analysis.undefined_vars(got)):
                 binding.setdefault(var, got)
@@ -175,11 +175,8 @@ def _graph_inputs(model: onnx.ModelProto) -> list[TensorInfo]:
     for value in model.graph.input:
         if value.name in weights:
             continue
-        ttype = value.type.tensor_type
-        dims = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else "?")
-                for d in ttype.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type).name
-        infos.append(TensorInfo(value.name, dims, dtype))
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
+        infos.append(TensorInfo(value.name, _declared_dims(value), dtype))
     return infos
 
 
@@ -221,14 +218,19 @@ def _output_infos(model: onnx.ModelProto, ret_ty) -> list[TensorInfo]:
     """The outputs' names, dims and dtypes; an output whose dims the import lost keeps the ones its ONNX graph
     declares ("?" where it declares none)."""
     fields = list(ret_ty.fields) if isinstance(ret_ty, relax.TupleType) else [ret_ty]
-    return [_info(o.name, f) if f.shape is not None else
-            TensorInfo(o.name, _declared_dims(o, f.ndim), str(f.dtype))
+    return [_info(o.name, f) if f.shape is not None else _declared_info(o, f)
             for o, f in zip(model.graph.output, fields)]
 
 
-def _declared_dims(value: onnx.ValueInfoProto, ndim: int) -> list[int | str]:
-    dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in value.type.tensor_type.shape.dim]
-    return dims if len(dims) == ndim else ["?"] * max(ndim, 0)
+def _declared_info(value: onnx.ValueInfoProto, ty) -> TensorInfo:
+    """An output whose dims the import lost: the dims its graph declares ("?" each where they are not its rank)."""
+    dims = _declared_dims(value)
+    return TensorInfo(value.name, dims if len(dims) == ty.ndim else ["?"] * max(ty.ndim, 0), str(ty.dtype))
+
+
+def _declared_dims(value: onnx.ValueInfoProto) -> list[int | str]:
+    """The dims an ONNX value declares: a dim's name, its size, or "?" where it declares neither."""
+    return [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in value.type.tensor_type.shape.dim]
 
 
 def _fmt(dims) -> str:

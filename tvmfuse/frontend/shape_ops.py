@@ -209,8 +209,10 @@ def _binary_with_dims(base: type) -> type:
             dtype = next(str(x.value.dtype) for x in inputs if isinstance(x, tvm.ir.GenericConst))
             return base.relax_op(*(_dim_as_tensor(x, dtype) for x in inputs))
         out = base.base_impl.__func__(cls, bb, inputs, attr, params)
-        ty = getattr(bb.normalize(out), "ty", None) if isinstance(out, relax.Call) else None
-        if isinstance(ty, relax.TensorType) and ty.shape is None:
+        if not isinstance(out, relax.Call):
+            return out
+        out = bb.normalize(out)  # its type (the importer's own normalize of it then has nothing left to do)
+        if isinstance(out.ty, relax.TensorType) and out.ty.shape is None:
             aligned = _broadcast_inputs(bb, inputs)
             return base.relax_op(*aligned) if aligned is not None else out
         return out

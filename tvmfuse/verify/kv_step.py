@@ -25,7 +25,7 @@ def step_dims(inputs, past_inputs: list[str], base: dict[str, int]) -> dict[str,
     ids = next((t for t in inputs if len(t.shape) == 2 and t.name not in past_inputs and "mask" not in t.name), None)
     if ids is not None and isinstance(ids.shape[1], str):
         dims[ids.shape[1]] = SEQ
-    seq = SEQ if ids is None else ids.shape[1] if isinstance(ids.shape[1], int) else dims.get(ids.shape[1], SEQ)
+    seq = ids.shape[1] if ids is not None and isinstance(ids.shape[1], int) else SEQ  # a symbolic one was set to SEQ
     for t in inputs:
         if "mask" in t.name and isinstance(t.shape[-1], str) and t.shape[-1] not in (ids.shape if ids else ()):
             dims[t.shape[-1]] = dims.get(past_dim, PAST) + seq
