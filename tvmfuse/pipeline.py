@@ -22,6 +22,7 @@ from tvm import relax
 
 from tvmfuse.build.compile import (RECORD_US_ATTR, TUNED, apply_database, compile_module, cuda_graph_captures,
                                    schedule_kinds)
+from tvmfuse.build.library import LinkedLibrary
 from tvmfuse.decide import Settings, decide, fusion_report, report_files
 from tvmfuse.errors import TvmfuseError, VerificationError
 from tvmfuse.export import MANIFEST, export, export_dir, make_manifest
@@ -98,9 +99,9 @@ class Lowered:
 
 @dataclass
 class Built:
-    """The build phase's result: the VM executable and, per kernel, how it is scheduled and what was measured."""
+    """The build phase's result: the linked library and, per kernel, how it is scheduled and what was measured."""
 
-    executable: object
+    library: LinkedLibrary
     kinds: dict[str, str]  # kernel -> "tuned", "default", a TIRx kernel, ...
     records: dict[str, tuple[int, float | None]]  # kernel -> (trials recorded, best µs)
     defaults_us: dict[str, float]  # kernel -> its default schedule's measured µs (tuned kernels only)
@@ -241,7 +242,7 @@ def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProg
                 check: Callable | None = None, untuned: tuple[str, ...] = (), say: Say | None = None) -> Built:
     """Each kernel takes its best record unless its default schedule measured faster or `check` (the verify stage's
     `schedule_check`) finds the replayed record's output wrong; every other kernel, and those in `untuned`, gets its
-    default schedule; then one compile to a VM executable."""
+    default schedule; then one compile to a VM executable, linked into a library."""
     mod = lowered.fused.mod
     records = kernel_records(mod, database) if database is not None else {}
     defaults = {p.workload: p.default_us for p in progress.values() if p.default_us is not None}
@@ -263,7 +264,7 @@ def build_phase(lowered: Lowered, target, database, progress: dict[str, TaskProg
     if cuda_graph and target.kind.name == "cuda":
         graphs = cuda_graph_captures(executable.as_text(), {gv.name_hint for gv, f in final.functions.items()
                                                             if isinstance(f, tvm.tirx.PrimFunc)})
-    return Built(executable, kinds, records, defaults_us, graphs)
+    return Built(LinkedLibrary(executable), kinds, records, defaults_us, graphs)
 
 
 def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, target, bound,
@@ -280,7 +281,7 @@ def verify_phase(built: Built, lowered: Lowered, imported: Imported, job: Job, t
         say(f"[{job.name}] verification skipped: {reason}")
         return Verified({"status": "skipped", "reason": reason}, "skipped (memory)")
     device = device_for(target)
-    vm = relax.VirtualMachine(built.executable, device)
+    vm = relax.VirtualMachine(built.library.module, device)
     weights = [w if w.device == device else w.copyto(device) for w in lowered.weights]  # (the build's are on the CPU)
     if lowered.cache is not None:  # the in-place step against onnxruntime's past -> present step
         check, args = compare_kv_step(vm, device, job.path or imported.onnx_model, imported.inputs,
@@ -355,7 +356,7 @@ def export_phase(built: Built, lowered: Lowered, verified: Verified, imported: I
     manifest.update(_cache_interface(manifest, lowered))
     if built.cuda_graphs is not None:
         manifest["cuda_graphs"] = built.cuda_graphs
-    output = export(built.executable, manifest, dest, extra_files=report_files(report),
+    output = export(built.library, manifest, dest, extra_files=report_files(report),
                     weights=lowered.weights if lowered.weights else None,
                     late=lambda: {"build": weight_files.build_stats(started, weight_bytes)})
     with open(os.path.join(output, MANIFEST), encoding="utf-8") as f:

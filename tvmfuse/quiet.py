@@ -1,5 +1,6 @@
 """Keep TVM's C++ log lines (`[hh:mm:ss] file.cc:123: Warning: ...`, the VM's "Scope Saving:" / "Scope Loaded:"
-chatter, one line per constant) out of the user's stderr: the command line's unless `--verbose`, and
+chatter, one line per constant of a library exported after a VM ran it, as tvmfuse's own exports did before
+`build.library`) out of the user's stderr: the command line's unless `--verbose`, and
 `tvmfuse.load`'s while it loads a library; everything else written to stderr, errors included, passes through."""
 
 from __future__ import annotations
