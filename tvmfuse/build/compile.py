@@ -12,6 +12,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
 from tvmfuse.build.dependent_launch import tag_dependent_launch
+from tvmfuse.build.launch_order import order_launches
 from tvmfuse.fuse.views import rewrite_dataflow_reshape
 from tvmfuse.isolation import OUTPUT_CHECK, REPLAY
 from tvmfuse.isolation import record as record_failure
@@ -181,8 +182,8 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target, cuda_graph: boo
     cuda = target.kind.name == "cuda"
     backend = relax.backend.cuda.pipeline if cuda else relax.backend.cpu_generic.pipeline
     # TVM's RewriteDataflowReshape raises on some symbolic kernels (fuse.views): the guarded one keeps them launches
-    passes = [rewrite_dataflow_reshape if p.info.name == "RewriteDataflowReshape" else p
-              for p in backend.dataflow_lower_passes(target) + backend.finalize_passes(target)]
+    passes = [order_launches] + [rewrite_dataflow_reshape if p.info.name == "RewriteDataflowReshape" else p
+                                 for p in backend.dataflow_lower_passes(target) + backend.finalize_passes(target)]
     pipeline = tvm.transform.Sequential(passes)
     # CUDA: cp.async for the software-pipelined shared-memory copies, as the tuning builds (tvmfuse.builder) have
     # them: without it the tensor-core GEMM's 3-deep ring ran as plain loads and stores, and the kernel that was
