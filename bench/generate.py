@@ -50,7 +50,9 @@ NOTES = ("ms_per_token: mean wall time of one decode step for the whole batch (t
          "decode step must read at least, the fp16 weights except the input embedding (one row of it per token) plus "
          "the fp16 K and V of every layer at the mean cache length (prompt + new_tokens / 2), over the copy bandwidth "
          "the run phase measured; fraction_of_roofline = roofline_ms / ms_per_token; identical_leading_tokens: per "
-         "row, how many greedy tokens agree before the first difference")
+         "row, how many greedy tokens agree before the first difference; profile: per kernel its duration (us, which "
+         "under dependent launch counts its wait for the kernel before) and its exposed_us (the time it ran past "
+         "the kernels started before it: bench/model_timing.exposed_time)")
 
 
 def _shape(args) -> dict:

@@ -75,7 +75,9 @@ def kernel_summary(prof, calls: int, top: int = 16, name_chars: int = 120, gaps:
     microseconds per call; the busy time (kernel time summed) against the span of one call (its first start to its
     last end), whose difference is the device's idle time inside a call; and the largest idle gaps inside a call,
     each named by the kernels either side (a CUDA graph's kernels run back to back unless something holds one).
-    `synced=False`: calls queued back to back (no host sync between them), measured as one run shared out."""
+    `synced=False`: calls queued back to back (no host sync between them), measured as one run shared out. Each
+    kernel's `exposed_us` (and their sum) is its duration less the time it overlapped kernels started before it
+    (`exposed_time`): the measure of a kernel under dependent launch."""
     from torch.autograd import DeviceType
     evs = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
     return summarise_kernels(evs, calls, top, name_chars, gaps, synced)
@@ -118,9 +120,24 @@ def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int 
                     last_end, last_name = end, name
         out["gaps"] = [{"after": a, "before": b, "us": round(us / share, 2)}
                        for (a, b), us in sorted(held.items(), key=lambda kv: -kv[1])[:gaps]]
-    out["top"] = [{"name": k[:name_chars], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1)}
-                  for k, v in ranked[:top]]
+    exposed = exposed_time(order)
+    out["exposed_us"] = round(sum(exposed.values()) / calls, 1)
+    out["top"] = [{"name": k[:name_chars], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1),
+                   "exposed_us": round(exposed[k] / calls, 1)} for k, v in ranked[:top]]
     return out
+
+
+def exposed_time(order: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per kernel name, the time its launches ran past every kernel that started before them (events in start
+    order): with programmatic dependent launch a kernel starts while its predecessor runs and waits for it, so its
+    duration (`us`) counts that wait and the kernels' durations add up to more than the span; their exposed times
+    add up to the span less the idle time, each the time that kernel adds to a call."""
+    exposed: dict[str, float] = {}
+    last_end = float("-inf")
+    for name, start, end in order:
+        exposed[name] = exposed.get(name, 0.0) + max(0.0, end - max(start, last_end))
+        last_end = max(last_end, end)
+    return exposed
 
 
 def kernel_profile(vm, dev, args, top: int = 8) -> dict:

@@ -45,3 +45,16 @@ def test_calls_of_equal_length_are_cut_by_count_not_by_their_longest_pauses():
     s = summarise_kernels(evs, calls=3)
     assert s["span_us"] == pytest.approx(90.0) and s["idle_in_call_us"] == pytest.approx(40.0)
     assert s["gaps"] == [{"after": "mask", "before": "embed", "us": 40.0}]
+
+
+def test_a_dependent_kernels_wait_is_not_its_exposed_time():
+    """Programmatic dependent launch: b starts 25 us into a's 30 and waits, c the same into b: their durations add
+    up to more than the span, their exposed times (each past the kernels before it) to the span."""
+    evs = []
+    for t in (0, 100):
+        evs += [("a", t, t + 30), ("b", t + 25, t + 40), ("c", t + 38, t + 45)]
+    s = summarise_kernels(evs, calls=2)
+    assert s["busy_us"] == pytest.approx(52.0) and s["span_us"] == pytest.approx(45.0)
+    assert s["exposed_us"] == pytest.approx(45.0)
+    assert {t["name"]: t["exposed_us"] for t in s["top"]} == {"a": 30.0, "b": 10.0, "c": 5.0}
+    assert {t["name"]: t["us"] for t in s["top"]} == {"a": 30.0, "b": 15.0, "c": 7.0}
