@@ -234,6 +234,8 @@ def main(argv=None) -> dict:
                    "early_weights (the GEMMs' weights loaded before their wait, off by default: on in the "
                    "other build), smallm_ring (the small-M GEMMs' weight ring of 4 stages, likewise), smallm_m1 "
                    "(M = 1 GEMMs on the small-M kernel, on by default: the GEMV schedule in the other build), "
+                   "wgmma_waits (the wgmma GEMMs launched dependent, on by default: after the kernel before them in "
+                   "the other build), "
                    "merge_siblings (every sibling group merged, off by default: on in the other build); untuned: "
                    "built with --trials 0 (with --trials N: what tuning bought, and changed_kernels)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
@@ -257,7 +259,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
     import torch
     from tvmfuse.build.dependent_launch import applies_to
-    from tvmfuse.kernels.dependent_launch import early_weights, release_late
+    from tvmfuse.kernels.dependent_launch import early_weights, release_late, wgmma_waits
     from tvmfuse.kernels.hopper.mma_smallm import ring_stages, takes_m1
     from tvmfuse.kernels.hopper.select import merges_siblings_always
     for name, (switch, on) in model_builds.off_by_default().items():  # on in the build measured against
@@ -276,7 +278,7 @@ def main(argv=None) -> dict:
                before=[n for n in args.before.split(",") if n],
                dependent_launch=applies_to(target) and ("late" if release_late() else True),
                early_weights=applies_to(target) and early_weights(), smallm_ring=ring_stages(),
-               smallm_m1=takes_m1(), merge_siblings=merges_siblings_always(),
+               smallm_m1=takes_m1(), wgmma_waits=wgmma_waits(), merge_siblings=merges_siblings_always(),
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "
                      "violations (elements outside) by tvmfuse.verify.compare at the row's dtype's tolerance (fp16: "

@@ -151,6 +151,20 @@ def test_without_smallm_m1_gemvs_keep_the_gemv_schedule(monkeypatch):
     assert takes_m1() and M1_SWITCH not in os.environ
 
 
+def test_without_wgmma_waits_the_wgmma_gemms_do_not_wait(monkeypatch):
+    """`--before wgmma_waits`: the before build's wgmma GEMMs launch after the kernel before them; after it the
+    switch is back."""
+    from bench.model_builds import WGMMA_WAITS, without_templates
+    from tvmfuse.kernels.dependent_launch import SWITCH, WGMMA_SWITCH, wgmma_waits
+
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.delenv(WGMMA_SWITCH, raising=False)
+    assert wgmma_waits()  # on by default
+    with without_templates((WGMMA_WAITS,)):
+        assert not wgmma_waits()
+    assert wgmma_waits() and WGMMA_SWITCH not in os.environ
+
+
 def test_without_merge_siblings_the_estimate_decides_again(monkeypatch):
     """`--before merge_siblings`: the before build merges Llama's 512-row Q, K and V only where the estimate says
     so (it does not), the measured one merges them; after the block the switch is back."""
@@ -185,7 +199,7 @@ def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table or "
                         "one of dependent_launch, generic_waits, early_weights, smallm_ring, smallm_m1, "
-                        "merge_siblings, untuned)"), err
+                        "wgmma_waits, merge_siblings, untuned)"), err
     assert not (tmp_path / "o").exists()
 
 

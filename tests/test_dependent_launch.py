@@ -18,8 +18,8 @@ from tvm.tirx.build import split_host_device_mods
 from tvmfuse.build.compile import TIR_PIPELINE, compile_module
 from tvmfuse.build.dependent_launch import TAG, applies_to, with_dependent_launch
 from tvmfuse.fuse.fusion import lower
-from tvmfuse.kernels.dependent_launch import (EARLY_WEIGHTS_SWITCH, SWITCH, dependent_launch, dependent_launch_off,
-                                               early_weights, release_late)
+from tvmfuse.kernels.dependent_launch import (EARLY_WEIGHTS_SWITCH, SWITCH, WGMMA_SWITCH, dependent_launch,
+                                               dependent_launch_off, early_weights, release_late, wgmma_waits)
 from tvmfuse.kernels.hopper.mma_smallm import RING_SWITCH
 from tvmfuse.kernels.hopper.select import apply_hopper_kernels
 from tvmfuse.spaces.defaults import apply_default_schedules
@@ -107,6 +107,28 @@ def test_late_release_lets_the_next_kernel_launch_once_the_loads_are_issued(monk
     (src,) = cuda_sources(compile_module(apply_default_schedules(
         apply_hopper_kernels(_gelu_projection(256, 512, 384), cuda, lambda _: None), cuda), cuda))
     assert len(_nvcc_fatbin(src, cuda)) > 1000  # ptxas takes it for sm_90a
+
+
+def _wgmma_func() -> tvm.tirx.PrimFunc:
+    """The wgmma GEMM of a 256-row projection, as built now (the switches as set)."""
+    mod = apply_hopper_kernels(_gelu_projection(256, 512, 384), resolve_target("cuda"), lambda _: None)
+    (gemm,) = [f for f in mod.functions.values()
+               if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and f.attrs.get("tvmfuse.tirx") == "wgmma"]
+    return gemm
+
+
+def test_wgmma_switch_at_0_launches_the_wgmma_gemm_after_its_predecessor_and_it_still_releases(monkeypatch):
+    """TVMFUSE_WGMMA_DEPENDENT=0 (an experiment): the wgmma GEMM neither waits nor is launched dependent (the pass
+    adds no wait at its top: it releases, so it has a griddepcontrol of its own); the small-M GEMM still waits."""
+    monkeypatch.setenv(SWITCH, "1")
+    assert any(TAG in params for params in _launch_params(_wgmma_func()).values())
+    monkeypatch.setenv(WGMMA_SWITCH, "0")
+    assert not wgmma_waits() and dependent_launch()
+    kernel = _gemm_source(256)
+    assert "griddepcontrol_wait()" not in kernel
+    assert 0 < kernel.find("griddepcontrol_launch_dependents()") < kernel.find("cp_async_bulk_tensor_g2s")
+    assert all(TAG not in params for params in _launch_params(_wgmma_func()).values())
+    assert "griddepcontrol_wait()" in _gemm_source(16)
 
 
 @pytest.mark.parametrize("rows", [256, 16])

@@ -30,6 +30,19 @@ def early_weights() -> bool:
     return dependent_launch() and os.environ.get(EARLY_WEIGHTS_SWITCH) == "1"
 
 
+#: environment switch read when a wgmma GEMM is built: "0" (an experiment, not measured yet) builds it without the
+#: wait, so it launches once the kernel before has finished, while it still lets the next kernel launch early and
+#: every other kernel keeps the dependent launch. A wgmma CTA holds its SM's whole register file and most of its
+#: shared memory: launched dependent, the GEMM's CTAs may sit on SMs waiting while the kernel before still has CTAs
+#: to place (the Llama layer's prefill 512 runs 3% faster without any dependent launch: models_run44_pdl.json)
+WGMMA_SWITCH = "TVMFUSE_WGMMA_DEPENDENT"
+
+
+def wgmma_waits() -> bool:
+    """Whether wgmma GEMMs built now wait for their predecessor (the dependent launch on, WGMMA_SWITCH not 0)."""
+    return dependent_launch() and os.environ.get(WGMMA_SWITCH) != "0"
+
+
 def release_late() -> bool:
     """SWITCH=late (an experiment, not measured yet): the wgmma GEMM releases its successor once its loader has
     issued its last load (as CUTLASS's Hopper GEMMs do after their mainloop) instead of right after its wait."""

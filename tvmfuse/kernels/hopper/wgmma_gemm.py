@@ -5,7 +5,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.dependent_launch import dependent_launch, release_late
+from tvmfuse.kernels.dependent_launch import dependent_launch, release_late, wgmma_waits
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape, pair_tile_of, tile_of
 from tvmfuse.targets import SMS
@@ -118,8 +118,9 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         return acc[i] + acc[acc_n + i] if sets == 2 else acc[i]
 
     pdl = dependent_launch()  # kernels.dependent_launch
+    waits = wgmma_waits()  # (without the wait it is launched as usual, after the kernel before; it still releases)
     late = pdl and release_late()  # the successor released after the last load is issued, not after the wait
-    early = pdl and tile.early_weights  # the first k-tiles' B loads before the wait (B: a weight nobody writes)
+    early = waits and tile.early_weights  # the first k-tiles' B loads before the wait (B: a weight nobody writes)
     ahead = tile.l2_ahead
     # fmt: off
     @T.macro
@@ -293,7 +294,8 @@ def wgmma_kernel(m: int, n: int, k: int, tile: WgmmaTile, a, b, out, finish, pla
         else:
             T.cuda.cta_sync()
         if pdl and not early:  # the kernel before has finished and its writes are seen; the next may launch
-            T.ptx.griddepcontrol.wait()
+            if waits:
+                T.ptx.griddepcontrol.wait()
             if not late:
                 T.ptx.griddepcontrol.launch_dependents()
         if tx < 128:
