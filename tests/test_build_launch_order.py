@@ -91,3 +91,25 @@ def test_the_ordered_module_computes_the_same():
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
     np.testing.assert_array_equal(results[1][1], [0, 0, 2, 2, 2, 2, 0, 0])
+
+
+def test_an_in_place_write_of_an_input_is_not_hoisted_above_a_read_of_it():
+    """The negative for hoisting: w overwrites the input `cache` from inputs alone, r (a launch before it) reads the
+    cache; w may not move above r, and it stays after it."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([4], "float32"))
+    cache = relax.Var("cache", relax.TensorType([8], "float32"))
+    past = tvm.tirx.Var("past", "int64")
+    past_len = relax.Var("past_len", relax.ShapeType([past]))
+    with bb.function("main", [x, past_len, cache]):
+        cp, wr = bb.add_func(copy4, "copy4"), bb.add_func(write, "write")
+        with bb.dataflow():
+            r = bb.emit(relax.call_tir(cp, [relax.op.strided_slice(cache, [0], [0], [4])],
+                                       relax.TensorType([4], "float32")), "r")
+            w = bb.emit(relax.op.call_tir_inplace(wr, relax.Tuple([cache, x, relax.prim_value(past)]), [0], cache.ty),
+                        "w")
+            out = bb.emit_output(bb.emit(relax.op.add(relax.op.strided_slice(w, [0], [0], [4]), r), "out"))
+        bb.emit_func_output(out)
+    bindings = list(bb.get()["main"].body.blocks[0].bindings)
+    order = _names(order_block(bindings, {x, past_len, cache}))
+    assert order.index("r") < order.index("w"), order

@@ -26,10 +26,16 @@ def _is_launch(binding) -> bool:
     return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in LAUNCHES
 
 
+def _writes_in_place(binding) -> bool:
+    value = binding.value
+    return isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.call_tir_inplace"
+
+
 def order_block(bindings: list, inputs: set) -> list:
     """`bindings` (one dataflow block, in a valid order) reordered: the uncapturable ones that read nothing the
-    block computes first (in their order), each other uncapturable one (and each host builtin only they read) right
-    before the first binding that uses it, the rest as they were. Every binding still follows what it reads."""
+    block computes first (in their order; not an in-place write, which would then run before a read of what it
+    overwrites), each other uncapturable one (and each host builtin only they read) right before the first binding
+    that uses it, the rest as they were. Every binding still follows what it reads."""
     order = list(bindings)
     defined = {b.var for b in order}
     casts = [b for b in order if isinstance(b, relax.MatchCast)]  # they stay: they may define symbolic dims
@@ -42,9 +48,12 @@ def order_block(bindings: list, inputs: set) -> list:
     for b in order:  # host builtins (R.null_value() for a view's dtype) read by moving bindings alone move with them
         if not _is_launch(b) and b.var not in moving and users.get(b.var) and all(u in moving for u in users[b.var]):
             moving.add(b.var)
-    early = [b for b in order if b.var in moving and not set(relax.analysis.free_vars(b.value)) & defined
-             and not (set(relax.analysis.free_symbolic_vars(b.value)) | set(relax.analysis.tir_vars_in_type(b.var.ty)))
-             & sizes]
+
+    def reads_nothing_computed(b) -> bool:  # nor a size a cast of the block defines
+        sized = set(relax.analysis.free_symbolic_vars(b.value)) | set(relax.analysis.tir_vars_in_type(b.var.ty))
+        return not set(relax.analysis.free_vars(b.value)) & defined and not sized & sizes
+
+    early = [b for b in order if b.var in moving and not _writes_in_place(b) and reads_nothing_computed(b)]
     order = early + [b for b in order if b not in early]
     for b in reversed([b for b in order if b.var in moving and b not in early]):
         rest = [x for x in order if x is not b]
