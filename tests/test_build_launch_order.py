@@ -28,15 +28,19 @@ def write(cache: T.Buffer((8,), "float32"), new: T.Buffer((4,), "float32"), pos:
             cache[pos + vi] = new[vi]
 
 
+def _params():
+    """x [4], past_len (a shape of the symbolic `past`) and cache [8]: the step's inputs."""
+    past = tvm.tirx.Var("past", "int64")
+    return (relax.Var("x", relax.TensorType([4], "float32")), relax.Var("past_len", relax.ShapeType([past])),
+            relax.Var("cache", relax.TensorType([8], "float32")), past)
+
+
 def _step():
     """a (static) -> w = write(cache, a, past) -> b (static, reads a) -> v = view of w (its dtype lv, a host
     builtin) -> lv1 = slice of v -> c = lv1 + m -> d (static); m = copy of input x (reads an input, nothing the
     block computes)."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([4], "float32"))
-    cache = relax.Var("cache", relax.TensorType([8], "float32"))
-    past = tvm.tirx.Var("past", "int64")
-    past_len = relax.Var("past_len", relax.ShapeType([past]))
+    x, past_len, cache, past = _params()
     with bb.function("main", [x, past_len, cache]):
         cp = bb.add_func(copy4, "copy4")
         wr = bb.add_func(write, "write")
@@ -97,10 +101,7 @@ def test_an_in_place_write_of_an_input_is_not_hoisted_above_a_read_of_it():
     """The negative for hoisting: w overwrites the input `cache` from inputs alone, r (a launch before it) reads the
     cache; w may not move above r, and it stays after it."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([4], "float32"))
-    cache = relax.Var("cache", relax.TensorType([8], "float32"))
-    past = tvm.tirx.Var("past", "int64")
-    past_len = relax.Var("past_len", relax.ShapeType([past]))
+    x, past_len, cache, past = _params()
     with bb.function("main", [x, past_len, cache]):
         cp, wr = bb.add_func(copy4, "copy4"), bb.add_func(write, "write")
         with bb.dataflow():
