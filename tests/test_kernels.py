@@ -169,8 +169,8 @@ def test_substitute_leaves_unknown_kernels():
     log = []
     assert substitute(fused.mod, {}, log=log) is fused.mod and log == []
     name = next(iter(fused.kernel_patterns))
-    same = substitute(fused.mod, fused.kernel_patterns, info={name: {"scale": 0.5}}, log=log)
-    assert same is fused.mod and "scale" in log[0][1]
+    same = substitute(fused.mod, fused.kernel_patterns, info={name: {"scale": -0.5}}, log=log)
+    assert same is fused.mod and log[0][1] == "generic: softmax scale -0.5 is not a positive constant"
 
 
 @pytest.mark.gpu

@@ -152,6 +152,22 @@ def test_more_decoders_inplace_greedy_tokens_match_onnxruntime(tmp_path, arch):
     np.testing.assert_array_equal(model.generate(ids, STEPS).tokens, _onnxruntime_greedy(path, ids, STEPS))
 
 
+@pytest.mark.parametrize("arch, scale", [("llama", 0.25), ("gpt2", 0.25), ("gpt_neox", 0.25), ("opt", 1.0),
+                                         ("qwen2", 0.25), ("gemma", 0.25)])
+def test_every_decoders_step_attention_takes_the_step_template(tmp_path, arch, scale):
+    """One attention kernel per step for each architecture, the step template's, with the softmax scale of the
+    graph: 1/sqrt(16) for the tiny models' head dim 16, and 1 for OPT, which scales Q in its projection before the
+    head split (and casts K^T down without a scale: it ran as ~17 generic kernels a layer before)."""
+    from tvmfuse.kernels import substitute  # pylint: disable=import-outside-toplevel
+
+    fused = _lowered(hf_export.export_with_cache(arch, str(tmp_path)), "inplace", "llvm", "fp16")
+    log: list = []
+    new = substitute(fused.mod, fused.kernel_patterns, target="llvm", log=log)
+    assert [outcome for _, outcome in log] == ["template attention_step"], log
+    ((name, _),) = log
+    assert json.loads(str(new[name].attrs["tvmfuse.template"]))["shapes"]["scale"] == pytest.approx(scale)
+
+
 @pytest.mark.parametrize("cache", ["onnx", "inplace"])
 def test_an_opt_step_of_fixed_length_builds_and_verifies(tmp_path, cache):
     """OPT (learned positions from the mask's cumsum, sliced [past:] with end INT64_MAX): a step of 1 token

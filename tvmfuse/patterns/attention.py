@@ -52,8 +52,8 @@ def make_attention_pattern() -> Annotated:
     q = _heads(q_in)
     k = _key_transpose(k_gqa) | _key_transpose(k_src)
     v = cast(v_gqa | v_src)
-    qs = cast(_op("multiply", q, const())) | cast(_op("divide", q, const())) | q
-    ks = cast(_op("multiply", k, const())) | cast(_op("divide", k, const())) | k
+    qs = cast(_op("multiply", q, const())) | cast(_op("divide", q, const())) | cast(q)
+    ks = cast(_op("multiply", k, const())) | cast(_op("divide", k, const())) | cast(k)
     scores = _op("matmul", qs, ks)
     scores_out = cast(cast(scores))
     scaled = _op("multiply", scores_out, const()) | _op("divide", scores_out, const()) | scores_out

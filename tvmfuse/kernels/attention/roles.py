@@ -94,7 +94,7 @@ def attention_roles(fn: tirx.PrimFunc) -> dict | None:
                 uses[i] = (use[1], use[2])
         else:
             return None
-    if order.count("mask") > 1 or order.count("const") > 1 or "scale" not in order:
+    if order.count("mask") > 1 or order.count("const") > 1:  # no scale: 1 (OPT scales Q in its projection)
         return None
     shapes = template_shapes(names, order, bufs, labels, q, k, v, out)
     if shapes is None:
