@@ -21,14 +21,10 @@ def check_uncapturable(binding, inputs: set) -> bool:
     return any(v in inputs or _symbolic(v.ty) for v in relax.analysis.free_vars(binding.value))
 
 
-def _is_launch(binding) -> bool:
+def _op_name(binding) -> str:
+    """The name of the op a binding calls ("" for anything else: a tuple, a var, a call of a function)."""
     value = binding.value
-    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in LAUNCHES
-
-
-def _writes_in_place(binding) -> bool:
-    value = binding.value
-    return isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.call_tir_inplace"
+    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else ""
 
 
 def order_block(bindings: list, inputs: set) -> list:
@@ -46,14 +42,16 @@ def order_block(bindings: list, inputs: set) -> list:
         for v in relax.analysis.free_vars(b.value):
             users.setdefault(v, []).append(b.var)
     for b in order:  # host builtins (R.null_value() for a view's dtype) read by moving bindings alone move with them
-        if not _is_launch(b) and b.var not in moving and users.get(b.var) and all(u in moving for u in users[b.var]):
+        readers = users.get(b.var)
+        if _op_name(b) not in LAUNCHES and b.var not in moving and readers and all(u in moving for u in readers):
             moving.add(b.var)
 
     def reads_nothing_computed(b) -> bool:  # nor a size a cast of the block defines
         sized = set(relax.analysis.free_symbolic_vars(b.value)) | set(relax.analysis.tir_vars_in_type(b.var.ty))
         return not set(relax.analysis.free_vars(b.value)) & defined and not sized & sizes
 
-    early = [b for b in order if b.var in moving and not _writes_in_place(b) and reads_nothing_computed(b)]
+    early = [b for b in order if b.var in moving and _op_name(b) != "relax.call_tir_inplace"
+             and reads_nothing_computed(b)]
     order = early + [b for b in order if b not in early]
     for b in reversed([b for b in order if b.var in moving and b not in early]):
         rest = [x for x in order if x is not b]

@@ -1,4 +1,4 @@
-"""The compiled executable linked once into a shared library, which verification loads and the export moves."""
+"""The compiled executable linked once into a shared library, which verification loads and the export copies."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class LinkedLibrary:
     that executable (`exec_->memory_scopes[i]` in src/runtime/vm/vm.cc inserts them); an export made afterwards
     serializes those entries and every loader of the library then logs a `Scope Loaded:` warning per constant.
     Linked here, the library holds none; `module` (loaded on first use, so a CUDA build links on a machine without a
-    GPU) is what verification runs, the very file that `export_library` then moves into the export."""
+    GPU) is what verification runs, the very file that `export_library` then copies into the export."""
 
     def __init__(self, executable):
         self.folder = tempfile.mkdtemp(prefix="tvmfuse-link-")

@@ -111,13 +111,17 @@ def bind_declared_dims(mod: tvm.IRModule, model: onnx.ModelProto) -> tvm.IRModul
             continue
         for declared, got in zip(_declared_dims(value), ty.shape.values):
             var = dims.get(declared)
-            if var is not None and not isinstance(got, tvm.tirx.Var | tvm.tirx.IntImm) and \
-                    not any(v.same_as(var) for v in tvm.tirx.analysis.undefined_vars(got)):
+            if var is not None and not isinstance(got, tvm.tirx.Var | tvm.tirx.IntImm) and not _mentions(got, var):
                 binding.setdefault(var, got)
     binding = {var: got for var, got in binding.items() if _subtracted(main, var)}
     if binding:
         mod["main"] = main.bind_symbolic_vars(binding)
     return mod
+
+
+def _mentions(expr, var) -> bool:
+    """Whether the dim expression `expr` uses the symbolic dim `var`."""
+    return any(v.same_as(var) for v in tvm.tirx.analysis.undefined_vars(expr))
 
 
 def _subtracted(func: relax.Function, var) -> bool:
@@ -127,8 +131,7 @@ def _subtracted(func: relax.Function, var) -> bool:
     def visit(expr):
         ty = getattr(expr, "ty", None)
         if isinstance(ty, relax.TensorType) and ty.shape is not None and isinstance(ty.shape, relax.ShapeExpr):
-            found.extend(d for d in ty.shape.values if isinstance(d, tvm.tirx.Sub)
-                         and any(v.same_as(var) for v in tvm.tirx.analysis.undefined_vars(d)))
+            found.extend(d for d in ty.shape.values if isinstance(d, tvm.tirx.Sub) and _mentions(d, var))
 
     relax.analysis.post_order_visit(func.body, visit)
     return bool(found)
