@@ -350,7 +350,7 @@ def profile_rows(model, ids, cache, steps: int = 8) -> dict:
                 prof.stop()
 
     model.generate(ids, 2 * steps + 1, cache=cache, on_token=on_token, sync_every=steps)
-    decode = kernel_summary(prof, steps, top=24, synced=False)
+    decode = kernel_summary(prof, steps, top=24, synced=False, timeline=True)
     decode["wall_ms_per_step"] = round(sum(walls) / len(walls), 4)
     return {"prefill": prefill, "decode": decode}
 

@@ -70,24 +70,26 @@ def gpu_kernels(fn, calls: int = 10, top: int = 16, name_chars: int = 120) -> di
 
 
 def kernel_summary(prof, calls: int, top: int = 16, name_chars: int = 120, gaps: int = 6,
-                   synced: bool = True) -> dict:
+                   synced: bool = True, timeline: bool = False) -> dict:
     """`gpu_kernels`' summary of a finished torch.profiler run that made `calls` calls: per kernel name, launches and
     microseconds per call; the busy time (kernel time summed) against the span of one call (its first start to its
     last end), whose difference is the device's idle time inside a call; and the largest idle gaps inside a call,
     each named by the kernels either side (a CUDA graph's kernels run back to back unless something holds one).
     `synced=False`: calls queued back to back (no host sync between them), measured as one run shared out. Each
     kernel's `exposed_us` (and their sum) is its duration less the time it overlapped kernels started before it
-    (`exposed_time`): the measure of a kernel under dependent launch."""
+    (`exposed_time`): the measure of a kernel under dependent launch. `timeline`: also one call's events in order
+    (`call_timeline`)."""
     from torch.autograd import DeviceType
     evs = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return summarise_kernels(evs, calls, top, name_chars, gaps, synced)
+    return summarise_kernels(evs, calls, top, name_chars, gaps, synced, timeline)
 
 
 def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int = 16, name_chars: int = 120,
-                      gaps: int = 6, synced: bool = True) -> dict:
+                      gaps: int = 6, synced: bool = True, timeline: bool = False) -> dict:
     """`kernel_summary` of (name, start us, end us) device events. Synced calls are told apart by count where each
     ran as many kernels, else by the `calls - 1` longest pauses (the host's syncs between calls: a call whose host
-    pauses between its own launches can be cut wrongly); the others are one run, shared out."""
+    pauses between its own launches can be cut wrongly); the others are one run, shared out. `timeline`: the
+    second call's share of the events in order (`call_timeline`)."""
     agg: dict[str, list] = {}
     for name, start, end in evs:
         a = agg.setdefault(name, [0, 0.0])
@@ -124,7 +126,23 @@ def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int 
     out["exposed_us"] = round(sum(exposed.values()) / calls, 1)
     out["top"] = [{"name": k[:name_chars], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1),
                    "exposed_us": round(exposed[k] / calls, 1)} for k, v in ranked[:top]]
+    if timeline:
+        per_call = len(order) // calls
+        out["timeline"] = call_timeline(order[per_call:2 * per_call] if calls > 1 else order)
     return out
+
+
+def call_timeline(events: list[tuple[str, float, float]], name_chars: int = 64) -> list[list]:
+    """Events in start order as [name, start (µs after the first), duration, exposed (`exposed_time` of that
+    launch alone), idle before it]: where a call's time goes, launch by launch."""
+    rows, last_end = [], None
+    for name, start, end in events:
+        exposed = end - start if last_end is None else max(0.0, end - max(start, last_end))
+        idle = 0.0 if last_end is None else max(0.0, start - last_end)
+        rows.append([name[:name_chars], round(start - events[0][1], 2), round(end - start, 2), round(exposed, 2),
+                     round(idle, 2)])
+        last_end = end if last_end is None else max(last_end, end)
+    return rows
 
 
 def exposed_time(order: list[tuple[str, float, float]]) -> dict[str, float]:

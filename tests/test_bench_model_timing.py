@@ -58,3 +58,12 @@ def test_a_dependent_kernels_wait_is_not_its_exposed_time():
     assert s["exposed_us"] == pytest.approx(45.0)
     assert {t["name"]: t["exposed_us"] for t in s["top"]} == {"a": 30.0, "b": 10.0, "c": 5.0}
     assert {t["name"]: t["us"] for t in s["top"]} == {"a": 30.0, "b": 15.0, "c": 7.0}
+
+
+def test_the_timeline_is_the_second_calls_launches_with_their_exposed_and_idle_time():
+    evs = []
+    for t in (0, 100, 200):
+        evs += [("a", t, t + 30), ("b", t + 25, t + 40), ("c", t + 44, t + 50)]
+    s = summarise_kernels(evs, calls=3, timeline=True)
+    assert s["timeline"] == [["a", 0.0, 30.0, 30.0, 0.0], ["b", 25.0, 15.0, 10.0, 0.0], ["c", 44.0, 6.0, 6.0, 4.0]]
+    assert "timeline" not in summarise_kernels(evs, calls=3)
