@@ -2,7 +2,11 @@
 (wgmma, or mma.sync for small M), epilogue included."""
 
 import dataclasses
+import os
+import re
 import shutil
+import subprocess
+import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -114,6 +118,10 @@ def test_tile_choice_and_shape_checks():
     assert "below one 128-row tile" in check_wgmma_shape(100, 512, 512, WgmmaTile(128, 4))
     assert estimate_us(512, 4096, 4096, WgmmaTile(256, 4, **sr)) > estimate_us(512, 4096, 4096, WgmmaTile(128, 4, dual=True))
     assert "registers" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 4, dual=True))
+    assert "registers" in check_wgmma_shape(512, 11008, 4096, WgmmaTile(168, 4, dual=True))  # 168 a thread
+    assert check_wgmma_shape(512, 11008, 4096, WgmmaTile(168, 4, dual=True, setmaxnreg=True)) is None  # 232
+    assert check_wgmma_shape(512, 11008, 4096, WgmmaTile(192, 4, dual=True, setmaxnreg=True)) is None
+    assert "registers" in check_wgmma_shape(512, 11008, 4096, WgmmaTile(208, 4, dual=True, setmaxnreg=True))
     assert "three computing warpgroups" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, 192, dual=True))
     assert "three computing warpgroups" in check_wgmma_shape(512, 512, 512, WgmmaTile(256, 3, 192))
     assert "unsupported tile" in check_wgmma_shape(512, 512, 512, WgmmaTile(128, 4, 256))
@@ -629,6 +637,34 @@ def test_bf16_gemm_with_fp32_output_writes_its_sums():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize("tile,spills", [(WgmmaTile(192, 4, dual=True, stepped_desc=True, setmaxnreg=True), False),
+                                         (WgmmaTile(168, 4, dual=True, stepped_desc=True), True)], ids=str)
+def test_wide_dual_tiles_fit_the_registers_setmaxnreg_gives(tile, spills, monkeypatch):
+    """Two accumulator sets of m64n192 (192 fp32 a thread) with a bias + GELU epilogue: ptxas keeps every wgmma
+    asynchronous and spills nothing in setmaxnreg's 232 registers; in the launch's 168 (no setmaxnreg) it spills
+    and serializes the wgmmas (C7512), which is why check_wgmma_shape refuses that tile."""
+    from tvmfuse.kernels.hopper import wgmma_gemm
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target, make_wgmma_gemm
+
+    if spills:  # build the refused tile to show why it is refused
+        assert "registers" in check_wgmma_shape(512, 11008, 1024, tile)
+        monkeypatch.setattr(wgmma_gemm, "check_wgmma_shape", lambda *args: None)
+    func = make_wgmma_gemm(512, 11008, 1024, tile, "bias_gelu")
+    src = tvm.compile(tvm.IRModule({"main": func}), target=hopper_target(), tir_pipeline="tirx"
+                      ).mod.imports[0].inspect_source()
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = os.path.join(tmp, "kernel.cu")
+        with open(cu, "w", encoding="utf-8") as fh:
+            fh.write(src)
+        out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-Xptxas", "-v", "-o",
+                              os.path.join(tmp, "kernel.cubin"), cu], capture_output=True, text=True)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    spilled = int(re.search(r"(\d+) bytes spill stores", said).group(1))
+    assert (spilled > 0) == spills and ("C7512" in said) == spills, said
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_fp16_and_bf16_small_m_kernels_share_a_module():
     """The mma.sync helpers have one name per dtype, so an fp16 and a bf16 kernel compile in one CUDA module."""
     cuda = resolve_target("cuda")
@@ -736,6 +772,11 @@ WGMMA_VARIANTS = [
     # the early weights need the dependent launch's wait to move past (test_dependent_launch.py checks where)
     # 168 columns (cuBLAS's tile at 512x4096 @ 11008: 264 tiles, two full waves), m64n168k16
     (WgmmaTile(168, 5, stepped_desc=True, setmaxnreg=True), ("m64n168k16.f32.f16.f16",), ("multicast",)),
+    # two accumulator sets of m64n168 (cuBLAS's tile width at Llama's gate / up projections), in the 232 registers
+    # setmaxnreg gives the computing threads
+    (WgmmaTile(168, 4, dual=True, stepped_desc=True, setmaxnreg=True),
+     ("m64n168k16.f32.f16.f16", "wgmma.wait_group.sync.aligned 1;", "setmaxnreg.inc.sync.aligned.u32"),
+     ("multicast",)),
     (WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True, early_weights=True, l2_ahead=4),
      ("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];", "for (int j = 6; j < 10; ++j)",
       "if (kt < 12)"), ("multicast",)),

@@ -14,7 +14,8 @@ class WgmmaTile:
     stages: int = 4
     bm: int = 128
     #: two accumulator sets, even and odd k-tiles: one wgmma group stays in flight while the next is issued, and no
-    #: group ever accumulates into registers another in-flight group writes (bn <= 128: twice the registers)
+    #: group ever accumulates into registers another in-flight group writes (twice the registers: bn <= 128, or
+    #: <= DUAL_MAX_BN_SETMAXNREG with `setmaxnreg`)
     dual: bool = False
     #: one accumulator set: leave each k-tile's wgmma group in flight while the next stage is waited for and issued
     #: (1; PTX orders wgmmas of one shape that accumulate into the same registers), or wait for it first (0). On the
@@ -87,6 +88,12 @@ class WgmmaTile:
         return self.stages * (self.bm + self.bn) * self.bk * 2
 
 
+#: the widest tile with two accumulator sets where the computing threads rise to 232 registers (`setmaxnreg`):
+#: 2 x 96 fp32 accumulators; ptxas 13 (sm_90a) compiles 128x144 ... 128x192 dual tiles without spills or serialized
+#: wgmmas, 128x208 spills 2080 bytes and serializes them (C7512); without setmaxnreg (168 registers) 128 is the widest
+DUAL_MAX_BN_SETMAXNREG = 192
+
+
 def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
     """Why this kernel cannot compute an m x n x k GEMM with `tile`, or None when it can. Sizes need not be
     multiples of the tile: TMA fills rows and columns past the end with zeros and the stores are guarded."""
@@ -112,7 +119,7 @@ def check_wgmma_shape(m: int, n: int, k: int, tile: WgmmaTile) -> str | None:
         return f"N={n} makes an odd number of {tile.bn}-column tiles (clusters of 2 sharing A pair them)"
     if tile.setmaxnreg and tile.bm < 128:  # ptxas: "'setmaxnreg' ignored; unable to determine register count"
         return f"tile {tile}: setmaxnreg needs two computing warpgroups (with one, ptxas ignores it: C7508)"
-    if tile.dual and tile.bn > 128:
+    if tile.dual and tile.bn > (DUAL_MAX_BN_SETMAXNREG if tile.setmaxnreg else 128):
         return f"tile {tile}: two accumulator sets of m64n{tile.bn} do not fit the registers"
     if tile.bm == 192 and (tile.dual or tile.bn > 192):  # 512 threads: 128 registers each, 152 with setmaxnreg
         return f"tile {tile}: three computing warpgroups hold one accumulator set of at most m64n192"
