@@ -27,6 +27,7 @@ from tvmfuse.fuse.fusion import lower
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, gemm_dtypes_refused
 from tvmfuse.kernels.hopper.select import (
     DEEP_RING,
+    WIDE_DUAL,
     TILE_COSTS,
     apply_hopper_kernels,
     check_deep_ring,
@@ -104,11 +105,11 @@ def test_tile_choice_and_shape_checks():
     # wgmma_run13_*.json)
     sr = dict(stepped_desc=True, setmaxnreg=True)
     assert choose_tile(2048, 4096, 4096) == WgmmaTile(256, 4, **sr)  # 256 tiles of 128x256: two full waves
-    assert choose_tile(2048, 11008, 4096) == WgmmaTile(192, 4, 192, **sr)  # 638 tiles: 4.8 waves, 128x256's 5.2
+    assert choose_tile(2048, 11008, 4096) == WIDE_DUAL  # 1056 tiles: 8 full waves (192x192's 638: 4.8)
     assert choose_tile(512, 4096, 4096) == DEEP_RING  # 128 tiles: one wave, 64 k-steps
     assert choose_tile(512, 4096, 11008) == DEEP_RING
     assert choose_tile(2048, 4096, 11008) == WgmmaTile(256, 4, **sr)  # (512 128x128 tiles: no deep ring)
-    assert choose_tile(512, 11008, 4096) == WgmmaTile(176, 4)  # 252 tiles: two full waves
+    assert choose_tile(512, 11008, 4096) == WIDE_DUAL  # 264 tiles: two full waves
     assert choose_tile(512, 768, 3072) == WgmmaTile(64, 8, 64, dual=True)  # GPT-2's MLP down: 96 64x64 tiles
     assert choose_tile(512, 50257, 768) == WgmmaTile(256, 4, **sr)
     assert "one wave" in check_deep_ring(2048, 4096, 4096, DEEP_RING)  # 512 tiles

@@ -14,7 +14,7 @@ from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm
 from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, with_ring
 from tvmfuse.kernels.hopper.select import (TILE_COSTS, choose_smallm_tile, choose_tile, estimate_us,
                                            gemm_kernel_from_fused, is_hopper)
-from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
+from tvmfuse.kernels.hopper.wgmma_tile import DUAL_MAX_BN_SETMAXNREG, WgmmaTile, check_wgmma_shape
 from tvmfuse.kernels.substitution import call_sites
 from tvmfuse.isolation import HOPPER
 from tvmfuse.isolation import record as record_failure
@@ -54,22 +54,23 @@ def deeper_rings(m: int, n: int, k: int, pick: WgmmaTile) -> list[WgmmaTile]:
     deep = deepest_ring(m, n, k, pick, pick.stages)
     if deep is None:
         return []
-    return [deep, dataclasses.replace(deep, stepped_desc=True, setmaxnreg=pick.bm >= 128)]
+    return list(dict.fromkeys([deep, dataclasses.replace(deep, stepped_desc=True, setmaxnreg=pick.bm >= 128)]))
 
 
 def whole_wave_tiles(m: int, n: int, k: int) -> list[WgmmaTile]:
     """128-row tiles, for each w of 1 .. WHOLE_WAVES the narrowest width (a multiple of 8 above 128, at most 256)
     whose output tiles fit in w waves of SMS CTAs, with the deepest ring up to DEEP_STAGES that fits, stepped
-    descriptors and setmaxnreg (no wave partly empty where a narrower width would fill it). cuBLAS takes a
-    168-wide tile at 512x4096 @ 11008 (4 x 66 = 264 tiles, two full waves of 132; wgmma_run13_llama.json), where
-    the fitted 176-wide one makes 252 tiles."""
+    descriptors and setmaxnreg, and two accumulator sets where they fit (`DUAL_MAX_BN_SETMAXNREG`) (no wave partly
+    empty where a narrower width would fill it). cuBLAS takes a 168-wide tile at 512x4096 @ 11008 (4 x 66 = 264
+    tiles, two full waves of 132; wgmma_run13_llama.json), where the 176-wide one makes 252 tiles."""
     rows, found = -(-m // 128), []
     for waves in range(1, WHOLE_WAVES + 1):
         cols = waves * SMS // rows
         bn = -(-n // cols // 8) * 8 if cols else 0
         if not 128 < bn <= 256:
             continue
-        tile = deepest_ring(m, n, k, WgmmaTile(bn, DEEP_STAGES, stepped_desc=True, setmaxnreg=True))
+        tile = deepest_ring(m, n, k, WgmmaTile(bn, DEEP_STAGES, dual=bn <= DUAL_MAX_BN_SETMAXNREG,
+                                               stepped_desc=True, setmaxnreg=True))
         if tile is not None:
             found.append(tile)
     return found

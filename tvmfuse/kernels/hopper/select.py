@@ -39,7 +39,14 @@ TILE_COSTS = {WgmmaTile(256, 4, stepped_desc=True, setmaxnreg=True): 0.83, Wgmma
 #: latency-bound (loads alone: 26.5 µs with 4 stages, 22.3 with 6; wgmma_run11.json, wgmma_run13_ablate.json).
 #: Elsewhere it lost: 2-8% slower at the three 2048-row Llama shapes (several waves) and at 2048x3072x768 (K 3072)
 DEEP_RING = WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True)
+#: two accumulator sets of m64n168 (setmaxnreg's 232 registers hold them): cuBLAS's width at Llama-2-7B's gate / up
+#: projection, 4 x 66 = 264 tiles in two full waves at 512 rows, 1056 in eight at 2048. On the H200 (wgmma_run18.json)
+#: 73.0 µs at 512x4096 @ 11008 against 75.0 for 128x176 (one set), and 305.1 at 2048 rows against 323.2 for
+#: 192x192 (no stepped descriptors) and 334.1 for the 128x128 dual tile; 0.541 µs a k-step fitted on that run, where
+#: 128x176 fits 0.600 (0.62 here), so 0.56 on this table's scale
+WIDE_DUAL = WgmmaTile(168, 4, dual=True, stepped_desc=True, setmaxnreg=True)
 TILE_COSTS[DEEP_RING] = 0.425
+TILE_COSTS[WIDE_DUAL] = 0.56
 DEEP_RING_MIN_K = 4096
 TILE_FIXED_US = 1.0
 #: environment switch: "1" merges every sibling group, where the estimate (which times each GEMM alone, its weight
