@@ -43,7 +43,8 @@ DEEP_RING = WgmmaTile(128, 6, dual=True, stepped_desc=True, setmaxnreg=True)
 #: projection, 4 x 66 = 264 tiles in two full waves at 512 rows, 1056 in eight at 2048. On the H200 (wgmma_run18.json)
 #: 73.0 µs at 512x4096 @ 11008 against 75.0 for 128x176 (one set), and 305.1 at 2048 rows against 323.2 for
 #: 192x192 (no stepped descriptors) and 334.1 for the 128x128 dual tile; 0.541 µs a k-step fitted on that run, where
-#: 128x176 fits 0.600 (0.62 here), so 0.56 on this table's scale
+#: 128x176 fits 0.600 (0.62 here), so 0.56 on this table's scale. In the Llama layer on an H100 (models_run45.json)
+#: gate and up took 81.7 and 84.1 µs at 512 rows, where 128x176 took 80.9 and 82.3 in run 44: no gain there at 512
 WIDE_DUAL = WgmmaTile(168, 4, dual=True, stepped_desc=True, setmaxnreg=True)
 TILE_COSTS[DEEP_RING] = 0.425
 TILE_COSTS[WIDE_DUAL] = 0.56
