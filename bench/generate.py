@@ -328,9 +328,9 @@ def phase_run(args) -> dict:
 
 
 def profile_rows(model, ids, cache, steps: int = 8) -> dict:
-    """The GPU's own record (CUPTI through torch.profiler) of the prefill and of `steps` decode steps (the second
-    window of `steps`, run as generate runs them), per call, with the host's wall time per decode step while
-    profiled."""
+    """The GPU's own record (CUPTI through torch.profiler) of the prefill and of the decode steps from the end of the
+    first window of `steps` to the end of the third (run as generate runs them: each window read once the next is
+    queued), per step, with the host's wall time per decode step of the second and third windows while profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -339,18 +339,18 @@ def profile_rows(model, ids, cache, steps: int = 8) -> dict:
     prof = profile(activities=[ProfilerActivity.CUDA])
     walls = []
 
-    def on_token(i: int, ms: float) -> None:  # called once a window of `steps` steps has run, step by step
-        if i == steps:  # the first window has run, and nothing of the second is queued yet
-            torch.cuda.synchronize()
+    def on_token(i: int, ms: float) -> None:  # called for each step of a window once the next one is queued
+        if i == steps:  # the first window has run and the second runs: recorded from here, as generate runs it
             prof.start()
-        elif steps < i <= 2 * steps:
+        elif steps < i <= 3 * steps:
             walls.append(ms)
-            if i == 2 * steps:
+            if i == 3 * steps:  # the last window has run
                 torch.cuda.synchronize()
                 prof.stop()
 
-    model.generate(ids, 2 * steps + 1, cache=cache, on_token=on_token, sync_every=steps)
-    decode = kernel_summary(prof, steps, top=24, synced=False, timeline=True)
+    model.generate(ids, 3 * steps + 1, cache=cache, on_token=on_token, sync_every=steps)
+    # steps counted by the sampler's kernel, each step's last (the recording starts inside the second window)
+    decode = kernel_summary(prof, steps, top=24, synced=False, timeline=True, marker="greedy_tokens")
     decode["wall_ms_per_step"] = round(sum(walls) / len(walls), 4)
     return {"prefill": prefill, "decode": decode}
 

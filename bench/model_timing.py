@@ -70,7 +70,7 @@ def gpu_kernels(fn, calls: int = 10, top: int = 16, name_chars: int = 120) -> di
 
 
 def kernel_summary(prof, calls: int, top: int = 16, name_chars: int = 120, gaps: int = 6,
-                   synced: bool = True, timeline: bool = False) -> dict:
+                   synced: bool = True, timeline: bool = False, marker: str | None = None) -> dict:
     """`gpu_kernels`' summary of a finished torch.profiler run that made `calls` calls: per kernel name, launches and
     microseconds per call; the busy time (kernel time summed) against the span of one call (its first start to its
     last end), whose difference is the device's idle time inside a call; and the largest idle gaps inside a call,
@@ -78,18 +78,25 @@ def kernel_summary(prof, calls: int, top: int = 16, name_chars: int = 120, gaps:
     `synced=False`: calls queued back to back (no host sync between them), measured as one run shared out. Each
     kernel's `exposed_us` (and their sum) is its duration less the time it overlapped kernels started before it
     (`exposed_time`): the measure of a kernel under dependent launch. `timeline`: also one call's events in order
-    (`call_timeline`)."""
+    (`call_timeline`); `marker`: see `summarise_kernels`."""
     from torch.autograd import DeviceType
     evs = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return summarise_kernels(evs, calls, top, name_chars, gaps, synced, timeline)
+    return summarise_kernels(evs, calls, top, name_chars, gaps, synced, timeline, marker)
 
 
 def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int = 16, name_chars: int = 120,
-                      gaps: int = 6, synced: bool = True, timeline: bool = False) -> dict:
+                      gaps: int = 6, synced: bool = True, timeline: bool = False, marker: str | None = None) -> dict:
     """`kernel_summary` of (name, start us, end us) device events. Synced calls are told apart by count where each
     ran as many kernels, else by the `calls - 1` longest pauses (the host's syncs between calls: a call whose host
     pauses between its own launches can be cut wrongly); the others are one run, shared out. `timeline`: the
-    second call's share of the events in order (`call_timeline`)."""
+    second call's share of the events in order (`call_timeline`). `marker`: a kernel each call ends with, where the
+    recording may start inside a call: the events up to its first launch are dropped, and the calls are counted by
+    it (the timeline is then the first whole call)."""
+    if marker is not None:
+        evs = sorted(evs, key=lambda e: e[1])
+        first = next((i for i, e in enumerate(evs) if marker in e[0]), len(evs))
+        evs = evs[first + 1:]
+        calls = max(sum(marker in e[0] for e in evs), 1)
     agg: dict[str, list] = {}
     for name, start, end in evs:
         a = agg.setdefault(name, [0, 0.0])
@@ -110,7 +117,6 @@ def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int 
     share = len(groups) if synced else calls
     if groups:
         out["span_us"] = round(sum(max(e[2] for e in g) - g[0][1] for g in groups) / share, 1)
-        out["idle_in_call_us"] = round(max(out["span_us"] - busy, 0.0), 1)
         held: dict[tuple[str, str], float] = {}
         for g in groups:
             last_end, last_name = g[0][2], g[0][0]
@@ -120,6 +126,9 @@ def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int 
                     held[key] = held.get(key, 0.0) + start - last_end
                 if end >= last_end:
                     last_end, last_name = end, name
+        # the time no kernel ran (span less busy is not it where kernels overlap: under dependent launch a kernel's
+        # duration counts its wait, so busy exceeds the span while gaps remain between kernels)
+        out["idle_in_call_us"] = round(sum(held.values()) / share, 1)
         out["gaps"] = [{"after": a, "before": b, "us": round(us / share, 2)}
                        for (a, b), us in sorted(held.items(), key=lambda kv: -kv[1])[:gaps]]
     exposed = exposed_time(order)
@@ -127,8 +136,10 @@ def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int 
     out["top"] = [{"name": k[:name_chars], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1),
                    "exposed_us": round(exposed[k] / calls, 1)} for k, v in ranked[:top]]
     if timeline:
+        ends = [i for i, e in enumerate(order) if marker is not None and marker in e[0]]
         per_call = len(order) // calls
-        out["timeline"] = call_timeline(order[per_call:2 * per_call] if calls > 1 else order)
+        out["timeline"] = call_timeline(order[:ends[0] + 1] if ends
+                                        else order[per_call:2 * per_call] if calls > 1 else order)
     return out
 
 

@@ -67,3 +67,24 @@ def test_the_timeline_is_the_second_calls_launches_with_their_exposed_and_idle_t
     s = summarise_kernels(evs, calls=3, timeline=True)
     assert s["timeline"] == [["a", 0.0, 30.0, 30.0, 0.0], ["b", 25.0, 15.0, 10.0, 0.0], ["c", 44.0, 6.0, 6.0, 4.0]]
     assert "timeline" not in summarise_kernels(evs, calls=3)
+
+
+def test_idle_time_counts_the_gaps_between_kernels_even_where_others_overlap():
+    """Dependent launch: b overlaps a (busy 45 us exceeds the 43 us span), and c starts 3 us after b ends: the call
+    was idle 3 us, not max(span - busy, 0) = 0."""
+    evs = [("a", 0, 30), ("b", 20, 35), ("c", 38, 43)]
+    s = summarise_kernels(evs, calls=1)
+    assert s["busy_us"] == pytest.approx(50.0) and s["span_us"] == pytest.approx(43.0)
+    assert s["idle_in_call_us"] == pytest.approx(3.0) and s["exposed_us"] == pytest.approx(40.0)
+
+
+def test_a_marker_drops_the_partial_call_the_recording_started_in_and_counts_the_calls():
+    """Recording from inside a call (decode steps queued ahead): the kernels up to the first `greedy` end are
+    dropped, the calls are the `greedy` launches after it, and the timeline is the first whole call."""
+    evs = [("b", 0, 5), ("greedy", 5, 6)]  # the end of a step begun before the recording
+    for t in (10, 20):
+        evs += [("a", t, t + 4), ("b", t + 4, t + 8), ("greedy", t + 8, t + 9)]
+    s = summarise_kernels(evs, calls=99, synced=False, timeline=True, marker="greedy")
+    assert s["kernels_per_call"] == 3.0 and s["busy_us"] == pytest.approx(9.0)
+    assert s["span_us"] == pytest.approx(9.5)  # 10 .. 29 over two steps
+    assert [row[0] for row in s["timeline"]] == ["a", "b", "greedy"]

@@ -96,6 +96,30 @@ def test_generate_samples_on_the_device_in_windows_or_on_the_host_alike(kv_model
         model.generate(ids, 4, sync_every=0)
 
 
+def test_generate_reads_a_window_once_the_next_is_queued(kv_model, kv_exports):
+    """The host copies a window's tokens only after it has queued the next window's steps (so the GPU never waits
+    for those copies and the launches after them); the last window once it is the last. 12 tokens in windows of 5:
+    the prefill and steps 1-5 are 6 calls of the step; steps 1-5 are read after call 11, 6-10 after call 12."""
+    ids = np.random.default_rng(5).integers(0, hf_export.VOCAB, (BATCH, PROMPT), dtype=np.int64)
+    model = load(kv_exports["inplace"])
+    calls = []
+
+    class CountingVM:  # the export's VM, counting the calls of its step
+        def __init__(self, vm):
+            self.vm = vm
+
+        def __getitem__(self, name):
+            fn = self.vm[name]
+            return (lambda *args: (calls.append(name), fn(*args))[1]) if name == "main" else fn
+
+    model.vm = CountingVM(model.vm)
+    seen = []
+    got = model.generate(ids, 12, sync_every=5, on_token=lambda i, ms: seen.append((i, len(calls))))
+    assert seen == [(i, 11) for i in range(1, 6)] + [(i, 12) for i in range(6, 12)]
+    np.testing.assert_array_equal(got.tokens, _onnxruntime_greedy(kv_model, ids, 12))
+    assert len(got.step_ms) == 11 and all(ms > 0 for ms in got.step_ms)
+
+
 def test_a_prompt_padded_to_a_longer_prefill_gives_the_same_tokens(kv_model, kv_exports):
     """The prefill run at more tokens than the prompt (as it is padded to a seq bucket): the last prompt position's
     logits and the cache entries the decode steps read are the prompt's alone, so onnxruntime's greedy tokens; the

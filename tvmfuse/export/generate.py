@@ -155,8 +155,9 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
     tuned ones; in-place cache only). A prompt plus new tokens that do not fit the cache is a TvmfuseError.
 
     With the export's greedy sampler (the manifest's kv_cache.greedy) each step's tokens stay on the device as the
-    next step's input, and the host waits for the GPU once every `sync_every` steps, as an inference engine runs
-    ahead of the GPU: it copies those steps' tokens then, gives each of them the window's mean time in `step_ms`
+    next step's input, and the host runs ahead of the GPU as an inference engine does: it queues the steps in
+    windows of `sync_every` and copies a window's tokens once the window after it is queued (so the GPU never waits
+    for those copies), gives each of them the window's mean time in `step_ms` (since the window before was read)
     and calls `on_token(i, ms)` for each. Without one (an older export) the host takes the argmax of each step's
     last logits, a wait per step."""
     manifest = model.manifest
@@ -239,18 +240,29 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
                         prefill={"function": _function_for(manifest, batch, length), "length": length})
     result.tokens[:, 0] = read(token)  # waits for the prefill
     result.prefill_ms = (time.perf_counter() - start) * 1e3
-    window, start = [], time.perf_counter()
+    window, pending, start = [], [], time.perf_counter()
+
+    def flush(done: list) -> None:
+        """The tokens of the window `done`: their copies wait for its last step (the GPU runs the window queued
+        after it meanwhile); each step gets the window's mean time since the window before was read."""
+        nonlocal start
+        values = [read(t) for _, t in done]
+        now = time.perf_counter()
+        ms, start = (now - start) * 1e3 / len(done), now
+        for (j, _), value in zip(done, values):
+            result.tokens[:, j] = value
+            result.step_ms.append(ms)
+            if on_token is not None:
+                on_token(j, ms)
+
     for i in range(1, new_tokens):
         token = step(fed(token), 1, prompt + i - 1, last=0)
         window.append((i, token))
         if len(window) < sync_every and i < new_tokens - 1:
             continue
-        values = [read(t) for _, t in window]  # the first copy waits for the window's steps
-        ms = (time.perf_counter() - start) * 1e3 / len(window)
-        for (j, _), value in zip(window, values):
-            result.tokens[:, j] = value
-            result.step_ms.append(ms)
-            if on_token is not None:
-                on_token(j, ms)
-        window, start = [], time.perf_counter()
+        if pending:  # the window before is read once this one is queued: the GPU does not wait for the host's
+            flush(pending)  # copies, nor for the launches after them
+        pending, window = window, []
+    if pending:
+        flush(pending)
     return result
