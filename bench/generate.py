@@ -355,6 +355,31 @@ def profile_rows(model, ids, cache, steps: int = 8) -> dict:
     return {"prefill": prefill, "decode": decode}
 
 
+def profile_torch_decode(ids, cache, prefill, step, steps: int = 8) -> dict:
+    """torch's side of `profile_rows`: the GPU's record (CUPTI) of `steps` compiled decode steps after a prefill and
+    3 warm steps from a reset cache, queued back to back as `greedy` runs them, per step, with one step's launches
+    in order; {"error": ...} where the profiler fails (the row's timing stands)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.model_timing import kernel_summary
+    try:
+        cache.reset()
+        token = prefill(ids, cache)
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            token = step(token, cache).clone()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                torch.compiler.cudagraph_mark_step_begin()
+                token = step(token, cache).clone()
+            torch.cuda.synchronize()
+        return {"decode": kernel_summary(prof, steps, top=24, synced=False, timeline=True)}
+    except Exception:  # pylint: disable=broad-except
+        return {"error": traceback.format_exc()[-2000:]}
+
+
 def phase_torch(args) -> dict:
     """The same weights in torch fp16 (smoke: fp32, CPU, eager): StaticCache, prefill eager, decode steps compiled
     with mode="reduce-overhead" (CUDA graphs); greedy tokens against tvmfuse's."""
@@ -435,6 +460,8 @@ def phase_torch(args) -> dict:
                 row = {"prefill_ms_eager": round(prefill_ms, 3), "ms_per_token": round(ms, 4),
                        "tokens_per_s": round(batch / ms * 1e3, 1),
                        "fraction_of_roofline": round(ideal["roofline_ms"] / ms, 4), "tokens": tokens.tolist()}
+                if args.profile and cuda:
+                    row["profile"] = profile_torch_decode(ids, cache, prefill, step)
                 ours = data.get("rows", {}).get(key, {}).get("tvmfuse", {}).get("tokens")
                 if ours is not None:
                     same = _leading_equal(ours, tokens)

@@ -66,3 +66,13 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, flags, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_torchs_decode_profile_failing_is_an_error_in_the_row_not_a_failed_phase():
+    """Without a GPU the profiler cannot sync: the profile says why, and nothing raises (the row's timing stands)."""
+    class Cache:
+        def reset(self):
+            raise RuntimeError("no device here")
+
+    got = generate.profile_torch_decode(None, Cache(), None, None)
+    assert list(got) == ["error"] and "no device here" in got["error"]
