@@ -11,7 +11,7 @@ encoded once a k-tile and stepped, `p` for persistent CTAs, `r` for setmaxnreg, 
 suspend-time hint), `e` for one stage release a warpgroup, `b` for the first B k-tiles loaded before the dependency
 wait (no effect alone: nothing launches it dependent), `fF` for B prefetched into L2 F k-tiles ahead, `gG` for
 groups of G row tiles; (smallm) `n8 x warps x vec x unroll [x stages]` (stages: the cp.async ring,
-`SmallMTile.stages`); diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no
+`SmallMTile.stages`), then `fF` for the weight rounds prefetched into L2 F rounds ahead (`SmallMTile.l2_ahead`); diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no
 wgmma.
 Each case also records the kernels torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of 32 MiB
 or less stay in the H200's L2 between timed runs (time_evaluator), so those cases time L2-resident weights, torch's
@@ -80,8 +80,8 @@ def _tile(kernel, spec):
     (dims, dual, inflight, cluster, share_a, stepped, persistent, regs, spin, wg, early, ahead, group,
      ablate) = found.groups()
     vals = [int(v) for v in dims.split("x")]
-    if kernel == "smallm":
-        return SmallMTile(*vals), ablate or ""
+    if kernel == "smallm":  # `fF`: weight rounds prefetched into L2 F rounds ahead (no ring)
+        return SmallMTile(*vals, l2_ahead=int(ahead or 0)), ablate or ""
     return WgmmaTile(bn=vals[-2], stages=vals[-1], bm=vals[0] if len(vals) == 3 else 128, dual=bool(dual),
                      inflight=int(inflight or 0), cluster=int(cluster or 1), multicast="a" if share_a else "b",
                      stepped_desc=bool(stepped),

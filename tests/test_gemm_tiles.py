@@ -15,9 +15,9 @@ from test_smallm import _projection
 from tvm.s_tir import meta_schedule as ms
 
 from tvmfuse.kernels.hopper import apply_hopper_kernels, choose_smallm_tile, choose_tile
-from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, GROUPS, HOPPER_GEMMS, PICK_VARIANTS, WHOLE_WAVES,
-                                               hopper_gemm_sites, measured_tiles, ringed, smallm_space,
-                                               whole_wave_tiles, wgmma_space)
+from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, GROUPS, HOPPER_GEMMS, PICK_VARIANTS, SMALLM_L2_AHEAD,
+                                               WHOLE_WAVES, hopper_gemm_sites, measured_tiles, ringed,
+                                               smallm_space, whole_wave_tiles, wgmma_space)
 from tvmfuse.kernels.hopper.mma_smallm import SmallMTile, check_smallm_shape
 from tvmfuse.kernels.hopper.select import TILE_COSTS, gemm_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
@@ -88,11 +88,12 @@ def test_smallm_space_is_the_rule_first_then_every_tile_that_fits(m, n, k):
     space = smallm_space(m, n, k)
     assert space[0] == choose_smallm_tile(m, n, k) and len(space) == len(set(space)) > 10
     assert all(check_smallm_shape(m, n, k, t) is None for t in space)
-    plain = [t for t in space if t.stages == 0]
+    plain = [t for t in space if t.stages == 0 and t.l2_ahead == 0]
     widest = SmallMTile(n8=4, warps=16, unroll=4)
     assert ringed(widest) is None and ringed(SmallMTile(n8=4, warps=8, unroll=4)).stages == 2
     assert {t for t in space if t.stages} == {ringed(t) for t in plain if t != widest}
     assert {t.stages for t in space} == {0, 2, 4}
+    assert [t for t in space if t.l2_ahead] == [dataclasses.replace(space[0], l2_ahead=SMALLM_L2_AHEAD)]  # the pick
 
 
 def test_sites_are_the_static_gemms_keyed_by_what_they_compute_not_their_name():

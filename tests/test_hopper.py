@@ -381,6 +381,31 @@ def test_ring_switch_gives_the_rules_tiles_the_most_stages_that_fit(monkeypatch,
     assert f"a weight ring of {stages} stages" in logged[0], logged
 
 
+def test_small_m_l2_prefetch_keeps_rounds_ahead_in_l2_without_registers():
+    """`SmallMTile.l2_ahead` = 2 at 1 x 4096 x 4096 (4 rounds of 2048 bytes a row): the first two rounds prefetched
+    into L2 before the loop, then round r + 2 in round r, one thread a weight row, each a bulk prefetch of the round's
+    contiguous bytes (within K at a ragged K); the loads into registers stay; it compiles for sm_90a; not with a
+    ring, nor negative."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
+    from tvmfuse.kernels.hopper.mma_smallm import make_smallm_gemm
+
+    target = hopper_target()
+    tile = SmallMTile(n8=2, warps=16, vec=1, unroll=2, l2_ahead=2)
+    (src,) = cuda_sources(tvm.compile(tvm.IRModule({"main": make_smallm_gemm(1, 4096, 4096, tile)}), target=target,
+                                      tir_pipeline="tirx"))
+    kernel = src.split("__global__")[-1]
+    prefetches = re.findall(r"tvmfuse_prefetch_l2_bulk\(.*?\), \(uint\)(\d+)\);", kernel)
+    assert prefetches == ["2048"] * 3, prefetches  # rounds 0 and 1, then r + 2 inside the loop
+    assert "(r * 1024)) + 2048)" in kernel and "if ((((int)threadIdx.x) < 16) &&" in kernel  # a thread a row
+    assert "cp.async.bulk.prefetch.L2.global" in src and "tvmfuse_ld_stream(" in kernel
+    assert len(_nvcc_fatbin(src, target)) > 1000
+    (ragged,) = cuda_sources(tvm.compile(tvm.IRModule({"main": make_smallm_gemm(1, 4096, 1000, tile)}),
+                                         target=target, tir_pipeline="tirx"))
+    assert re.findall(r"tvmfuse_prefetch_l2_bulk\(.*?\), \(uint\)(\d+)\);", ragged) == ["2000"]  # one round
+    assert "L2 prefetch" in check_smallm_shape(1, 4096, 4096, dataclasses.replace(tile, stages=2))
+    assert "L2 prefetch" in check_smallm_shape(1, 4096, 4096, dataclasses.replace(tile, l2_ahead=-1))
+
+
 @pytest.mark.parametrize("stages,why", [(1, "unsupported"), (9, "unsupported"), (8, "ring of")])
 def test_small_m_ring_takes_two_to_eight_stages_that_fit_shared_memory(stages, why):
     assert why in check_smallm_shape(16, 4096, 4096, SmallMTile(n8=4, warps=16, vec=1, unroll=4, stages=stages))
@@ -389,7 +414,9 @@ def test_small_m_ring_takes_two_to_eight_stages_that_fit_shared_memory(stages, w
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,tile", [(16, 1000, 1024, (2, 16, 1, 2, 4)), (3, 1001, 200, (1, 4, 2, 2, 3)),
                                         (1, 384, 4104, (4, 8, 1, 4, 2)), (16, 4096, 4096, (2, 8, 1, 2, 3)),
-                                        (16, 4096, 11008, (2, 16, 1, 2, 4))])
+                                        (16, 4096, 11008, (2, 16, 1, 2, 4)),
+                                        (1, 4096, 4096, (2, 16, 1, 2, 0, False, 2)),  # L2 prefetch, no ring
+                                        (1, 1001, 1000, (4, 8, 1, 4, 0, False, 3))])
 def test_small_m_ring_matches_numpy_on_the_gpu(m, n, k, tile):
     """The ring (cp.async stages ahead) computing gelu(x @ w^T + b): one round (the empty commits), more rounds
     than stages (each slot reused: 5, 8 and 11 rounds), K not a multiple of the chunks (zero-filled copies past K:

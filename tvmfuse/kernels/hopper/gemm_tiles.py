@@ -40,6 +40,9 @@ SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
 #: this as fit `mma_smallm.RING_BUDGET` (tuning decides; the rules' tiles with a ring of 4 made the Llama layer's decode
 #: b16 14% slower, models_run40_ring.json)
 SMALLM_RING = 4
+#: weight rounds the rule's small-M tile is also measured with prefetched into L2 ahead (`SmallMTile.l2_ahead`; not
+#: measured yet)
+SMALLM_L2_AHEAD = 2
 
 
 def deepest_ring(m: int, n: int, k: int, tile: WgmmaTile, above: int = 1) -> WgmmaTile | None:
@@ -100,11 +103,13 @@ def ringed(tile: SmallMTile) -> SmallMTile | None:
 
 def smallm_space(m: int, n: int, k: int) -> list[SmallMTile]:
     """The rule's tile (`choose_smallm_tile`) first, then every other columns x warps x unroll set, each also with a
-    weight ring (`ringed`)."""
+    weight ring (`ringed`), then the rule's tile with its weights prefetched into L2 SMALLM_L2_AHEAD rounds ahead
+    (where it has no ring)."""
     pick = choose_smallm_tile(m, n, k)
     tiles = [SmallMTile(n8=c, warps=w, vec=1, unroll=u) for c in SMALLM_N8 for w in SMALLM_WARPS
              for u in SMALLM_UNROLL]
     tiles += [r for r in map(ringed, tiles) if r is not None]
+    tiles += [dataclasses.replace(pick, l2_ahead=SMALLM_L2_AHEAD)] if not pick.stages else []
     return list(dict.fromkeys([pick] + [t for t in tiles if check_smallm_shape(m, n, k, t) is None]))
 
 

@@ -107,6 +107,12 @@ class SmallMTile:
     #: where the weight is one no kernel writes (`select.weight_params`; chosen with
     #: `kernels.dependent_launch.early_weights()`); nothing changes without the dependent launch
     early_weights: bool = False
+    #: without a ring: after the dependency wait each block prefetches its weight rows' next `l2_ahead` rounds into
+    #: L2 (`cp.async.bulk.prefetch.L2`, one thread a row, no registers), one round further each round, so that the
+    #: loads into registers find them there; 0: none. For M = 1, where ptxas issues 3-4 of a lane's weight loads
+    #: before its first mma whatever `unroll` is (nvcc 13, 4096 x 4096): the HBM stream need not wait on them.
+    #: Off by default, not measured yet
+    l2_ahead: int = 0
 
     @property
     def bn(self) -> int:
@@ -122,6 +128,8 @@ def check_smallm_shape(m: int, n: int, k: int, tile: SmallMTile) -> str | None:
     if tile.n8 < 1 or tile.warps < 1 or tile.vec not in (1, 2) or tile.unroll < 1 or tile.stages == 1 or not (
             0 <= tile.stages <= 8):
         return f"unsupported tile {tile}"
+    if tile.l2_ahead < 0 or (tile.l2_ahead and tile.stages):
+        return f"unsupported tile {tile}: L2 prefetch rounds ahead (>= 0) where no ring keeps rounds in flight"
     if ring_bytes(tile) > MAX_RING_BYTES:
         return f"tile {tile}: a ring of {ring_bytes(tile)} bytes (at most {MAX_RING_BYTES})"
     return None
@@ -160,6 +168,8 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     early_bytes = min(EARLY_BYTES, k * 2 // 16 * 16)  # of each weight row (K contiguous 2-byte values)
     stages = tile.stages
     ringed = stages > 0  # a Python bool: TIRx's parser takes it as a static condition
+    ahead = tile.l2_ahead
+    round_bytes = unroll * warps * chunk * 2  # the K range of one round of a weight row: contiguous
     loads = unroll * n8 * vec  # a lane's 16-byte weight loads a round
     ring_words = stages * warps * loads * 32 * 4  # beside the partial sums, in the one dynamic allocation
     wait_name, wait_code = wait_src(max(stages - 1, 0))
@@ -194,6 +204,15 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
             else:
                 T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
 
+    @T.macro
+    def prefetch_round(rr, bid, tx):
+        """Round rr of the block's weight rows into L2: one bulk prefetch a row (its part within K)."""
+        if tx < tile.bn and bid * tile.bn + tx < n:
+            if rr * round_bytes < k * 2:
+                T.cuda.func_call("tvmfuse_prefetch_l2_bulk", T.address_of(B[bid * tile.bn + tx, rr * (round_bytes // 2)]),
+                                 T.uint32(T.min(round_bytes, k * 2 - rr * round_bytes) // 16 * 16),
+                                 source_code=PREFETCH_SRC)
+
     @T.prim_func(check_well_formed=False)
     def gemm():
         T.device_entry()
@@ -225,7 +244,12 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         if ringed:
             if not early:
                 ring_prologue(ring, bid, warp, lane)
+        for p in T.unroll(ahead):  # the first `ahead` rounds into L2
+            prefetch_round(p, bid, tx)
         for r in T.serial(rounds):
+            if ahead > 0:  # round r + ahead into L2 as round r is loaded
+                if r + ahead < rounds:
+                    prefetch_round(r + ahead, bid, tx)
             if ringed:  # round r + stages - 1 issued, then round r's copies waited for and read back
                 if r + stages - 1 < rounds:
                     issue_round(ring, r + stages - 1, bid, warp, lane)
