@@ -119,13 +119,10 @@ def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int 
         out["span_us"] = round(sum(max(e[2] for e in g) - g[0][1] for g in groups) / share, 1)
         held: dict[tuple[str, str], float] = {}
         for g in groups:
-            last_end, last_name = g[0][2], g[0][0]
-            for name, start, end in g[1:]:
-                if start > last_end:
-                    key = (last_name[:name_chars], name[:name_chars])
-                    held[key] = held.get(key, 0.0) + start - last_end
-                if end >= last_end:
-                    last_end, last_name = end, name
+            for name, _, _, _, idle, before in sweep(g):
+                if idle > 0:
+                    key = (before[:name_chars], name[:name_chars])
+                    held[key] = held.get(key, 0.0) + idle
         # the time no kernel ran (span less busy is not it where kernels overlap: under dependent launch a kernel's
         # duration counts its wait, so busy exceeds the span while gaps remain between kernels)
         out["idle_in_call_us"] = round(sum(held.values()) / share, 1)
@@ -136,24 +133,31 @@ def summarise_kernels(evs: list[tuple[str, float, float]], calls: int, top: int 
     out["top"] = [{"name": k[:name_chars], "per_call": round(v[0] / calls, 1), "us": round(v[1] / calls, 1),
                    "exposed_us": round(exposed[k] / calls, 1)} for k, v in ranked[:top]]
     if timeline:
-        ends = [i for i, e in enumerate(order) if marker is not None and marker in e[0]]
+        marks = [i for i, e in enumerate(order) if marker is not None and marker in e[0]]
         per_call = len(order) // calls
-        out["timeline"] = call_timeline(order[:ends[0] + 1] if ends
+        out["timeline"] = call_timeline(order[:marks[0] + 1] if marks
                                         else order[per_call:2 * per_call] if calls > 1 else order)
     return out
+
+
+def sweep(order: list[tuple[str, float, float]]):
+    """Each event (in start order) as (name, start, end, exposed, idle, before): the time it ran past every event
+    that started before it, the time nothing ran before it started, and the name of the event whose end it
+    follows ("" for the first)."""
+    last_end, last_name = None, ""
+    for name, start, end in order:
+        exposed = end - start if last_end is None else max(0.0, end - max(start, last_end))
+        idle = 0.0 if last_end is None else max(0.0, start - last_end)
+        yield name, start, end, exposed, idle, last_name
+        if last_end is None or end >= last_end:
+            last_end, last_name = end, name
 
 
 def call_timeline(events: list[tuple[str, float, float]], name_chars: int = 64) -> list[list]:
     """Events in start order as [name, start (µs after the first), duration, exposed (`exposed_time` of that
     launch alone), idle before it]: where a call's time goes, launch by launch."""
-    rows, last_end = [], None
-    for name, start, end in events:
-        exposed = end - start if last_end is None else max(0.0, end - max(start, last_end))
-        idle = 0.0 if last_end is None else max(0.0, start - last_end)
-        rows.append([name[:name_chars], round(start - events[0][1], 2), round(end - start, 2), round(exposed, 2),
-                     round(idle, 2)])
-        last_end = end if last_end is None else max(last_end, end)
-    return rows
+    return [[name[:name_chars], round(start - events[0][1], 2), round(end - start, 2), round(exposed, 2),
+             round(idle, 2)] for name, start, end, exposed, idle, _ in sweep(events)]
 
 
 def exposed_time(order: list[tuple[str, float, float]]) -> dict[str, float]:
@@ -162,10 +166,8 @@ def exposed_time(order: list[tuple[str, float, float]]) -> dict[str, float]:
     duration (`us`) counts that wait and the kernels' durations add up to more than the span; their exposed times
     add up to the span less the idle time, each the time that kernel adds to a call."""
     exposed: dict[str, float] = {}
-    last_end = float("-inf")
-    for name, start, end in order:
-        exposed[name] = exposed.get(name, 0.0) + max(0.0, end - max(start, last_end))
-        last_end = max(last_end, end)
+    for name, _, _, time_past, _, _ in sweep(order):
+        exposed[name] = exposed.get(name, 0.0) + time_past
     return exposed
 
 
