@@ -11,8 +11,8 @@ encoded once a k-tile and stepped, `p` for persistent CTAs, `r` for setmaxnreg, 
 suspend-time hint), `e` for one stage release a warpgroup, `b` for the first B k-tiles loaded before the dependency
 wait (no effect alone: nothing launches it dependent), `fF` for B prefetched into L2 F k-tiles ahead, `gG` for
 groups of G row tiles; (smallm) `n8 x warps x vec x unroll [x stages]` (stages: the cp.async ring,
-`SmallMTile.stages`), then `fF` for the weight rounds prefetched into L2 F rounds ahead (`SmallMTile.l2_ahead`); diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no
-wgmma.
+`SmallMTile.stages`), then `fF` for the weight rounds prefetched into L2 F rounds ahead (`SmallMTile.l2_ahead`);
+diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no wgmma.
 Each case also records the kernels torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of 32 MiB
 or less stay in the H200's L2 between timed runs (time_evaluator), so those cases time L2-resident weights, torch's
 too; `--cold` times every kernel and torch over copies of the weight that together exceed L2 three times, each call

@@ -205,13 +205,18 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
                 T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
 
     @T.macro
-    def prefetch_round(rr, bid, tx):
-        """Round rr of the block's weight rows into L2: one bulk prefetch a row (its part within K)."""
+    def prefetch_rows(bid, tx, first, nbytes):
+        """`nbytes` of each of the block's weight rows from element `first` into L2: one bulk prefetch a row, by its
+        thread."""
         if tx < tile.bn and bid * tile.bn + tx < n:
-            if rr * round_bytes < k * 2:
-                T.cuda.func_call("tvmfuse_prefetch_l2_bulk", T.address_of(B[bid * tile.bn + tx, rr * (round_bytes // 2)]),
-                                 T.uint32(T.min(round_bytes, k * 2 - rr * round_bytes) // 16 * 16),
-                                 source_code=PREFETCH_SRC)
+            T.cuda.func_call("tvmfuse_prefetch_l2_bulk", T.address_of(B[bid * tile.bn + tx, first]), T.uint32(nbytes),
+                             source_code=PREFETCH_SRC)
+
+    @T.macro
+    def prefetch_round(rr, bid, tx):
+        """Round rr of the block's weight rows into L2 (its part within K)."""
+        if rr * round_bytes < k * 2:
+            prefetch_rows(bid, tx, rr * (round_bytes // 2), T.min(round_bytes, k * 2 - rr * round_bytes) // 16 * 16)
 
     @T.prim_func(check_well_formed=False)
     def gemm():
@@ -230,9 +235,7 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         warp = T.meta_var(tx // 32)
         lane = T.meta_var(tx % 32)
         if early:  # the weights need not wait for the kernel before (the activations do)
-            if tx < tile.bn and bid * tile.bn + tx < n:
-                T.cuda.func_call("tvmfuse_prefetch_l2_bulk", T.address_of(B[bid * tile.bn + tx, 0]),
-                                 T.uint32(early_bytes), source_code=PREFETCH_SRC)
+            prefetch_rows(bid, tx, 0, early_bytes)
         if ringed:  # the ring's first stages - 1 rounds in flight (with early weights: before the wait)
             if early:
                 ring_prologue(ring, bid, warp, lane)
