@@ -1,4 +1,9 @@
-"""Shared test helpers: lower a tiny ONNX model, compare its built module with onnxruntime, read CUDA sources."""
+"""Shared test helpers: lower a tiny ONNX model, compare its built module with onnxruntime, read CUDA sources and
+what ptxas says of them."""
+
+import os
+import subprocess
+import tempfile
 
 from tvm import relax
 
@@ -75,3 +80,15 @@ def decode_attention(kv_len: int, mask_value: float | None = None, dt: str = "fl
             out = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), v))
         bb.emit_func_output(out)
     return lower(bb.get(), patterns=fusion_patterns(["tvmfuse.attention"]))
+
+
+def ptxas_report(src: str) -> tuple[int, str]:
+    """nvcc's exit code and what ptxas says of CUDA source `src` for sm_90a (-Xptxas -v: registers, spills, and
+    where it gives up on the wgmma pipeline, "Potential Performance Loss")."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = os.path.join(tmp, "kernel.cu")
+        with open(cu, "w", encoding="utf-8") as fh:
+            fh.write(src)
+        out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                              "-o", os.path.join(tmp, "kernel.cubin"), cu], capture_output=True, text=True)
+    return out.returncode, out.stdout + out.stderr

@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes  # noqa: F401  (numpy's "bfloat16" dtype)
 import numpy as np
 import pytest
 import tvm
+from checks import ptxas_report
 from tvm import relax
 
 from tvmfuse.kernels import ATTENTION_PREFILL, ATTENTION_PREFILL_WGMMA, template_sites
@@ -42,18 +41,6 @@ def _source(s: dict, knobs: dict | None = None) -> str:
     fn = ATTENTION_PREFILL_WGMMA(s, knobs)
     ex = tvm.compile(tvm.IRModule({"main": fn}), target=hopper_target(), tir_pipeline="tirx")
     return ex.mod.imports[0].inspect_source()
-
-
-def _ptxas_report(src: str) -> tuple[int, str]:
-    """nvcc's exit code and what ptxas says of `src` (-Xptxas -v: registers, and where it gives up on the wgmma
-    pipeline, "Potential Performance Loss")."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cu = os.path.join(tmp, "kernel.cu")
-        with open(cu, "w", encoding="utf-8") as fh:
-            fh.write(src)
-        out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
-                              "-o", os.path.join(tmp, "kernel.cubin"), cu], capture_output=True, text=True)
-    return out.returncode, out.stdout + out.stderr
 
 
 def _nvcc(src: str) -> bytes:
@@ -628,7 +615,7 @@ def test_chained_items_issue_the_next_s_before_storing_and_load_q_into_two_buffe
         with pytest.raises(ValueError, match=why):
             ATTENTION_PREFILL_WGMMA(normalize(dict(s, causal=causal)), dict(bad, chain=1))
     if shutil.which("nvcc"):
-        code, said = _ptxas_report(chained)
+        code, said = ptxas_report(chained)
         assert code == 0 and "serialized" not in said, said[-2000:]
 
 
@@ -643,7 +630,7 @@ def test_ptxas_serializes_no_wgmma_of_the_default_knobs_at_the_benchmark_shapes(
     shapes = [normalize(dict(s, arch="sm_90a")) for _, _, s in WGMMA_CASES + MODEL_CASES if s["dtype"] == "float16"]
 
     def losses(s):
-        return [ln for ln in _ptxas_report(_source(s, default_knobs(s)))[1].splitlines()
+        return [ln for ln in ptxas_report(_source(s, default_knobs(s)))[1].splitlines()
                 if "Potential Performance Loss" in ln]
 
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
