@@ -601,35 +601,22 @@ def test_inplace_step_with_the_step_template_matches_onnxruntime_on_llvm(kv_mode
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_gpu_inplace_step_with_the_step_template_matches_onnxruntime(kv_model, tmp_path, dtype):
+@pytest.mark.parametrize("arch,dtype", [("llama", "fp16"), ("llama", "bf16"), ("opt", "fp16"), ("gpt2", "fp16"),
+                                        ("qwen2", "fp16")])
+def test_gpu_inplace_step_with_the_step_template_matches_onnxruntime(kv_model, tmp_path, arch, dtype):
     """On a GPU: the in-place step built for CUDA in fp16/bf16 (the step template on its attention, the caches in
     the compute dtype) passes its verification, and its logits match onnxruntime's at the prompt, at decode after
-    pasts of several lengths, and at a three-token prefill after a past."""
+    pasts of several lengths, and at a three-token prefill after a past: Llama in both dtypes, and in fp16 OPT (its
+    step attention on the templates with scale 1: OPT scales Q in its projection), GPT-2 and Qwen2 (GQA, QKV
+    bias)."""
+    path = kv_model if arch == "llama" else hf_export.export_with_cache(arch, str(tmp_path))
     out = tmp_path / "out"
-    assert tune_main([kv_model, "--target", "cuda", "--trials", "0", "--schedules", "none", "--dtype", dtype,
+    assert tune_main([path, "--target", "cuda", "--trials", "0", "--schedules", "none", "--dtype", dtype,
                       "--out", str(out), "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0
-    model = load(str(next(p for p in out.iterdir() if p.name.startswith("llama_kv-"))))
+    model = load(str(next(p for p in out.iterdir() if p.name.startswith(f"{arch}_kv-"))))
     assert model.manifest["verification"]["status"] == "passed"
     assert model.manifest["kv_cache"]["dtype"] == {"fp16": "float16", "bf16": "bfloat16"}[dtype]
     cache = model.kv_cache(BATCH)
     compute = model.manifest["precision"]["compute_dtype"]
-    assert _steps_match_onnxruntime(kv_model, lambda ids, mask, past: model(ids, mask, past, *cache.tensors)[0],
-                                    compute) == [0, 5, 6, 7, 8, 11, 12]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["opt", "gpt2", "qwen2"])
-def test_gpu_inplace_step_of_more_decoders_matches_onnxruntime(tmp_path, arch):
-    """On a GPU, in fp16: OPT (its step attention on the templates with scale 1: OPT scales Q in its projection),
-    GPT-2 and Qwen2 (GQA, QKV bias) pass verification, and their logits match onnxruntime's at the prompt, at
-    decode after pasts of several lengths and at a three-token prefill after a past."""
-    path = hf_export.export_with_cache(arch, str(tmp_path))
-    out = tmp_path / "out"
-    assert tune_main([path, "--target", "cuda", "--trials", "0", "--schedules", "none", "--dtype", "fp16",
-                      "--out", str(out), "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0
-    model = load(str(next(p for p in out.iterdir() if p.name.startswith(f"{arch}_kv-"))))
-    assert model.manifest["verification"]["status"] == "passed"
-    cache = model.kv_cache(BATCH)
     assert _steps_match_onnxruntime(path, lambda ids, mask, past: model(ids, mask, past, *cache.tensors)[0],
-                                    "float16") == [0, 5, 6, 7, 8, 11, 12]
+                                    compute) == [0, 5, 6, 7, 8, 11, 12]
