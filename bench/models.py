@@ -234,8 +234,7 @@ def main(argv=None) -> dict:
                    "early_weights (the GEMMs' weights loaded before their wait, off by default: on in the "
                    "other build), smallm_ring (the small-M GEMMs' weight ring of 4 stages, likewise), smallm_m1 "
                    "(M = 1 GEMMs on the small-M kernel, on by default: the GEMV schedule in the other build), "
-                   "wgmma_waits (the wgmma GEMMs launched dependent, on by default: after the kernel before them in "
-                   "the other build), "
+                   "wgmma_waits (the wgmma GEMMs launched dependent, off by default: on in the other build), "
                    "merge_siblings (every sibling group merged, off by default: on in the other build); untuned: "
                    "built with --trials 0 (with --trials N: what tuning bought, and changed_kernels)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")

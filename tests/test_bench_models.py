@@ -152,17 +152,19 @@ def test_without_smallm_m1_gemvs_keep_the_gemv_schedule(monkeypatch):
 
 
 def test_without_wgmma_waits_the_wgmma_gemms_do_not_wait(monkeypatch):
-    """`--before wgmma_waits`: the before build's wgmma GEMMs launch after the kernel before them; after it the
-    switch is back."""
+    """`--before wgmma_waits` (bench/models.py sets the switch to 1 for the measured build): the before build's
+    wgmma GEMMs launch after the kernel before them; after it the switch is back."""
     from bench.model_builds import WGMMA_WAITS, without_templates
     from tvmfuse.kernels.dependent_launch import SWITCH, WGMMA_SWITCH, wgmma_waits
 
     monkeypatch.delenv(SWITCH, raising=False)
     monkeypatch.delenv(WGMMA_SWITCH, raising=False)
-    assert wgmma_waits()  # on by default
+    assert not wgmma_waits()  # off by default
+    monkeypatch.setenv(WGMMA_SWITCH, "1")
+    assert wgmma_waits()
     with without_templates((WGMMA_WAITS,)):
         assert not wgmma_waits()
-    assert wgmma_waits() and WGMMA_SWITCH not in os.environ
+    assert wgmma_waits() and os.environ[WGMMA_SWITCH] == "1"
 
 
 def test_without_merge_siblings_the_estimate_decides_again(monkeypatch):

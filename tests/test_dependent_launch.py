@@ -88,6 +88,7 @@ def _gemm_source(rows: int) -> str:
 def test_the_hopper_gemms_wait_before_their_first_global_access_and_release_the_next(rows, first_global,
                                                                                        monkeypatch):
     monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(WGMMA_SWITCH, "1")  # (the wgmma GEMM waits only when asked)
     kernel = _gemm_source(rows)
     wait, release = kernel.find("griddepcontrol_wait()"), kernel.find("griddepcontrol_launch_dependents()")
     assert 0 < wait < release < kernel.find(first_global), kernel[:3000]
@@ -98,6 +99,7 @@ def test_late_release_lets_the_next_kernel_launch_once_the_loads_are_issued(monk
     """TVMFUSE_DEPENDENT_LAUNCH=late (an experiment): the wgmma GEMM still waits before its first load, and releases
     its successor after the loader's last TMA load, not right after the wait."""
     monkeypatch.setenv(SWITCH, "late")
+    monkeypatch.setenv(WGMMA_SWITCH, "1")
     kernel = _gemm_source(256)
     wait, release = kernel.find("griddepcontrol_wait()"), kernel.find("griddepcontrol_launch_dependents()")
     assert 0 < wait < kernel.find("cp_async_bulk_tensor_g2s") < kernel.rfind("cp_async_bulk_tensor_g2s") < release
@@ -117,12 +119,14 @@ def _wgmma_func() -> tvm.tirx.PrimFunc:
     return gemm
 
 
-def test_wgmma_switch_at_0_launches_the_wgmma_gemm_after_its_predecessor_and_it_still_releases(monkeypatch):
-    """TVMFUSE_WGMMA_DEPENDENT=0 (an experiment): the wgmma GEMM neither waits nor is launched dependent (the pass
-    adds no wait at its top: it releases, so it has a griddepcontrol of its own); the small-M GEMM still waits."""
+def test_by_default_the_wgmma_gemm_launches_after_its_predecessor_and_still_releases(monkeypatch):
+    """By default (TVMFUSE_WGMMA_DEPENDENT unset) the wgmma GEMM neither waits nor is launched dependent (the pass
+    adds no wait at its top: it releases, so it has a griddepcontrol of its own); the small-M GEMM still waits.
+    TVMFUSE_WGMMA_DEPENDENT=1 launches it dependent."""
     monkeypatch.setenv(SWITCH, "1")
-    assert any(TAG in params for params in _launch_params(_wgmma_func()).values())
-    monkeypatch.setenv(WGMMA_SWITCH, "0")
+    monkeypatch.setenv(WGMMA_SWITCH, "1")
+    assert wgmma_waits() and any(TAG in params for params in _launch_params(_wgmma_func()).values())
+    monkeypatch.delenv(WGMMA_SWITCH)
     assert not wgmma_waits() and dependent_launch()
     kernel = _gemm_source(256)
     assert "griddepcontrol_wait()" not in kernel
@@ -134,7 +138,8 @@ def test_wgmma_switch_at_0_launches_the_wgmma_gemm_after_its_predecessor_and_it_
 @pytest.mark.parametrize("rows", [256, 16])
 def test_the_switch_at_0_builds_kernels_that_neither_wait_nor_release(rows, monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
-    assert "griddepcontrol_wait()" in _gemm_source(rows)  # on by default
+    monkeypatch.setenv(WGMMA_SWITCH, "1")
+    assert "griddepcontrol_wait()" in _gemm_source(rows)  # on by default (the wgmma GEMM's: when asked)
     monkeypatch.setenv(SWITCH, "0")
     assert "griddepcontrol" not in _gemm_source(rows)
 
@@ -196,6 +201,7 @@ def _chain(rows: int = 256, k: int = 512, seed: int = 0):
 
 def _build_chain(monkeypatch, cuda_graph: bool, rows: int = 256, ring: int = 0):
     monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(WGMMA_SWITCH, "1")
     monkeypatch.setenv(EARLY_WEIGHTS_SWITCH, "1")
     monkeypatch.setenv(RING_SWITCH, str(ring))
     cuda = resolve_target("cuda")
@@ -243,6 +249,7 @@ def test_a_gemm_of_a_weight_loads_its_first_weight_tiles_before_the_wait_and_the
         return src.split("__global__")[-1], logged
 
     monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(WGMMA_SWITCH, "1")  # the wgmma GEMM loads early only where it waits
     monkeypatch.setenv(EARLY_WEIGHTS_SWITCH, "1")
     src, logged = kernel(_chain(k=1024)[0])  # 16 k-tiles: more than the ring's stages
     assert "weights loaded before the wait" in logged[0], logged
