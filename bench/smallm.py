@@ -78,16 +78,50 @@ def inputs(m, k, n):
     return x, w, torch.randn(n, device="cuda", dtype=torch.float16, generator=g) * 0.1
 
 
-def torch_time(fn, runs=100):
-    """Mean µs of `fn` over `runs` calls after 3 warm-up calls (CUDA events)."""
+_SPIN_CYCLES_PER_US: list[float] = []  # torch.cuda._sleep's cycles a µs on this GPU, once measured
+
+
+def hold_the_gpu(us: float) -> None:
+    """Queue a kernel that spins about `us` µs (torch.cuda._sleep) on the current stream, so that the launches the
+    host queues behind it meanwhile run back to back: a kernel shorter than its host-side launch (a decode GEMV
+    called from Python: ~15-25 µs a call) is then timed at the GPU's pace, not the host's."""
     import torch
 
-    for _ in range(3):
-        fn()
+    if not _SPIN_CYCLES_PER_US:
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0.record(); torch.cuda._sleep(1_000_000); t1.record(); torch.cuda.synchronize()
+        _SPIN_CYCLES_PER_US.append(1_000_000 / (t0.elapsed_time(t1) * 1e3))
+    torch.cuda._sleep(int(us * _SPIN_CYCLES_PER_US[0]))
+
+
+def queued_time(call, runs: int) -> float:
+    """Mean µs of `call(r)` for r in range(runs), the launches queued behind `hold_the_gpu` for twice the host's
+    time to issue them (measured first), timed by CUDA events around them."""
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for r in range(runs):
+        call(r)
+    host_us = (time.perf_counter() - t) * 1e6
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    t0.record(); [fn() for _ in range(runs)]; t1.record(); torch.cuda.synchronize()
+    hold_the_gpu(2 * host_us + 200)
+    t0.record()
+    for r in range(runs):
+        call(r)
+    t1.record()
+    torch.cuda.synchronize()
     return t0.elapsed_time(t1) * 1e3 / runs
+
+
+def torch_time(fn, runs=100):
+    """Mean µs of `fn` over `runs` calls after 3 warm-up calls (CUDA events; the calls queued behind a spinning
+    kernel, `queued_time`)."""
+    for _ in range(3):
+        fn()
+    return queued_time(lambda _: fn(), runs)
 
 
 def time_variants(fn, variants, built, by_name, ref, out_shape, default, name):
