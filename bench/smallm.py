@@ -95,25 +95,32 @@ def hold_the_gpu(us: float) -> None:
     torch.cuda._sleep(int(us * _SPIN_CYCLES_PER_US[0]))
 
 
-def queued_time(call, runs: int) -> float:
+def queued_time(call, runs: int, tries: int = 4) -> float:
     """Mean µs of `call(r)` for r in range(runs), the launches queued behind `hold_the_gpu` for twice the host's
-    time to issue them (measured first), timed by CUDA events around them."""
+    time to issue them (measured first), timed by CUDA events around them. Where the spinning kernel had ended
+    before the host had queued them all (a host slowed meanwhile, e.g. by compiles in other threads: the launches
+    ran at its pace), again with twice the spin, up to `tries` times; then it is an error."""
     import torch
 
     torch.cuda.synchronize()
     t = time.perf_counter()
     for r in range(runs):
         call(r)
-    host_us = (time.perf_counter() - t) * 1e6
+    spin_us = 2 * (time.perf_counter() - t) * 1e6 + 200
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    hold_the_gpu(2 * host_us + 200)
-    t0.record()
-    for r in range(runs):
-        call(r)
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / runs
+    for _ in range(tries):
+        torch.cuda.synchronize()
+        hold_the_gpu(spin_us)
+        t0.record()
+        for r in range(runs):
+            call(r)
+        queued = not t0.query()  # the spin still ran once every launch was queued
+        t1.record()
+        torch.cuda.synchronize()
+        if queued:
+            return t0.elapsed_time(t1) * 1e3 / runs
+        spin_us *= 2
+    raise RuntimeError(f"the host took longer to queue {runs} calls than a {spin_us / 2:.0f} µs spin, {tries} times")
 
 
 def torch_time(fn, runs=100):
