@@ -40,8 +40,9 @@ SMALLM_N8, SMALLM_WARPS, SMALLM_UNROLL = (1, 2, 4), (4, 8, 16), (2, 4)
 #: this as fit `mma_smallm.RING_BUDGET` (tuning decides; the rules' tiles with a ring of 4 made the Llama layer's decode
 #: b16 14% slower, models_run40_ring.json)
 SMALLM_RING = 4
-#: weight rounds the rule's small-M tile is also measured with prefetched into L2 ahead (`SmallMTile.l2_ahead`; not
-#: measured yet)
+#: weight rounds the rule's small-M tile is also measured with prefetched into L2 ahead (`SmallMTile.l2_ahead`). At
+#: M = 1 on an H100, 4 rounds ahead took 42-54 µs where the tiles without took 32-35 (wgmma_run20_smallm.json); 2
+#: rounds were timed only by the host-bound run 19 (slower at 11008 x 4096): tuning measures it, the rules never pick it
 SMALLM_L2_AHEAD = 2
 
 
