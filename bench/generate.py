@@ -329,8 +329,10 @@ def phase_run(args) -> dict:
 
 def profile_rows(model, ids, cache, steps: int = 8) -> dict:
     """The GPU's own record (CUPTI through torch.profiler) of the prefill and of the decode steps from the end of the
-    first window of `steps` to the end of the third (run as generate runs them: each window read once the next is
-    queued), per step, with the host's wall time per decode step of the second and third windows while profiled."""
+    first window of `steps` to the end of the fourth (run as generate runs them: each window read once the next is
+    queued; recorded until the third window is read, which waits for the fourth, so that no window is the last:
+    the last two are read back to back, which no steady step does), per step, with the host's wall time per decode
+    step of the second and third windows while profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -344,11 +346,11 @@ def profile_rows(model, ids, cache, steps: int = 8) -> dict:
             prof.start()
         elif steps < i <= 3 * steps:
             walls.append(ms)
-            if i == 3 * steps:  # the last window has run
+            if i == 3 * steps:  # the third window is read: its copy waited for the fourth, which has run too
                 torch.cuda.synchronize()
                 prof.stop()
 
-    model.generate(ids, 3 * steps + 1, cache=cache, on_token=on_token, sync_every=steps)
+    model.generate(ids, 4 * steps + 1, cache=cache, on_token=on_token, sync_every=steps)
     # steps counted by the sampler's kernel, each step's last (the recording starts inside the second window)
     decode = kernel_summary(prof, steps, top=24, synced=False, timeline=True, marker="greedy_tokens")
     decode["wall_ms_per_step"] = round(sum(walls) / len(walls), 4)
