@@ -232,8 +232,8 @@ def _stream(cmd: list[str]) -> tuple[int, str]:
 def phase_build(args) -> dict:
     """The product's build of the exported step, as a user runs it."""
     p = _paths(args)
-    target = ["--target", "llvm", "--dtype", "fp32"] if args.smoke else ["--target", "cuda", "--dtype", "fp16",
-                                                                          "--cuda-graph"]
+    target = (["--target", "llvm", "--dtype", "fp32"] if args.smoke else
+              ["--target", "cuda", "--dtype", "fp16"] + ([] if args.no_cuda_graph else ["--cuda-graph"]))
     # the decode steps' static functions (seq 1, each batch), which only CUDA captures; on llvm one static batch
     # took 2 minutes more to compile (2 cores), so the smoke run buckets seq alone
     # and on CUDA the prompts' lengths too: a prefill in the generic function gets no GEMM or attention template
@@ -508,6 +508,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="a tiny Llama on the CPU (llvm, fp32, torch eager)")
     ap.add_argument("--profile", action="store_true", help="per row, the GPU's kernels of the prefill and of 8 decode "
                     "steps (CUDA only)")
+    ap.add_argument("--no-cuda-graph", action="store_true",
+                    help="build without --cuda-graph: every kernel of a decode step launched from the host, chained by "
+                         "the dependent launch, no graph <-> outside transitions (the windows let the host run ahead); "
+                         "with --phase build then --phase run into another --out, beside a run with the graphs")
     ap.add_argument("--phase", default="all", choices=["all", *PHASES])
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no phase or row after this many seconds")
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # the phases' copy of the budget (epoch s)

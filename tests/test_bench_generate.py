@@ -76,3 +76,17 @@ def test_torchs_decode_profile_failing_is_an_error_in_the_row_not_a_failed_phase
 
     got = generate.profile_torch_decode(None, Cache(), None, None)
     assert list(got) == ["error"] and "no device here" in got["error"]
+
+
+@pytest.mark.parametrize("flags, graphs", [([], True), (["--no-cuda-graph"], False)])
+def test_the_build_takes_cuda_graphs_unless_told_not_to(tmp_path, monkeypatch, flags, graphs):
+    """The CUDA build's command line: --cuda-graph by default, none with --no-cuda-graph (the decode steps then
+    launch every kernel from the host)."""
+    commands = []
+    monkeypatch.setattr(generate, "_stream", lambda cmd: (commands.append(cmd), (0, ""))[1])
+    args = generate.parse_args(["--work", str(tmp_path), "--out", str(tmp_path / "out"), *flags])
+    info = generate.phase_build(args)
+    (cmd,) = commands
+    assert ("--cuda-graph" in cmd) is graphs and ("--cuda-graph" in info["command"]) is graphs
+    assert cmd[cmd.index("--target") + 1] == "cuda"
+
