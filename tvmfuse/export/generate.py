@@ -204,16 +204,17 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
     # window buffers [sync_every, batch], and a window is read in one copy to the host: a copy to the host waits for
     # everything queued before it, so the GPU idles while the host makes it (~60 µs a copy from Python, measured in
     # generate_run9_h100.json's profile: one a step was 4% of the step)
-    windows = tvm.runtime.empty((2, sync_every, batch), "int64", dev) if greedy is not None else None
+    width = max(min(sync_every, new_tokens - 1), 1)  # the steps of a window (no more than there are)
+    windows = tvm.runtime.empty((2, width, batch), "int64", dev) if greedy is not None else None
     row = batch * 8  # bytes of one step's tokens (int64)
 
     def slot(buffer: int, at: int):  # pylint: disable=protected-access  (TVM's view of a tensor, no copy)
-        return windows._create_view((batch, 1), "int64", relative_byte_offset=(buffer * sync_every + at) * row)
+        return windows._create_view((batch, 1), "int64", relative_byte_offset=(buffer * width + at) * row)
 
     def window_of(buffer: int, steps: int):  # pylint: disable=protected-access
-        return windows._create_view((steps, batch), "int64", relative_byte_offset=buffer * sync_every * row)
+        return windows._create_view((steps, batch), "int64", relative_byte_offset=buffer * width * row)
 
-    slots = [[slot(b, j) for j in range(sync_every)] for b in range(2)] if greedy is not None else None
+    slots = [[slot(b, j) for j in range(width)] for b in range(2)] if greedy is not None else None
 
     def step(tokens, seq: int, position: int, last: int):
         """Run the step on `tokens` ([batch, seq] on the device) at `position`; the argmax of position `last`'s
