@@ -86,8 +86,8 @@ def without_templates(names: tuple[str, ...]):
     its weights before its wait (`bench/models.py --before early_weights` turns them on for the other build);
     SMALLM_RING: no small-M GEMM takes a weight ring (`--before smallm_ring`); SMALLM_M1: M = 1 GEMMs keep the GEMV
     schedule (`--before smallm_m1`); WGMMA_WAITS: the wgmma GEMMs launch after the kernel before them, as by default
-    (`--before wgmma_waits` launches them dependent in the other build); MERGE_SIBLINGS: sibling projections merge only where the estimate
-    says so (`--before merge_siblings`)."""
+    (`--before wgmma_waits` launches them dependent in the other build); MERGE_SIBLINGS: sibling projections merge
+    only where the estimate says so (`--before merge_siblings`)."""
     from tvmfuse.build import dependent_launch as launch_pass
     from tvmfuse.kernels.dependent_launch import dependent_launch_off, switched_off
     from tvmfuse.kernels.table import TABLE

@@ -158,9 +158,9 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
     next step's input, and the host runs ahead of the GPU as an inference engine does: it queues the steps in
     windows of `sync_every`, each step's tokens copied on the device into the window's buffer, and copies a window's
     tokens to the host in one copy once the window after it is queued (so the GPU waits for no copy but that one
-    a window, and for none of the launches after it), gives each of them the window's mean time in `step_ms` (since the window before was read)
-    and calls `on_token(i, ms)` for each. Without one (an older export) the host takes the argmax of each step's
-    last logits, a wait per step."""
+    a window, and for none of the launches after it), gives each of them the window's mean time in `step_ms`
+    (since the window before was read) and calls `on_token(i, ms)` for each. Without one (an older export) the
+    host takes the argmax of each step's last logits, a wait per step."""
     manifest = model.manifest
     if "kv_cache" not in manifest:
         raise TvmfuseError(f"{model.folder}: not a decoder step with a KV cache (no past K/V inputs were found "
@@ -201,9 +201,9 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
             if mask_name else None)
     next_ids = tvm.runtime.empty((batch, 1), ids_dtype, dev) if greedy is None else None
     # with the sampler, each step's tokens are also copied on the device (no host wait) into a slot of one of two
-    # window buffers [sync_every, batch], and a window is read in one copy to the host: a copy to the host waits for
-    # everything queued before it, so the GPU idles while the host makes it (~60 µs a copy from Python, measured in
-    # generate_run9_h100.json's profile: one a step was 4% of the step)
+    # window buffers [steps of a window, batch], and a window is read in one copy to the host: a copy to the host
+    # waits for everything queued before it, so the GPU idles while the host makes it (~60 µs a copy from Python,
+    # measured in generate_run9_h100.json's profile: one a step was 4% of the step)
     width = max(min(sync_every, new_tokens - 1), 1)  # the steps of a window (no more than there are)
     windows = tvm.runtime.empty((2, width, batch), "int64", dev) if greedy is not None else None
     row = batch * 8  # bytes of one step's tokens (int64)
