@@ -106,7 +106,8 @@ def _rows(stdout: str) -> list[list[int]]:
 
 def test_cpp_generate_matches_python_generate(tmp_path):
     """examples/cpp/generate: the in-place KV cache step driven from C++ (caches allocated once, prefill at
-    past_len 0, then one token a step, the next by the export's greedy_tokens) gives the tokens of
+    past_len 0, then one token a step, the next by the export's greedy_tokens, read on the host a window of steps
+    at a time) gives the tokens of
     `tvmfuse.load(...).generate`: an fp32 export with embedded weights, and an fp16 one whose weights are outside
     the library (the tensor cache, --weights) at batch 2 (fp16 caches)."""
     pytest.importorskip("transformers")
@@ -117,10 +118,10 @@ def test_cpp_generate_matches_python_generate(tmp_path):
     assert main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
                  "--logs", str(out / "logs"), "--max-seq", "24"]) == 0
     export = out / "llama_kv-llvm"
-    done = _cpp_generate(build, export, [5, 7, 11, 13], 12)
+    done = _cpp_generate(build, export, [5, 7, 11, 13], 20)  # a window of 16 steps' ids, then one of 4
     assert done.returncode == 0, done.stderr
     assert "sampler: greedy_tokens" in done.stderr  # the export's sampler, as tvmfuse's generate uses it
-    want = load(str(export)).generate(np.array([[5, 7, 11, 13]]), 12).tokens
+    want = load(str(export)).generate(np.array([[5, 7, 11, 13]]), 20).tokens
     assert _rows(done.stdout) == want.tolist()
     too_long = _cpp_generate(build, export, [5, 7, 11, 13], 30)
     assert too_long.returncode == 2 and too_long.stderr.startswith("error:")

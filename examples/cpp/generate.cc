@@ -1,5 +1,6 @@
 // Greedy generation on a tvmfuse decoder step built with the in-place KV cache (docs/kv_cache.md), with the TVM
-// C++ runtime alone: allocate the caches once, prefill the prompt at past_len 0, then one token a step.
+// C++ runtime alone: allocate the caches once, prefill the prompt at past_len 0, then one token a step, the
+// tokens read on the host 16 steps at a time.
 //
 //   generate MODEL.so --caches N --capacity C --kv-heads H --head-dim D --ids 1,2,3 --new-tokens T
 //            [--dtype float32|float16|bfloat16] [--batch B] [--weights DIR] [--device cpu|cuda]
@@ -22,6 +23,7 @@
 
 #include "runtime_helpers.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -139,11 +141,31 @@ int main(int argc, char** argv) {
       if (!greedy.has_value()) return HostArgmax(logits, seq - 1, dev);
       return greedy.value()(logits, seq - 1).cast<tvm::ffi::Tensor>();
     };
+    // Each step's ids are copied on the device into a slot of a window buffer [window, batch], and the host reads
+    // a window in one copy: a copy to the host waits for everything queued before it, so one a step would keep the
+    // GPU waiting for the host every step (tvmfuse's Python generate also reads a window only once the next one is
+    // queued).
+    const int64_t window = std::min<int64_t>(16, new_tokens);
+    tvm::ffi::Function copy = tvm::ffi::Function::GetGlobalRequired("runtime.TVMTensorCopyFromTo");
+    tvm::ffi::Function view = tvm::ffi::Function::GetGlobalRequired("runtime.TVMTensorCreateView");
+    tvm::ffi::Tensor slots = ToDevice(HostZeros({window, batch}, DLDataType{kDLInt, 64, 1}), dev);
+    auto rows_of = [&](int64_t first, int64_t count) {  // slots first .. first + count - 1, a view (no copy)
+      return view(slots, tvm::ffi::Shape({count, batch}), DLDataType{kDLInt, 64, 1},
+                  static_cast<uint64_t>(first * batch * sizeof(int64_t))).cast<tvm::ffi::Tensor>();
+    };
     std::vector<std::vector<int64_t>> tokens(batch);
     tvm::ffi::Tensor next = run(Rows(prompt, batch, dev), 0);  // prefill: the prompt at past_len 0 fills the caches
     for (int64_t i = 0; i < new_tokens; ++i) {
-      tvm::ffi::Tensor ids = ToHost(next);  // the step's ids, read on the host (waits for the device)
-      for (int64_t b = 0; b < batch; ++b) tokens[b].push_back(static_cast<const int64_t*>(ids.data_ptr())[b]);
+      int64_t at = i % window;
+      copy(next, rows_of(at, 1));  // the step's ids [batch, 1] into its slot, on the device
+      if (at == window - 1 || i + 1 == new_tokens) {  // the window's ids, read on the host (waits for the device)
+        tvm::ffi::Tensor ids = ToHost(rows_of(0, at + 1));
+        for (int64_t s = 0; s <= at; ++s) {
+          for (int64_t b = 0; b < batch; ++b) {
+            tokens[b].push_back(static_cast<const int64_t*>(ids.data_ptr())[s * batch + b]);
+          }
+        }
+      }
       if (i + 1 < new_tokens) next = run(next, length + i);  // the ids [batch, 1] as the step returned them
     }
     for (const std::vector<int64_t>& row : tokens) {
