@@ -258,12 +258,12 @@ def generate(model, ids: np.ndarray, new_tokens: int, on_token: Callable[[int, f
     result.prefill_ms = (time.perf_counter() - start) * 1e3
     window, pending, start, buffer = [], [], time.perf_counter(), 0
 
-    def flush(done: list, buffer: int) -> None:
-        """The tokens of the window `done` (with the sampler: in window buffer `buffer`): their copy waits for its
+    def flush(done: list, filled: int) -> None:
+        """The tokens of the window `done` (with the sampler: in window buffer `filled`): their copy waits for its
         last step (the GPU runs the window queued after it meanwhile); each step gets the window's mean time since
         the window before was read."""
         nonlocal start
-        values = list(window_of(buffer, len(done)).numpy()) if greedy is not None else [t for _, t in done]
+        values = list(window_of(filled, len(done)).numpy()) if greedy is not None else [t for _, t in done]
         now = time.perf_counter()
         ms, start = (now - start) * 1e3 / len(done), now
         for (j, _), value in zip(done, values):

@@ -111,7 +111,7 @@ class SmallMTile:
     #: L2 (`cp.async.bulk.prefetch.L2`, one thread a row, no registers), one round further each round, so that the
     #: loads into registers find them there; 0: none. For M = 1, where ptxas issues 3-4 of a lane's weight loads
     #: before its first mma whatever `unroll` is (nvcc 13, 4096 x 4096): the HBM stream need not wait on them.
-    #: Off by default, not measured yet
+    #: Off by default: at M = 1 on an H100, 4 rounds ahead was slower at every shape (wgmma_run20_smallm.json)
     l2_ahead: int = 0
 
     @property
