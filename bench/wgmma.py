@@ -11,7 +11,8 @@ encoded once a k-tile and stepped, `p` for persistent CTAs, `r` for setmaxnreg, 
 suspend-time hint), `e` for one stage release a warpgroup, `b` for the first B k-tiles loaded before the dependency
 wait (no effect alone: nothing launches it dependent), `fF` for B prefetched into L2 F k-tiles ahead, `gG` for
 groups of G row tiles; (smallm) `n8 x warps x vec x unroll [x stages]` (stages: the cp.async ring,
-`SmallMTile.stages`), then `fF` for the weight rounds prefetched into L2 F rounds ahead (`SmallMTile.l2_ahead`);
+`SmallMTile.stages`), then `k` for that ring filled by bulk copies (`SmallMTile.bulk`), `fF` for the weight
+rounds prefetched into L2 F rounds ahead (`SmallMTile.l2_ahead`);
 diagnostics (wrong outputs): `-loads` loads only the first `stages` k-tiles, `-mma` issues no wgmma.
 Each case also records the kernels torch ran (cuBLAS's name gives its tile, stages and cluster). Weights of 32 MiB
 or less stay in the H200's L2 between timed runs (time_evaluator), so those cases time L2-resident weights, torch's
@@ -72,16 +73,17 @@ def _tile(kernel, spec):
     # "128x176x4g4": groups of 4 row tiles, rows fastest (g1: columns); "d": two accumulator sets; "i1": one wgmma
     # group left in flight over one set ("i0", the default: none); "c2": clusters of 2 CTAs multicasting the B tile
     # ("c2a": the A tile)
-    pattern = (r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d)(a?))?(s?)(p?)(r?)(w?)(e?)(b?)(?:f(\d+))?(?:g(\d+))?"
+    pattern = (r"(\d+(?:x\d+)+)(d?)(?:i(\d))?(?:c(\d)(a?))?(s?)(p?)(r?)(w?)(e?)(b?)(k?)(?:f(\d+))?(?:g(\d+))?"
                r"(?:-(loads|mma))?")
     found = re.fullmatch(pattern, spec)
     if not found:
-        raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2[a]][s][p][r][w][e][b][fF][gG][-loads|-mma]")
-    (dims, dual, inflight, cluster, share_a, stepped, persistent, regs, spin, wg, early, ahead, group,
+        raise ValueError(f"tile spec {spec!r}: NxN..[d][i0|i1][c1|c2[a]][s][p][r][w][e][b][k][fF][gG][-loads|-mma]")
+    (dims, dual, inflight, cluster, share_a, stepped, persistent, regs, spin, wg, early, bulk, ahead, group,
      ablate) = found.groups()
     vals = [int(v) for v in dims.split("x")]
-    if kernel == "smallm":  # `fF`: weight rounds prefetched into L2 F rounds ahead (no ring)
-        return SmallMTile(*vals, l2_ahead=int(ahead or 0)), ablate or ""
+    if kernel == "smallm":  # `fF`: weight rounds prefetched into L2 F rounds ahead (no ring); `k`: the ring filled
+        # by bulk copies; `b`: the weights' first rounds issued before the dependency wait
+        return SmallMTile(*vals, l2_ahead=int(ahead or 0), bulk=bool(bulk), early_weights=bool(early)), ablate or ""
     return WgmmaTile(bn=vals[-2], stages=vals[-1], bm=vals[0] if len(vals) == 3 else 128, dual=bool(dual),
                      inflight=int(inflight or 0), cluster=int(cluster or 1), multicast="a" if share_a else "b",
                      stepped_desc=bool(stepped),

@@ -403,6 +403,34 @@ def test_small_m_l2_prefetch_keeps_rounds_ahead_in_l2_without_registers():
     assert "L2 prefetch" in check_smallm_shape(1, 4096, 4096, dataclasses.replace(tile, l2_ahead=-1))
 
 
+def test_small_m_bulk_ring_copies_a_weight_row_a_round_without_registers():
+    """`SmallMTile.bulk` with 3 stages at 1 x 4096 x 4096 (2x16x1x2: 16 rows, 4 rounds of 2048 bytes a row): thread t
+    copies row t's round with one bulk copy (`cp.async.bulk`) completing on the stage's mbarrier (initialised for
+    16 arrivals, each expecting its row's bytes), two rounds before the loop and one in it; the warps read their
+    fragments back from rows ROW_PAD bytes apart (no bank conflicts), meet once a round, and hold no weight load in
+    registers. It compiles for sm_90a. Bulk copies need a ring and a thread a row."""
+    from tvmfuse.kernels.hopper.gemm_bench import hopper_target
+    from tvmfuse.kernels.hopper.mma_smallm import ROW_PAD, make_smallm_gemm, ring_bytes
+
+    target = hopper_target()
+    tile = SmallMTile(n8=2, warps=16, vec=1, unroll=2, stages=3, bulk=True)
+    assert ring_bytes(tile) == 3 * 16 * (2048 + ROW_PAD) and check_smallm_shape(1, 4096, 4096, tile) is None
+    (src,) = cuda_sources(tvm.compile(tvm.IRModule({"main": make_smallm_gemm(1, 4096, 4096, tile)}), target=target,
+                                      tir_pipeline="tirx"))
+    kernel = src.split("__global__")[-1]
+    assert re.findall(r"tvmfuse_bulk_copy\(.*?\(uint\)(\d+), ", kernel) == ["2048"] * 3  # rounds 0, 1; r + 2 in the loop
+    assert kernel.count("mbarrier_init_init_shared_b64(") == 3 and kernel.count("(uint)16);") >= 3  # 16 arrivals each
+    assert kernel.count("tvmfuse_lds16(") == tile.unroll * tile.n8 and "tvmfuse_ld_stream(" not in kernel
+    assert "tvmfuse_cp_async16(" not in kernel and kernel.count("tvm_builtin_cuda_cta_sync()") == 3  # init, round, sums
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in src
+    assert len(_nvcc_fatbin(src, target)) > 1000
+    (ragged,) = cuda_sources(tvm.compile(tvm.IRModule({"main": make_smallm_gemm(1, 1001, 1000, tile)}),
+                                         target=target, tir_pipeline="tirx"))
+    assert re.findall(r"tvmfuse_bulk_copy\(.*?\(uint\)(\d+), ", ragged) == ["2000"]  # one round, within K
+    assert "a ring" in check_smallm_shape(1, 4096, 4096, dataclasses.replace(tile, stages=0))
+    assert "a thread a weight row" in check_smallm_shape(1, 4096, 4096, SmallMTile(n8=8, warps=1, stages=2, bulk=True))
+
+
 @pytest.mark.parametrize("stages,why", [(1, "unsupported"), (9, "unsupported"), (8, "ring of")])
 def test_small_m_ring_takes_two_to_eight_stages_that_fit_shared_memory(stages, why):
     assert why in check_smallm_shape(16, 4096, 4096, SmallMTile(n8=4, warps=16, vec=1, unroll=4, stages=stages))
@@ -413,11 +441,18 @@ def test_small_m_ring_takes_two_to_eight_stages_that_fit_shared_memory(stages, w
                                         (1, 384, 4104, (4, 8, 1, 4, 2)), (16, 4096, 4096, (2, 8, 1, 2, 3)),
                                         (16, 4096, 11008, (2, 16, 1, 2, 4)),
                                         (1, 4096, 4096, (2, 16, 1, 2, 0, False, 2)),  # L2 prefetch, no ring
-                                        (1, 1001, 1000, (4, 8, 1, 4, 0, False, 3))])
+                                        (1, 1001, 1000, (4, 8, 1, 4, 0, False, 3)),
+                                        # bulk copies: one round, ragged K and N, stages reused (5, 11 rounds)
+                                        (16, 1000, 1024, (2, 16, 1, 2, 4, False, 0, True)),
+                                        (3, 1001, 200, (1, 4, 2, 2, 3, False, 0, True)),
+                                        (1, 384, 4104, (4, 8, 1, 4, 2, False, 0, True)),
+                                        (1, 4096, 4096, (2, 16, 1, 2, 3, False, 0, True)),
+                                        (16, 4096, 11008, (2, 16, 1, 2, 3, False, 0, True)),
+                                        (1, 1001, 1000, (1, 8, 1, 4, 6, False, 0, True))])
 def test_small_m_ring_matches_numpy_on_the_gpu(m, n, k, tile):
-    """The ring (cp.async stages ahead) computing gelu(x @ w^T + b): one round (the empty commits), more rounds
-    than stages (each slot reused: 5, 8 and 11 rounds), K not a multiple of the chunks (zero-filled copies past K:
-    200, 4104, 11008), ragged N."""
+    """The ring (cp.async stages ahead, or bulk copies a row a round) computing gelu(x @ w^T + b): one round (the
+    empty commits), more rounds than stages (each slot reused: 5, 8 and 11 rounds), K not a multiple of the chunks
+    (zero-filled copies past K, or what a bulk stage held there zeroed: 200, 4104, 11008), ragged N."""
     from tvmfuse.kernels.hopper.mma_smallm import make_smallm_gemm
 
     x, w, b, got = _gemm_on_the_gpu(make_smallm_gemm(m, n, k, SmallMTile(*tile), "bias_gelu"), m, n, k, "float16", 4)

@@ -59,6 +59,17 @@ LDS_SRC = ("__device__ __forceinline__ void tvmfuse_lds16(const void* p, unsigne
            "{%0,%1,%2,%3}, [%4];\" : \"=r\"(a), \"=r\"(b), \"=r\"(c), \"=r\"(d) : \"r\"(s) : \"memory\"); }")
 
 
+#: one bulk asynchronous copy global -> shared of `bytes` (a multiple of 16, both addresses 16-byte aligned), no
+#: registers held, completing its bytes on the mbarrier at `bar`
+BULK_SRC = ("__device__ __forceinline__ void tvmfuse_bulk_copy(void* dst, const void* src, unsigned bytes, void* bar) { "
+            "unsigned d = (unsigned)__cvta_generic_to_shared(dst); unsigned b = (unsigned)__cvta_generic_to_shared(bar); "
+            "asm volatile(\"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\" "
+            ":: \"r\"(d), \"l\"(src), \"r\"(bytes), \"r\"(b) : \"memory\"); }")
+#: bytes after each weight row of a bulk ring's stage: rows 64 bytes apart mod 128, so the 8 lanes of a quarter warp
+#: (two rows, 64 bytes of each) read distinct banks
+ROW_PAD = 64
+
+
 def wait_src(pending: int) -> tuple[str, str]:
     """(name, source) of the helper that waits until at most `pending` committed copy groups are in flight."""
     name = f"tvmfuse_cp_async_wait{pending}"
@@ -78,7 +89,10 @@ def ring_stages() -> int:
 
 
 def ring_bytes(tile) -> int:
-    """Shared memory the weight ring of `tile` takes: per stage, per warp, its loads of a round (16 bytes a lane)."""
+    """Shared memory the weight ring of `tile` takes: per stage, per warp, its loads of a round (16 bytes a lane);
+    with bulk copies, per stage, the block's weight rows over a round's K range (each padded by ROW_PAD)."""
+    if tile.bulk:
+        return tile.stages * tile.bn * (tile.unroll * tile.warps * 32 * tile.vec * 2 + ROW_PAD)
     return tile.stages * tile.warps * tile.unroll * tile.n8 * tile.vec * 32 * 16
 
 
@@ -113,6 +127,10 @@ class SmallMTile:
     #: before its first mma whatever `unroll` is (nvcc 13, 4096 x 4096): the HBM stream need not wait on them.
     #: Off by default: at M = 1 on an H100, 4 rounds ahead was slower at every shape (wgmma_run20_smallm.json)
     l2_ahead: int = 0
+    #: with a ring (stages >= 2): filled by bulk copies (`cp.async.bulk`, one a weight row a round, issued by the
+    #: row's thread, completing on the stage's mbarrier) into row-major stages, instead of each lane's 16-byte copies;
+    #: the block meets once a round before a stage is refilled. Bytes in flight no longer take LSU slots a lane
+    bulk: bool = False
 
     @property
     def bn(self) -> int:
@@ -128,6 +146,10 @@ def check_smallm_shape(m: int, n: int, k: int, tile: SmallMTile) -> str | None:
     if tile.n8 < 1 or tile.warps < 1 or tile.vec not in (1, 2) or tile.unroll < 1 or tile.stages == 1 or not (
             0 <= tile.stages <= 8):
         return f"unsupported tile {tile}"
+    if tile.bulk and not tile.stages:
+        return f"unsupported tile {tile}: bulk copies fill a ring (stages >= 2)"
+    if tile.bulk and tile.bn > tile.warps * 32:
+        return f"unsupported tile {tile}: a thread a weight row issues its bulk copies ({tile.bn} rows)"
     if tile.l2_ahead < 0 or (tile.l2_ahead and tile.stages):
         return f"unsupported tile {tile}: L2 prefetch rounds ahead (>= 0) where no ring keeps rounds in flight"
     if ring_bytes(tile) > MAX_RING_BYTES:
@@ -171,7 +193,12 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     ahead = tile.l2_ahead
     round_bytes = unroll * warps * chunk * 2  # the K range of one round of a weight row: contiguous
     loads = unroll * n8 * vec  # a lane's 16-byte weight loads a round
-    ring_words = stages * warps * loads * 32 * 4  # beside the partial sums, in the one dynamic allocation
+    bulk = ringed and tile.bulk  # the ring filled by bulk copies, a weight row a round (Python bool: static)
+    round_k = unroll * warps * chunk  # the K values of a round
+    row_words = (round_bytes + ROW_PAD) // 4  # a bulk stage's weight row, padded
+    stage_words = tile.bn * row_words
+    ring_words = ring_bytes(tile) // 4  # beside the partial sums, in the one dynamic allocation
+    bar_words = 2 * stages if bulk else 0  # a bulk ring's mbarriers after it (8 bytes each)
     wait_name, wait_code = wait_src(max(stages - 1, 0))
 
     def slot(stage, warp, u, t, v, lane):  # the first of the 4 words a lane's load (u, t, v) of a stage fills
@@ -196,12 +223,26 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
 
     @T.macro
-    def ring_prologue(ring, bid, warp, lane):
-        """Rounds 0 .. stages - 2 issued (an empty group for each past the last round)."""
+    def issue_bulk(ring, bars, rr, bid, tx):
+        """Round rr's weights into stage rr % stages: thread t copies the block's weight row t over the round's K
+        range (one bulk copy), its bytes expected by its arrival on the stage's mbarrier (one arrival a row)."""
+        if tx < tile.bn:
+            size = T.meta_var(T.min(round_bytes, k * 2 - rr * round_bytes) if guard else round_bytes)
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[rr % stages]), T.uint32(size))
+            T.cuda.func_call("tvmfuse_bulk_copy", T.address_of(ring[(rr % stages) * stage_words + tx * row_words]),
+                             T.address_of(B[T.min(bid * tile.bn + tx, n - 1), rr * round_k]), T.uint32(size),
+                             T.address_of(bars[rr % stages]), source_code=BULK_SRC)
+
+    @T.macro
+    def ring_prologue(ring, bars, bid, warp, lane, tx):
+        """Rounds 0 .. stages - 2 issued (with cp.async, an empty group for each past the last round)."""
         for p in T.unroll(stages - 1):
             if p < rounds:
-                issue_round(ring, p, bid, warp, lane)
-            else:
+                if bulk:
+                    issue_bulk(ring, bars, p, bid, tx)
+                else:
+                    issue_round(ring, p, bid, warp, lane)
+            elif not bulk:
                 T.cuda.func_call("tvmfuse_cp_async_commit", source_code=COMMIT_SRC)
 
     @T.macro
@@ -225,20 +266,28 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         bid = T.cta_id([-(-n // tile.bn)])
         tx = T.thread_id([threads])
         A2 = T.decl_buffer((m, k), dt, data=A.data)
-        red = T.alloc_buffer((warps * per_warp + ring_words,), "float32", scope="shared.dyn")  # the sums, the ring
+        red = T.alloc_buffer((warps * per_warp + ring_words + bar_words,), "float32", scope="shared.dyn")
         ring = T.decl_buffer((max(ring_words, 4),), "uint32", data=red.data, elem_offset=warps * per_warp,
                              scope="shared.dyn")
+        bars = T.decl_buffer((max(stages, 1),), "uint64", data=red.data,
+                             elem_offset=(warps * per_warp + ring_words) // 2, scope="shared.dyn")
         wreg = T.alloc_local((unroll * n8 * vec * 4,), "uint32")
         areg = T.alloc_local((mt * 2 * vec * 4,), "uint32")
         acc = T.alloc_local((mt * n8 * 4,), "float32")
         tot = T.alloc_local((1,), "float32")
         warp = T.meta_var(tx // 32)
         lane = T.meta_var(tx % 32)
+        if bulk:  # a stage's barrier completes once each of its rows has arrived and its bytes have landed
+            if tx == 0:
+                for s in T.unroll(stages):
+                    T.ptx.mbarrier.init.shared.b64(T.address_of(bars[s]), T.uint32(tile.bn))
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.cuda.cta_sync()
         if early:  # the weights need not wait for the kernel before (the activations do)
             prefetch_rows(bid, tx, 0, early_bytes)
         if ringed:  # the ring's first stages - 1 rounds in flight (with early weights: before the wait)
             if early:
-                ring_prologue(ring, bid, warp, lane)
+                ring_prologue(ring, bars, bid, warp, lane, tx)
         if pdl:  # the kernel before has finished and its writes are seen; the next may launch
             T.ptx.griddepcontrol.wait()
             T.ptx.griddepcontrol.launch_dependents()
@@ -246,14 +295,30 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
             acc[i] = T.float32(0)
         if ringed:
             if not early:
-                ring_prologue(ring, bid, warp, lane)
+                ring_prologue(ring, bars, bid, warp, lane, tx)
         for p in T.unroll(ahead):  # the first `ahead` rounds into L2
             prefetch_round(p, bid, tx)
         for r in T.serial(rounds):
             if ahead > 0:  # round r + ahead into L2 as round r is loaded
                 if r + ahead < rounds:
                     prefetch_round(r + ahead, bid, tx)
-            if ringed:  # round r + stages - 1 issued, then round r's copies waited for and read back
+            if bulk:  # round r + stages - 1 into the stage all warps left at the end of round r - 1, then round r
+                if r + stages - 1 < rounds:
+                    issue_bulk(ring, bars, r + stages - 1, bid, tx)
+                T.cuda.mbarrier_wait(T.address_of(bars[r % stages]), (r // stages) % 2)
+                for u in T.unroll(unroll):
+                    for t in T.unroll(n8):
+                        for v in T.unroll(vec):
+                            kin = T.meta_var((u * warps + warp) * chunk + (lane % 4) * 8 * vec + v * 8)
+                            ws = T.meta_var([wreg[((u * n8 + t) * vec + v) * 4 + j] for j in range(4)])
+                            T.cuda.func_call("tvmfuse_lds16", T.address_of(
+                                ring[(r % stages) * stage_words + (t * 8 + lane // 4) * row_words + kin // 2]), *ws,
+                                source_code=LDS_SRC)
+                            if guard:  # past K: what an earlier round left there
+                                if r * round_k + kin >= k:
+                                    for j in T.unroll(4):
+                                        wreg[((u * n8 + t) * vec + v) * 4 + j] = T.uint32(0)
+            elif ringed:  # round r + stages - 1 issued, then round r's copies waited for and read back
                 if r + stages - 1 < rounds:
                     issue_round(ring, r + stages - 1, bid, warp, lane)
                 else:
@@ -306,6 +371,8 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
                             T.cuda.func_call(mma, acc[ci], acc[ci + 1], acc[ci + 2], acc[ci + 3],
                                              areg[ai], areg[ai + vec * 4], areg[ai + 1], areg[ai + vec * 4 + 1],
                                              wreg[bi], wreg[bi + 1], source_code=mma_src)
+            if bulk:  # every warp is done with stage r % stages before round r + 1 refills it
+                T.cuda.cta_sync()
         for i in T.unroll(mt * n8 * 4):  # [warp][m16 tile][n8 tile][fragment i][lane]
             red[warp * per_warp + (i // 4) * 128 + (i % 4) * 32 + lane] = acc[i]
         T.cuda.cta_sync()
