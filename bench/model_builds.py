@@ -41,11 +41,12 @@ DEPENDENT_LAUNCH = "dependent_launch"  # a name `without_templates` takes for th
 GENERIC_WAITS = "generic_waits"  # one for the generic kernels' waits (the TIRx kernels keep theirs)
 EARLY_WEIGHTS = "early_weights"  # one for the GEMMs' weight loads before their wait (off by default: see models.py)
 SMALLM_RING = "smallm_ring"  # one for the small-M GEMMs' weight ring (off by default: see models.py)
+SMALLM_BULK = "smallm_bulk"  # one for that ring filled by bulk copies (off by default: not measured in a model)
 SMALLM_M1 = "smallm_m1"  # one for M = 1 GEMMs on the small-M kernel (on by default; off: the GEMV schedule)
 WGMMA_WAITS = "wgmma_waits"  # one for the wgmma GEMMs' dependent launch (off by default: after the one before)
 MERGE_SIBLINGS = "merge_siblings"  # one for every sibling group merged (off by default: the estimate decides)
 UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
-SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_M1, WGMMA_WAITS, MERGE_SIBLINGS,
+SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_BULK, SMALLM_M1, WGMMA_WAITS, MERGE_SIBLINGS,
             UNTUNED)
 
 
@@ -53,10 +54,11 @@ def off_by_default() -> dict[str, tuple[str, str]]:
     """The kernel switches that are off by default, NAME -> (environment switch, its value when on): `--before NAME`
     turns one on for the measured build (bench/models.py), `without_templates` off for the before build."""
     from tvmfuse.kernels.dependent_launch import EARLY_WEIGHTS_SWITCH, WGMMA_SWITCH
-    from tvmfuse.kernels.hopper.mma_smallm import RING_SWITCH
+    from tvmfuse.kernels.hopper.mma_smallm import BULK_SWITCH, RING_SWITCH
     from tvmfuse.kernels.hopper.select import MERGE_SWITCH
 
     return {EARLY_WEIGHTS: (EARLY_WEIGHTS_SWITCH, "1"), SMALLM_RING: (RING_SWITCH, "4"),
+            SMALLM_BULK: (BULK_SWITCH, "4"),
             MERGE_SIBLINGS: (MERGE_SWITCH, "1"), WGMMA_WAITS: (WGMMA_SWITCH, "1")}
 
 
@@ -84,7 +86,8 @@ def without_templates(names: tuple[str, ...]):
     without programmatic dependent launch (`bench/models.py --before dependent_launch`: with and without it from one
     export); GENERIC_WAITS: only the TIRx kernels wait (where the dependent launch pays); EARLY_WEIGHTS: no GEMM loads
     its weights before its wait (`bench/models.py --before early_weights` turns them on for the other build);
-    SMALLM_RING: no small-M GEMM takes a weight ring (`--before smallm_ring`); SMALLM_M1: M = 1 GEMMs keep the GEMV
+    SMALLM_RING: no small-M GEMM takes a weight ring (`--before smallm_ring`), SMALLM_BULK nor one of bulk copies
+    (`--before smallm_bulk`); SMALLM_M1: M = 1 GEMMs keep the GEMV
     schedule (`--before smallm_m1`); WGMMA_WAITS: the wgmma GEMMs launch after the kernel before them, as by default
     (`--before wgmma_waits` launches them dependent in the other build); MERGE_SIBLINGS: sibling projections merge
     only where the estimate says so (`--before merge_siblings`)."""

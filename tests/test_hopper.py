@@ -378,6 +378,23 @@ def test_ring_switch_gives_the_rules_tiles_the_most_stages_that_fit(monkeypatch,
     assert f"a weight ring of {stages} stages" in logged[0], logged
 
 
+@pytest.mark.parametrize("m,n,k,unroll", [(1, 4096, 4096, 2), (1, 11008, 4096, 2), (16, 4096, 4096, 2)])
+def test_bulk_switch_gives_the_rules_tiles_a_bulk_ring_of_three_stages(monkeypatch, m, n, k, unroll):
+    """TVMFUSE_SMALLM_BULK=4: the rule's tile keeps its columns and warps, its round halved (4x8x1x4 at N = 11008:
+    unroll 2) until 3 stages of bulk copies fit 128 KB (4 do not); the log line says so."""
+    from tvmfuse.kernels.hopper.mma_smallm import BULK_SWITCH, RING_BUDGET, ring_bytes
+
+    monkeypatch.delenv(BULK_SWITCH, raising=False)
+    plain = choose_smallm_tile(m, n, k)
+    monkeypatch.setenv(BULK_SWITCH, "4")
+    bulk = choose_smallm_tile(m, n, k)
+    assert bulk == dataclasses.replace(plain, unroll=unroll, stages=3, bulk=True), bulk
+    assert ring_bytes(bulk) <= RING_BUDGET < ring_bytes(dataclasses.replace(bulk, stages=4))
+    logged = []
+    apply_hopper_kernels(_gelu_projection(m, k, n), resolve_target("cuda"), logged.append)
+    assert "a weight ring of 3 stages (bulk copies)" in logged[0], logged
+
+
 def test_small_m_l2_prefetch_keeps_rounds_ahead_in_l2_without_registers():
     """`SmallMTile.l2_ahead` = 2 at 1 x 4096 x 4096 (4 rounds of 2048 bytes a row): the first two rounds prefetched
     into L2 before the loop, then round r + 2 in round r, one thread a weight row, each a bulk prefetch of the round's

@@ -46,6 +46,10 @@ RING_SWITCH = "TVMFUSE_SMALLM_RING"
 #: environment switch read when a GEMM's kernel is chosen: M = 1 GEMMs take this kernel unless it is "0" (then the
 #: GEMV schedule); `bench/models.py --before smallm_m1` builds a case both ways (Llama decode b1 188 against 202 µs)
 M1_SWITCH = "TVMFUSE_SMALLM_M1"
+#: environment switch read when a small-M tile is chosen: "S" gives the rules' tiles a ring of up to S stages filled
+#: by bulk copies (`SmallMTile.bulk`; its round halved until 3 stages fit RING_BUDGET); unset or 0: none. Off by
+#: default: not measured in a model yet
+BULK_SWITCH = "TVMFUSE_SMALLM_BULK"
 RING_BUDGET = 128 << 10  # the rules' rings: at most this much shared memory a block
 MAX_RING_BYTES = 160 << 10  # of the H100's 227 KB of shared memory a block, the warps' partial sums beside it
 #: 16-byte asynchronous copy global -> shared (cached in L2 only: the weight is read once); `bytes` 0 fills zeros
@@ -88,6 +92,27 @@ def ring_stages() -> int:
     return int(value) if value.isdigit() else 0
 
 
+def bulk_stages() -> int:
+    """The stages BULK_SWITCH asks of the rules' small-M tiles (0: no bulk ring)."""
+    value = os.environ.get(BULK_SWITCH, "0").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def with_bulk_ring(tile, most: int):
+    """`tile` with a ring of bulk copies of the most stages up to `most` that fit RING_BUDGET, its unroll (the
+    round's K range) halved while fewer than min(3, most) stages fit; None where not even 2 fit at unroll 1."""
+    best = None
+    unroll = tile.unroll
+    while unroll >= 1:
+        ringed = with_ring(replace(tile, unroll=unroll, bulk=True), most)
+        if ringed and (best is None or ringed.stages > best.stages):
+            best = ringed
+        if best and best.stages >= min(3, most):
+            break
+        unroll //= 2
+    return best
+
+
 def ring_bytes(tile) -> int:
     """Shared memory the weight ring of `tile` takes: per stage, per warp, its loads of a round (16 bytes a lane);
     with bulk copies, per stage, the block's weight rows over a round's K range (each padded by ROW_PAD)."""
@@ -116,8 +141,8 @@ class SmallMTile:
     #: shared-memory ring of S rounds, issued S - 1 rounds ahead of the mma that reads them
     stages: int = 0
     #: before waiting for the kernel before (programmatic dependent launch), the block prefetches the first
-    #: EARLY_BYTES of each of its weight rows into L2 and (with a ring) issues the ring's first `stages - 1` rounds
-    #: of weight copies, so the weights stream from HBM while that kernel ends; only
+    #: EARLY_BYTES of each of its weight rows into L2 (not with bulk copies) and (with a ring) issues the ring's first
+    #: `stages - 1` rounds of weight copies, so the weights stream from HBM while that kernel ends; only
     #: where the weight is one no kernel writes (`select.weight_params`; chosen with
     #: `kernels.dependent_launch.early_weights()`); nothing changes without the dependent launch
     early_weights: bool = False
@@ -283,7 +308,7 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
                     T.ptx.mbarrier.init.shared.b64(T.address_of(bars[s]), T.uint32(tile.bn))
             T.ptx.fence.proxy.async_.shared__cta()
             T.cuda.cta_sync()
-        if early:  # the weights need not wait for the kernel before (the activations do)
+        if early and not bulk:  # the weights need not wait for the kernel before (the activations do)
             prefetch_rows(bid, tx, 0, early_bytes)
         if ringed:  # the ring's first stages - 1 rounds in flight (with early weights: before the wait)
             if early:

@@ -11,8 +11,8 @@ from tvm import relax, tirx
 
 from tvmfuse.kernels.dependent_launch import early_weights
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm, epilogue
-from tvmfuse.kernels.hopper.mma_smallm import (MAX_M, SmallMTile, check_smallm_shape, ring_stages, smallm_kernel,
-                                              takes_m1, with_ring)
+from tvmfuse.kernels.hopper.mma_smallm import (MAX_M, SmallMTile, bulk_stages, check_smallm_shape, ring_stages,
+                                              smallm_kernel, takes_m1, with_bulk_ring, with_ring)
 from tvmfuse.kernels.hopper.row_kernel import row_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR, wgmma_kernel
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
@@ -129,11 +129,14 @@ def choose_smallm_tile(m: int, n: int, k: int) -> SmallMTile:
     accumulators per warp). On the H200 (smallm_tc_run1.json in the results archive, 10 tiles per shape) this picks the
     measured best, or a tile within 3% of it, at 8 of the 10 shapes; at M = 4 one 13% slower; at M x K x N =
     16x3072x768 a tile not measured (1x16: the 2x16 tile was the best). With `mma_smallm.RING_SWITCH` at S: a
-    weight ring of the most stages up to S that fits RING_BUDGET (none where not even 2 do)."""
+    weight ring of the most stages up to S that fits RING_BUDGET (none where not even 2 do); with
+    `mma_smallm.BULK_SWITCH` at S, a ring filled by bulk copies (`with_bulk_ring`) instead."""
     n8 = next((c for c in (4, 2) if -(-n // (8 * c)) >= 256), 1)
     blocks = -(-n // (8 * n8))
     warps = 4 if m > 16 else next((w for w in (4, 8) if blocks * w >= 2560), 16)
     tile = SmallMTile(n8=n8, warps=warps, vec=1, unroll=2 if warps == 16 else 4)
+    if bulk_stages():
+        return with_bulk_ring(tile, bulk_stages()) or tile
     return with_ring(tile, ring_stages()) or tile
 
 
@@ -182,6 +185,7 @@ def gemm_kernel_from_fused(func: tirx.PrimFunc, name: str, tile: WgmmaTile | Sma
         tile, make = small, smallm_kernel
         desc = (f"mma.sync small-M {m}x{n}x{k}, {small.warps} warps x {small.bn} columns{unroll}"
                 + (f", a weight ring of {small.stages} stages" if small.stages else "")
+                + (" (bulk copies)" if small.bulk else "")
                 + ((", weights prefetched" + (" and the ring's first rounds copied" if small.stages else "")
                     + " before the wait") if small.early_weights else ""))
     else:
