@@ -200,7 +200,7 @@ def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table or "
-                        "one of dependent_launch, generic_waits, early_weights, smallm_ring, smallm_m1, "
+                        "one of dependent_launch, generic_waits, early_weights, smallm_ring, smallm_bulk, smallm_m1, "
                         "wgmma_waits, merge_siblings, untuned)"), err
     assert not (tmp_path / "o").exists()
 
