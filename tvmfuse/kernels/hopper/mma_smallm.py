@@ -224,6 +224,9 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     stage_words = tile.bn * row_words
     ring_words = ring_bytes(tile) // 4  # beside the partial sums, in the one dynamic allocation
     bar_words = 2 * stages if bulk else 0  # a bulk ring's mbarriers after it (8 bytes each)
+    # the warps' partial sums before the ring; a bulk ring's block meets after its last round, so the sums reuse it
+    sums_words = max(warps * per_warp - ring_words, 0) if bulk else warps * per_warp
+    ring_at = 0 if bulk else warps * per_warp
     wait_name, wait_code = wait_src(max(stages - 1, 0))
 
     def slot(stage, warp, u, t, v, lane):  # the first of the 4 words a lane's load (u, t, v) of a stage fills
@@ -291,11 +294,11 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
         bid = T.cta_id([-(-n // tile.bn)])
         tx = T.thread_id([threads])
         A2 = T.decl_buffer((m, k), dt, data=A.data)
-        red = T.alloc_buffer((warps * per_warp + ring_words + bar_words,), "float32", scope="shared.dyn")
-        ring = T.decl_buffer((max(ring_words, 4),), "uint32", data=red.data, elem_offset=warps * per_warp,
+        red = T.alloc_buffer((sums_words + ring_words + bar_words,), "float32", scope="shared.dyn")
+        ring = T.decl_buffer((max(ring_words, 4),), "uint32", data=red.data, elem_offset=ring_at,
                              scope="shared.dyn")
-        bars = T.decl_buffer((max(stages, 1),), "uint64", data=red.data,
-                             elem_offset=(warps * per_warp + ring_words) // 2, scope="shared.dyn")
+        bars = T.decl_buffer((max(stages, 1),), "uint64", data=red.data, elem_offset=(sums_words + ring_words) // 2,
+                             scope="shared.dyn")
         wreg = T.alloc_local((unroll * n8 * vec * 4,), "uint32")
         areg = T.alloc_local((mt * 2 * vec * 4,), "uint32")
         acc = T.alloc_local((mt * n8 * 4,), "float32")
