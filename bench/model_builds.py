@@ -46,8 +46,8 @@ SMALLM_M1 = "smallm_m1"  # one for M = 1 GEMMs on the small-M kernel (on by defa
 WGMMA_WAITS = "wgmma_waits"  # one for the wgmma GEMMs' dependent launch (off by default: after the one before)
 MERGE_SIBLINGS = "merge_siblings"  # one for every sibling group merged (off by default: the estimate decides)
 UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
-SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_BULK, SMALLM_M1, WGMMA_WAITS, MERGE_SIBLINGS,
-            UNTUNED)
+SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_BULK, SMALLM_M1, WGMMA_WAITS,
+            MERGE_SIBLINGS, UNTUNED)
 
 
 def off_by_default() -> dict[str, tuple[str, str]]:

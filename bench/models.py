@@ -232,8 +232,8 @@ def main(argv=None) -> dict:
                    "on CUDA): a before/after pair in one run, e.g. --before attention_prefill_wgmma; also "
                    "dependent_launch (none launched dependent), generic_waits (only the TIRx kernels) and "
                    "early_weights (the GEMMs' weights loaded before their wait, off by default: on in the "
-                   "other build), smallm_ring (the small-M GEMMs' weight ring of 4 stages, likewise), smallm_bulk (that "
-                   "ring filled by bulk copies, up to 4 stages, likewise), smallm_m1 "
+                   "other build), smallm_ring (the small-M GEMMs' weight ring of 4 stages, likewise), "
+                   "smallm_bulk (that ring filled by bulk copies, up to 4 stages, likewise), smallm_m1 "
                    "(M = 1 GEMMs on the small-M kernel, on by default: the GEMV schedule in the other build), "
                    "wgmma_waits (the wgmma GEMMs launched dependent, off by default: on in the other build), "
                    "merge_siblings (every sibling group merged, off by default: on in the other build); untuned: "
@@ -277,7 +277,8 @@ def main(argv=None) -> dict:
                without_templates=[n for n in args.without_templates.split(",") if n],
                before=[n for n in args.before.split(",") if n],
                dependent_launch=applies_to(target) and ("late" if release_late() else True),
-               early_weights=applies_to(target) and early_weights(), smallm_ring=ring_stages(), smallm_bulk=bulk_stages(),
+               early_weights=applies_to(target) and early_weights(), smallm_ring=ring_stages(),
+               smallm_bulk=bulk_stages(),
                smallm_m1=takes_m1(), wgmma_waits=wgmma_waits(), merge_siblings=merges_siblings_always(),
                notes="us: median latency of one call with inputs already on the device (torch: CUDA events; TVM: "
                      "time_evaluator); max_abs_err vs torch fp32 (same weights, same inputs), within_tol and "

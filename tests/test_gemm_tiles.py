@@ -15,10 +15,10 @@ from test_smallm import _projection
 from tvm.s_tir import meta_schedule as ms
 
 from tvmfuse.kernels.hopper import apply_hopper_kernels, choose_smallm_tile, choose_tile
-from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, GROUPS, HOPPER_GEMMS, PICK_VARIANTS, SMALLM_L2_AHEAD,
-                                               WHOLE_WAVES, hopper_gemm_sites, measured_tiles, ringed,
+from tvmfuse.kernels.hopper.gemm_tiles import (DEEP_STAGES, GROUPS, HOPPER_GEMMS, PICK_VARIANTS, SMALLM_BULK,
+                                               SMALLM_L2_AHEAD, WHOLE_WAVES, hopper_gemm_sites, measured_tiles, ringed,
                                                smallm_space, whole_wave_tiles, wgmma_space)
-from tvmfuse.kernels.hopper.mma_smallm import SmallMTile, check_smallm_shape
+from tvmfuse.kernels.hopper.mma_smallm import SmallMTile, check_smallm_shape, with_bulk_ring
 from tvmfuse.kernels.hopper.select import TILE_COSTS, gemm_kernel_from_fused
 from tvmfuse.kernels.hopper.wgmma_tile import WgmmaTile, check_wgmma_shape
 from tvmfuse.records import TuningDatabase
@@ -84,15 +84,19 @@ def test_whole_wave_tiles_are_the_narrowest_widths_that_fit_each_count_of_waves(
 @pytest.mark.parametrize("m,n,k", [(16, 4096, 4096), (4, 11008, 4096), (64, 768, 768)])
 def test_smallm_space_is_the_rule_first_then_every_tile_that_fits(m, n, k):
     """The rule's tile, then each columns x warps x unroll set without and with a weight ring (the most stages up to
-    4 within 128 KB: 32 columns x 16 warps x 4 chunks has none, 2 stages of it would take 256 KB)."""
+    4 within 128 KB: 32 columns x 16 warps x 4 chunks has none, 2 stages of it would take 256 KB) and with a ring of
+    bulk copies (3 or 4 stages, the unroll halved until 3 fit: 32 columns x 16 warps at unroll 1)."""
     space = smallm_space(m, n, k)
     assert space[0] == choose_smallm_tile(m, n, k) and len(space) == len(set(space)) > 10
     assert all(check_smallm_shape(m, n, k, t) is None for t in space)
     plain = [t for t in space if t.stages == 0 and t.l2_ahead == 0]
     widest = SmallMTile(n8=4, warps=16, unroll=4)
     assert ringed(widest) is None and ringed(SmallMTile(n8=4, warps=8, unroll=4)).stages == 2
-    assert {t for t in space if t.stages} == {ringed(t) for t in plain if t != widest}
-    assert {t.stages for t in space} == {0, 2, 4}
+    assert {t for t in space if t.stages and not t.bulk} == {ringed(t) for t in plain if t != widest}
+    assert {t.stages for t in space if not t.bulk} == {0, 2, 4}
+    bulk = {t for t in space if t.bulk}
+    assert bulk == {with_bulk_ring(t, SMALLM_BULK) for t in plain} and {t.stages for t in bulk} <= {3, 4}
+    assert dataclasses.replace(widest, unroll=1, stages=3, bulk=True) in bulk
     assert [t for t in space if t.l2_ahead] == [dataclasses.replace(space[0], l2_ahead=SMALLM_L2_AHEAD)]  # the pick
 
 
@@ -111,7 +115,9 @@ def test_sites_are_the_static_gemms_keyed_by_what_they_compute_not_their_name():
     assert HOPPER_GEMMS.key(plain[3]) != HOPPER_GEMMS.key(shapes)
     assert hopper_gemm_sites(mod, resolve_target("llvm")) == []
     assert hopper_gemm_sites(mod, resolve_target('{"kind": "cuda", "arch": "sm_80"}')) == []
-    assert hopper_gemm_sites(_projection(1, 512, 384), cuda) == []  # M = 1: the GEMV schedule
+    (gemv,) = hopper_gemm_sites(_projection(1, 512, 384), cuda)  # M = 1: the small-M kernel's tiles are tuned too
+    assert gemv[3]["m"] == 1
+    assert HOPPER_GEMMS.knob_space(gemv[3])[0] == dataclasses.asdict(choose_smallm_tile(1, 384, 512))
     kernel = HOPPER_GEMMS(shapes, HOPPER_GEMMS.knob_space(shapes)[3])
     assert json.loads(kernel.attrs["tvmfuse.template"])["template"] == "hopper_gemm"
     assert kernel.attrs["tvmfuse.knobs"] == knob_key(HOPPER_GEMMS.knob_space(shapes)[3])

@@ -435,7 +435,8 @@ def test_small_m_bulk_ring_copies_a_weight_row_a_round_without_registers():
     (src,) = cuda_sources(tvm.compile(tvm.IRModule({"main": make_smallm_gemm(1, 4096, 4096, tile)}), target=target,
                                       tir_pipeline="tirx"))
     kernel = src.split("__global__")[-1]
-    assert re.findall(r"tvmfuse_bulk_copy\(.*?\(uint\)(\d+), ", kernel) == ["2048"] * 3  # rounds 0, 1; r + 2 in the loop
+    copies = re.findall(r"tvmfuse_bulk_copy\(.*?\(uint\)(\d+), ", kernel)
+    assert copies == ["2048"] * 3  # rounds 0 and 1, then r + 2 in the loop
     assert kernel.count("mbarrier_init_init_shared_b64(") == 3 and kernel.count("(uint)16);") >= 3  # 16 arrivals each
     assert kernel.count("tvmfuse_lds16(") == tile.unroll * tile.n8 and "tvmfuse_ld_stream(" not in kernel
     assert "tvmfuse_cp_async16(" not in kernel and kernel.count("tvm_builtin_cuda_cta_sync()") == 3  # init, round, sums

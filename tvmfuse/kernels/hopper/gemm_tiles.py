@@ -11,7 +11,8 @@ import tvm_ffi
 from tvm import tirx
 
 from tvmfuse.kernels.hopper.gemm_analysis import analyze_gemm
-from tvmfuse.kernels.hopper.mma_smallm import MAX_M, SmallMTile, check_smallm_shape, with_ring
+from tvmfuse.kernels.hopper.mma_smallm import (MAX_M, SmallMTile, check_smallm_shape, takes_m1, with_bulk_ring,
+                                              with_ring)
 from tvmfuse.kernels.hopper.select import (TILE_COSTS, choose_smallm_tile, choose_tile, estimate_us,
                                            gemm_kernel_from_fused, is_hopper)
 from tvmfuse.kernels.hopper.wgmma_tile import DUAL_MAX_BN_SETMAXNREG, WgmmaTile, check_wgmma_shape
@@ -44,6 +45,9 @@ SMALLM_RING = 4
 #: M = 1 on an H100, 4 rounds ahead took 42-54 µs where the tiles without took 32-35 (wgmma_run20_smallm.json); 2
 #: rounds were timed only by the host-bound run 19 (slower at 11008 x 4096): tuning measures it, the rules never pick it
 SMALLM_L2_AHEAD = 2
+#: the most stages of a ring of bulk copies (`SmallMTile.bulk`) each small-M candidate is also measured with
+#: (`mma_smallm.with_bulk_ring`: its unroll halved until 3 fit); not yet timed on a GPU: tuning decides
+SMALLM_BULK = 4
 
 
 def deepest_ring(m: int, n: int, k: int, tile: WgmmaTile, above: int = 1) -> WgmmaTile | None:
@@ -104,12 +108,13 @@ def ringed(tile: SmallMTile) -> SmallMTile | None:
 
 def smallm_space(m: int, n: int, k: int) -> list[SmallMTile]:
     """The rule's tile (`choose_smallm_tile`) first, then every other columns x warps x unroll set, each also with a
-    weight ring (`ringed`), then the rule's tile with its weights prefetched into L2 SMALLM_L2_AHEAD rounds ahead
-    (where it has no ring)."""
+    weight ring (`ringed`) and with a ring of bulk copies (`with_bulk_ring`), then the rule's tile with its weights
+    prefetched into L2 SMALLM_L2_AHEAD rounds ahead (where it has no ring)."""
     pick = choose_smallm_tile(m, n, k)
-    tiles = [SmallMTile(n8=c, warps=w, vec=1, unroll=u) for c in SMALLM_N8 for w in SMALLM_WARPS
+    plain = [SmallMTile(n8=c, warps=w, vec=1, unroll=u) for c in SMALLM_N8 for w in SMALLM_WARPS
              for u in SMALLM_UNROLL]
-    tiles += [r for r in map(ringed, tiles) if r is not None]
+    tiles = plain + [r for r in map(ringed, plain) if r is not None]
+    tiles += [b for b in (with_bulk_ring(t, SMALLM_BULK) for t in plain) if b is not None]
     tiles += [dataclasses.replace(pick, l2_ahead=SMALLM_L2_AHEAD)] if not pick.stages else []
     return list(dict.fromkeys([pick] + [t for t in tiles if check_smallm_shape(m, n, k, t) is None]))
 
@@ -151,9 +156,10 @@ HOPPER_GEMMS = HopperGemms()
 
 
 def gemm_shapes(func: tirx.PrimFunc, name: str) -> dict | None:
-    """The family's shapes of a fused kernel the Hopper GEMM kernels take at static sizes (M > 1), else None."""
+    """The family's shapes of a fused kernel the Hopper GEMM kernels take at static sizes (M = 1 unless
+    `mma_smallm.M1_SWITCH` keeps it on the GEMV schedule), else None."""
     info, _ = analyze_gemm(func)
-    if info is None or not all(isinstance(info[d], int) for d in "mnk") or info["m"] == 1:
+    if info is None or not all(isinstance(info[d], int) for d in "mnk") or (info["m"] == 1 and not takes_m1()):
         return None
     shapes = {"m": info["m"], "n": info["n"], "k": info["k"], "func": func, "name": name,
               "kernel": str(tvm_ffi.structural_hash(func.without_attr("global_symbol")))}

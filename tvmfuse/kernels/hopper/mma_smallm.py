@@ -65,8 +65,9 @@ LDS_SRC = ("__device__ __forceinline__ void tvmfuse_lds16(const void* p, unsigne
 
 #: one bulk asynchronous copy global -> shared of `bytes` (a multiple of 16, both addresses 16-byte aligned), no
 #: registers held, completing its bytes on the mbarrier at `bar`
-BULK_SRC = ("__device__ __forceinline__ void tvmfuse_bulk_copy(void* dst, const void* src, unsigned bytes, void* bar) { "
-            "unsigned d = (unsigned)__cvta_generic_to_shared(dst); unsigned b = (unsigned)__cvta_generic_to_shared(bar); "
+BULK_SRC = ("__device__ __forceinline__ void tvmfuse_bulk_copy(void* dst, const void* src, unsigned bytes, "
+            "void* bar) { unsigned d = (unsigned)__cvta_generic_to_shared(dst); "
+            "unsigned b = (unsigned)__cvta_generic_to_shared(bar); "
             "asm volatile(\"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\" "
             ":: \"r\"(d), \"l\"(src), \"r\"(bytes), \"r\"(b) : \"memory\"); }")
 #: bytes after each weight row of a bulk ring's stage: rows 64 bytes apart mod 128, so the 8 lanes of a quarter warp
