@@ -246,6 +246,8 @@ def phase_build(args) -> dict:
     t = time.time()
     rc, tail = _stream(cmd)
     info = {"command": " ".join(["python", "-m", "tvmfuse", "tune", "MODEL", *flags]), "rc": rc,
+            # the kernel switches the build read (TVMFUSE_SMALLM_BULK=4, ...): a run beside one without them
+            "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TVMFUSE_")},
             "wall_s": round(time.time() - t, 1), "log_tail": tail}
     manifest_path = os.path.join(p["export"], "manifest.json")
     if os.path.exists(manifest_path):

@@ -1,6 +1,7 @@
 """bench/generate.py --smoke end to end (its phases in their own processes): a tiny Llama step exported with a KV
 cache, built by the product on llvm, its generate against torch's greedy decoding with a StaticCache, in fp32."""
 
+import os
 import json
 import sys
 from pathlib import Path
@@ -90,3 +91,15 @@ def test_the_build_takes_cuda_graphs_unless_told_not_to(tmp_path, monkeypatch, f
     assert ("--cuda-graph" in cmd) is graphs and ("--cuda-graph" in info["command"]) is graphs
     assert cmd[cmd.index("--target") + 1] == "cuda"
 
+
+
+def test_the_build_records_the_kernel_switches_it_ran_under(tmp_path, monkeypatch):
+    """A build under TVMFUSE_SMALLM_BULK=4 says so in its phase's record (and one without records none), so two runs
+    side by side say which was which."""
+    monkeypatch.setattr(generate, "_stream", lambda cmd: (0, ""))
+    args = generate.parse_args(["--work", str(tmp_path), "--out", str(tmp_path / "out")])
+    for name in [k for k in os.environ if k.startswith("TVMFUSE_")]:
+        monkeypatch.delenv(name)
+    assert generate.phase_build(args)["switches"] == {}
+    monkeypatch.setenv("TVMFUSE_SMALLM_BULK", "4")
+    assert generate.phase_build(args)["switches"] == {"TVMFUSE_SMALLM_BULK": "4"}
