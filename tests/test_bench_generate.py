@@ -1,8 +1,8 @@
 """bench/generate.py --smoke end to end (its phases in their own processes): a tiny Llama step exported with a KV
 cache, built by the product on llvm, its generate against torch's greedy decoding with a StaticCache, in fp32."""
 
-import os
 import json
+import os
 import sys
 from pathlib import Path
 
