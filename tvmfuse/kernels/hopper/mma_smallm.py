@@ -87,16 +87,20 @@ def takes_m1() -> bool:
     return os.environ.get(M1_SWITCH, "1").strip() != "0"
 
 
+def _switch_stages(switch: str) -> int:
+    """The stages the environment switch `switch` asks of the rules' small-M tiles (unset or not a count: 0)."""
+    value = os.environ.get(switch, "0").strip()
+    return int(value) if value.isdigit() else 0
+
+
 def ring_stages() -> int:
     """The stages RING_SWITCH asks of the rules' small-M tiles (0: no ring)."""
-    value = os.environ.get(RING_SWITCH, "0").strip()
-    return int(value) if value.isdigit() else 0
+    return _switch_stages(RING_SWITCH)
 
 
 def bulk_stages() -> int:
     """The stages BULK_SWITCH asks of the rules' small-M tiles (0: no bulk ring)."""
-    value = os.environ.get(BULK_SWITCH, "0").strip()
-    return int(value) if value.isdigit() else 0
+    return _switch_stages(BULK_SWITCH)
 
 
 def with_bulk_ring(tile, most: int):
@@ -217,10 +221,9 @@ def smallm_kernel(m: int, n: int, k: int, tile: SmallMTile, a, b, out, finish, p
     stages = tile.stages
     ringed = stages > 0  # a Python bool: TIRx's parser takes it as a static condition
     ahead = tile.l2_ahead
-    round_bytes = unroll * warps * chunk * 2  # the K range of one round of a weight row: contiguous
-    loads = unroll * n8 * vec  # a lane's 16-byte weight loads a round
-    bulk = ringed and tile.bulk  # the ring filled by bulk copies, a weight row a round (Python bool: static)
     round_k = unroll * warps * chunk  # the K values of a round
+    round_bytes = round_k * 2  # the K range of one round of a weight row: contiguous
+    bulk = ringed and tile.bulk  # the ring filled by bulk copies, a weight row a round (Python bool: static)
     row_words = (round_bytes + ROW_PAD) // 4  # a bulk stage's weight row, padded
     stage_words = tile.bn * row_words
     ring_words = ring_bytes(tile) // 4  # beside the partial sums, in the one dynamic allocation
