@@ -92,7 +92,6 @@ def test_the_build_takes_cuda_graphs_unless_told_not_to(tmp_path, monkeypatch, f
     assert cmd[cmd.index("--target") + 1] == "cuda"
 
 
-
 def test_the_build_records_the_kernel_switches_it_ran_under(tmp_path, monkeypatch):
     """A build under TVMFUSE_SMALLM_BULK=4 says so in its phase's record (and one without records none), so two runs
     side by side say which was which."""
