@@ -212,3 +212,33 @@ def test_gpu_tile_sets_match_numpy(knobs):
     got = _gpu_run_projection(_projection(m, k, n), knobs, (x, w, b))
     want = x.astype("float32") @ w.astype("float32").T + b.astype("float32")
     assert np.abs(got - want).max() < 2e-2
+
+
+def test_the_cli_imports_no_tensor_intrinsics_until_a_cuda_record_is_replayed():
+    """Importing the CLI leaves TVM's ~500 tensor intrinsics unparsed (7-10 s a process, which an llvm job or a bad
+    path never needs); replaying a record for a CUDA target registers them, the bf16 wmma ones included."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import tvmfuse.cli.tune
+assert not [m for m in sys.modules if m.startswith("tvm.s_tir.tensor_intrin")], "imported eagerly"
+import tvm
+from tvm import te
+from tvm.s_tir import TensorIntrin
+from tvm.s_tir import meta_schedule as ms
+from tvmfuse.build.compile import replay_record
+from tvmfuse.targets import resolve_target
+
+a = te.placeholder((4,), "float32", "a")
+add = te.create_prim_func([a, te.compute((4,), lambda i: a[i] + 1.0, "b")])
+replay_record(tvm.ir.GlobalVar("add"), add, resolve_target("llvm"), ms.database.MemoryDatabase())
+assert "tvm.s_tir.tensor_intrin" not in sys.modules, "an llvm replay imported them"
+replay_record(tvm.ir.GlobalVar("add"), add, resolve_target("cuda"), ms.database.MemoryDatabase())
+assert TensorIntrin.get("wmma_sync_16x16x16_bf16bf16f32_trans") is not None
+assert TensorIntrin.get("wmma_sync_16x16x16_f16f16f32") is not None
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

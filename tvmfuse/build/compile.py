@@ -19,6 +19,7 @@ from tvmfuse.isolation import record as record_failure
 from tvmfuse.kernels.attention.common import NO_CSE_ATTR
 from tvmfuse.kernels.hopper.wgmma_gemm import TIRX_ATTR
 from tvmfuse.spaces.defaults import apply_default_schedules, default_kind
+from tvmfuse.spaces.intrinsics import register as register_tensor_intrinsics
 
 TUNED, DEFAULT = "tuned", "default"
 
@@ -157,6 +158,8 @@ def _is_scheduled(func: tirx.PrimFunc) -> bool:
 
 def replay_record(gv, func: tirx.PrimFunc, target: tvm.target.Target, database: ms.Database) -> tirx.PrimFunc:
     """`func` scheduled by its best record in `database` (MetaScheduleApplyDatabase on it alone), else `func`."""
+    if target.kind.name == "cuda":  # a CUDA record's trace may tensorize with any of them
+        register_tensor_intrinsics()
     with target, database:
         one = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(tvm.IRModule({gv: func}))
     return one[gv.name_hint]

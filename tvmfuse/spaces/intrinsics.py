@@ -7,23 +7,28 @@ dtype-generic, though, and its CUDA codegen prints a bf16 fragment as
 compiles for sm_80 and newer (HMMA.16816.F32.BF16). This module registers the bf16 loads (A row-major, B
 transposed, from shared and shared.dyn) and the bf16 x bf16 -> fp32 sync under names that follow TVM's
 (`wmma_load_16x16x16_bf16_a_shared_dyn`, `wmma_sync_16x16x16_bf16bf16f32_trans`); the fp32 fill and store are
-TVM's own. Importing it registers them once; a tuning record whose trace names them replays in any process that
-imported tvmfuse.spaces.
+TVM's own. `register()` registers them (and TVM's own, by importing `tvm.s_tir.tensor_intrin.cuda`) once per
+process, on first use: that import parses some 500 TVMScript functions (7-10 s), which a CPU job never needs. The
+wmma schedules call it, and so does `build.compile.replay_record` for a CUDA target, so a tuning record whose trace
+names them replays in any process.
 """
 
 from __future__ import annotations
 
 import contextlib
-
-from tvm.s_tir import TensorIntrin
-from tvm.s_tir.tensor_intrin import cuda as _cuda  # registers TVM's fp16/int8 intrinsics and the fp32 fill/store
+import functools
 
 #: the operand dtypes tvmfuse's wmma GEMM takes, and the short names TVM's intrinsic names use for them
 WMMA_IN_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 SCOPES = ("shared", "shared.dyn")
 
 
-def _register_bf16() -> list[str]:
+@functools.cache
+def register() -> tuple[str, ...]:
+    """Register TVM's CUDA tensor intrinsics and the bf16 wmma ones above (once a process); their names."""
+    from tvm.s_tir import TensorIntrin  # pylint: disable=import-outside-toplevel
+    from tvm.s_tir.tensor_intrin import cuda  # pylint: disable=import-outside-toplevel  (TVM's fp16/int8, fp32 fill)
+
     names = []
 
     def register(name, desc_impl):
@@ -35,14 +40,19 @@ def _register_bf16() -> list[str]:
         for is_b, col_major, part in ((False, False, "a"), (True, False, "b"), (False, True, "a_trans"),
                                       (True, True, "b_trans")):
             register(f"wmma_load_16x16x16_bf16_{part}_{suffix}",
-                     _cuda.get_wmma_load_intrin(16, 16, 16, "bfloat16", scope, is_b, col_major))
+                     cuda.get_wmma_load_intrin(16, 16, 16, "bfloat16", scope, is_b, col_major))
     for trans, tail in ((False, ""), (True, "_trans")):
         register(f"wmma_sync_16x16x16_bf16bf16f32{tail}",
-                 _cuda.get_wmma_sync_intrin(16, 16, 16, "bfloat16", "float32", trans))
-    return names
+                 cuda.get_wmma_sync_intrin(16, 16, 16, "bfloat16", "float32", trans))
+    return tuple(names)
 
 
-BF16_WMMA_INTRINSICS = tuple(_register_bf16())
+def _tvm_cuda_intrinsics():
+    """TVM's tvm.s_tir.tensor_intrin.cuda module, every intrinsic registered."""
+    register()
+    from tvm.s_tir.tensor_intrin import cuda  # pylint: disable=import-outside-toplevel
+
+    return cuda
 
 
 def wmma_intrin_group(in_dtype: str, load_scope: str = "shared.dyn", store_scope: str = "shared.dyn",
@@ -53,8 +63,9 @@ def wmma_intrin_group(in_dtype: str, load_scope: str = "shared.dyn", store_scope
     if in_dtype not in WMMA_IN_DTYPES:
         raise ValueError(f"no wmma intrinsics for {in_dtype!r} operands (tvmfuse has {sorted(WMMA_IN_DTYPES)})")
     if in_dtype == "float16":
-        return _cuda.get_wmma_intrin_group(load_scope=load_scope, store_scope=store_scope, in_dtype=in_dtype,
-                                           out_dtype="float32", trans_b=trans_b)
+        return _tvm_cuda_intrinsics().get_wmma_intrin_group(load_scope=load_scope, store_scope=store_scope,
+                                                            in_dtype=in_dtype, out_dtype="float32", trans_b=trans_b)
+    register()
     load, store, b = load_scope.replace(".", "_"), store_scope.replace(".", "_"), "_trans" if trans_b else ""
     return {"init": "wmma_fill_16x16x16_f32", "load_a": f"wmma_load_16x16x16_bf16_a_{load}",
             "load_b": f"wmma_load_16x16x16_bf16_b{b}_{load}", "compute": f"wmma_sync_16x16x16_bf16bf16f32{b}",
@@ -70,7 +81,8 @@ def wmma_operands(in_dtype: str):
     if in_dtype == "float16":
         yield
         return
-    stock = _cuda.get_wmma_intrin_group
+    cuda = _tvm_cuda_intrinsics()
+    stock = cuda.get_wmma_intrin_group
 
     wanted = in_dtype
 
@@ -79,8 +91,8 @@ def wmma_operands(in_dtype: str):
             raise ValueError(f"no {wanted} wmma intrinsics accumulating in {out_dtype}")
         return wmma_intrin_group(wanted, load_scope, store_scope, trans_b)
 
-    _cuda.get_wmma_intrin_group = patched
+    cuda.get_wmma_intrin_group = patched
     try:
         yield
     finally:
-        _cuda.get_wmma_intrin_group = stock
+        cuda.get_wmma_intrin_group = stock
