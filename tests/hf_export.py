@@ -1,4 +1,5 @@
-"""Export tiny random Hugging Face models (GPT-2, BERT, Llama; Qwen2, GPT-NeoX, Gemma, OPT) to ONNX with dynamic
+"""Export tiny random Hugging Face models (GPT-2, BERT, Llama; Qwen2, GPT-NeoX, Gemma, OPT; Qwen3, Phi-3, Gemma 2
+and 3) to ONNX with dynamic
 batch and sequence; with an attention_mask input, or (`ids_only`) with input_ids alone, as decoders are often
 exported (transformers then builds the causal mask inside the graph)."""
 
@@ -14,8 +15,9 @@ DYNAMIC = {0: "batch", 1: "seq"}
 
 
 #: decoders whose exports are tested with input_ids alone (besides gpt2 and llama): QKV bias, parallel residual,
-#: GeGLU with a scaled embedding, learned positions
-MORE_DECODERS = ("qwen2", "gpt_neox", "gemma", "opt")
+#: GeGLU with a scaled embedding, learned positions; per-head Q/K RMSNorms, Q, K, V (and gate, up) as one
+#: projection, tanh soft-capped scores with sliding-window layers, pre- and post-norms with Q/K norms
+MORE_DECODERS = ("qwen2", "gpt_neox", "gemma", "opt", "qwen3", "phi3", "gemma2", "gemma3")
 
 
 class _LogitsOnly(torch.nn.Module):
@@ -70,6 +72,22 @@ def tiny_model(name: str, ids_only: bool = False) -> torch.nn.Module:
         cfg = tf.GemmaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_key_value_heads=2, head_dim=16,
                              max_position_embeddings=128, **common)
         model = tf.GemmaForCausalLM(cfg)
+    elif name == "qwen3":  # an RMSNorm on each head of Q and K before the rotary
+        cfg = tf.Qwen3Config(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_key_value_heads=2, head_dim=16,
+                             max_position_embeddings=128, **common)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif name == "phi3":  # Q, K, V one projection (qkv_proj) and gate, up one (gate_up_proj), split after
+        cfg = tf.Phi3Config(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_key_value_heads=2, pad_token_id=0,
+                            max_position_embeddings=128, **common)
+        model = tf.Phi3ForCausalLM(cfg)
+    elif name == "gemma2":  # scores soft-capped (cap * tanh(s / cap)), every other layer a sliding window
+        cfg = tf.Gemma2Config(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_key_value_heads=2, head_dim=16,
+                              sliding_window=4, max_position_embeddings=128, **common)
+        model = tf.Gemma2ForCausalLM(cfg)
+    elif name == "gemma3":  # Q/K RMSNorms, four norms a layer, sliding-window layers
+        cfg = tf.Gemma3TextConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_key_value_heads=2,
+                                  head_dim=16, sliding_window=4, max_position_embeddings=128, **common)
+        model = tf.Gemma3ForCausalLM(cfg)
     elif name == "opt":  # learned positions (offset 2, computed from a cumsum of the mask)
         cfg = tf.OPTConfig(hidden_size=HIDDEN, ffn_dim=4 * HIDDEN, max_position_embeddings=128,
                            word_embed_proj_dim=HIDDEN, **common)
