@@ -1,4 +1,4 @@
-"""Attention masks at the scores' rank: a rank-2 or rank-3 mask added to rank-4 scores just before a softmax is read through expand_dims as [1, 1, Sq, Sk].
+"""Attention masks at the scores' rank: a rank-2 or rank-3 mask added to rank-4 scores just before a softmax is read through expand_dims with the leading unit dims broadcasting gives it ([1, 1, Sq, Sk], [1, H, Sq, Sk]).
 
 torch.onnx's legacy exporter writes OPT's causal mask as `[seq, seq]` and adds it to the `[B, H, seq, seq]` scores
 by broadcasting; the attention pattern (and the templates' mask roles) read a mask of rank 4, so that attention ran
