@@ -18,10 +18,13 @@ CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"
 H100 = tvm.target.Target("nvidia/nvidia-h100", host={"kind": "llvm"})  # sm_90a, what `--target cuda` builds for
 
 
-def ref(q, k, v, mask=None, causal=False):
-    """softmax(Q K^T / sqrt(d) + mask) V on [B,H,S,D] arrays, with the exports' isnan -> 0 guard."""
+def ref(q, k, v, mask=None, causal=False, softcap=None):
+    """softmax(softcap(Q K^T / sqrt(d)) + mask) V on [B,H,S,D] arrays, with the exports' isnan -> 0 guard;
+    softcap(x) = cap * tanh(x / cap) (Gemma 2), or x."""
     kk, vv = np.repeat(k, q.shape[1] // k.shape[1], 1).astype("f4"), np.repeat(v, q.shape[1] // v.shape[1], 1).astype("f4")
     s = q.astype("f4") @ kk.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
     if mask is not None:
         s = s + mask.astype("f4")
     if causal:
@@ -67,6 +70,67 @@ def test_prefill_cpu_matches_numpy(variant, dtype, tol):
     got = run_cpu(ATTENTION_PREFILL(s, {"warps": 4, "block_n": 32}, "llvm"), args, q.shape, dtype)
     want = ref(q, k, v, mask if variant == "additive" else None, variant == "causal")
     assert np.abs(got - want).max() < tol
+
+
+SOFTCAP = 1.5  # small beside the scores of the inputs below (4 x randn of 64 dims: |s| up to ~15), so it matters
+
+
+@pytest.mark.parametrize("tmpl,split_or_variant", [("decode", 1), ("decode", 4), ("prefill", "additive"),
+                                                   ("prefill", "causal")])
+def test_soft_capped_scores_match_numpy_on_cpu(tmpl, split_or_variant):
+    """cap * tanh(s / cap) on the scaled scores before the mask (Gemma 2): the decode and prefill CPU variants
+    match numpy, and numpy without the cap is far from them (the cap is applied, not dropped)."""
+    rng = np.random.default_rng(11)
+    dt, seq_q = "float16", 1 if tmpl == "decode" else 64
+    q = (rng.standard_normal((1, 4, seq_q, 64)) * 4).astype(dt)
+    k, v = rand(rng, (1, 2, 64, 64), dt), rand(rng, (1, 2, 64, 64), dt)
+    s = dict(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_k=64, head_dim=64, dtype=dt, softcap=SOFTCAP)
+    mask = None
+    if tmpl == "decode":
+        fn = ATTENTION_DECODE(s, {"split": split_or_variant}, "llvm")
+    else:
+        causal = split_or_variant == "causal"
+        s.update(causal=causal, mask="none" if causal else "additive", mask_shape=(1, 1, 64, 64))
+        mask = None if causal else (rng.standard_normal((1, 1, 64, 64)) * 3).astype(dt)
+        fn = ATTENTION_PREFILL(s, {"warps": 4, "block_n": 32}, "llvm")
+    got = run_cpu(fn, [q, k, v] + ([mask] if mask is not None else []), q.shape, dt)
+    causal = s.get("causal", False)
+    assert np.abs(got - ref(q, k, v, mask, causal, softcap=SOFTCAP)).max() < 3e-3
+    assert np.abs(got - ref(q, k, v, mask, causal)).max() > 0.1
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_cuda_soft_capped_variants_compile_and_the_wgmma_template_refuses_them():
+    """The decode and mma.sync prefill CUDA variants with a soft cap compile with nvcc and call tanhf; the Hopper
+    template says why it does not take them (the pipeline then takes the mma.sync one)."""
+    from tvmfuse.kernels import ATTENTION_PREFILL_WGMMA  # pylint: disable=import-outside-toplevel
+
+    dec = dict(batch=1, heads=8, kv_heads=4, seq_q=1, seq_k=4096, head_dim=128, dtype="float16", softcap=50.0)
+    assert "tanhf(" in _cuda_compiles(ATTENTION_DECODE(dec, {"split": 16, "warps": 4, "unroll": 2}))
+    pre = dict(batch=1, heads=8, kv_heads=4, seq_q=256, seq_k=256, head_dim=128, dtype="bfloat16", causal=True,
+               softcap=50.0)
+    assert "tanhf(" in _cuda_compiles(ATTENTION_PREFILL(pre, {"warps": 4, "block_n": 64}))
+    assert "soft-capped" in ATTENTION_PREFILL_WGMMA.check(dict(pre, arch="sm_90a"))
+    assert ATTENTION_PREFILL_WGMMA.check(dict(pre, arch="sm_90a", softcap=0)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_soft_capped_scores_match_numpy():
+    """On a GPU: the decode and prefill CUDA variants with a soft cap against numpy."""
+    dev, rng = tvm.cuda(0), np.random.default_rng(5)
+    for tmpl, s, knobs in [
+        (ATTENTION_DECODE, dict(batch=2, heads=8, kv_heads=2, seq_q=1, seq_k=512, head_dim=128, dtype="float16"),
+         {"split": 4, "warps": 4, "unroll": 2}),
+        (ATTENTION_PREFILL, dict(batch=1, heads=4, kv_heads=2, seq_q=128, seq_k=128, head_dim=64, dtype="float16",
+                                 causal=True), {"warps": 4, "block_n": 32})]:
+        b, hq, hk, d = s["batch"], s["heads"], s["kv_heads"], s["head_dim"]
+        q = (rng.standard_normal((b, hq, s["seq_q"], d)) * 4).astype("float16")
+        k, v = rand(rng, (b, hk, s["seq_k"], d), "float16"), rand(rng, (b, hk, s["seq_k"], d), "float16")
+        lib = tvm.compile(tvm.IRModule({"main": tmpl(dict(s, softcap=SOFTCAP), knobs)}), target=CUDA)
+        out = tvm.runtime.tensor(np.zeros(q.shape, "float16"), dev)
+        lib["main"](*[tvm.runtime.tensor(a, dev) for a in (q, k, v)], out)
+        want = ref(q, k, v, causal=s.get("causal", False), softcap=SOFTCAP)
+        assert np.abs(out.numpy().astype("f4") - want).max() < 5e-3, tmpl.name
 
 
 def _cuda_compiles(fn, target=CUDA):
@@ -301,7 +365,7 @@ def test_substitute_takes_the_export_form(kv_heads):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma2"])
 def test_hf_fp16_export_builds_for_cuda_with_the_template(name, hf_exports, tmp_path, capsys):
     """The product path (`tune --target cuda --dtype fp16 --trials 0`, compile only): the job log says the
     attention kernel was replaced by the prefill template, and the export has one attention kernel."""
@@ -337,7 +401,7 @@ def test_cuda_variant_compiles_at_export_shapes():
 
 
 @pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma2"])
 def test_hf_exports_take_the_prefill_template(name, exporter, hf_exports, llvm):
     """Tiny GPT-2/Llama exports at batch 1, seq 64, the pipeline's order (bind_params -> to_compute_dtype(fp16)
     -> decide -> lower(plan)): the fp16 attention (casts between its ops, fp32 softmax) is one kernel, and

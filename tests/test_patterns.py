@@ -114,6 +114,19 @@ def attention(b=2, h=4, s=8, d=16, leak=None, seq_k=None) -> onnx.ModelProto:
                           _t("mask", [b, 1, s, sk])], outs, [_c("scale", 1 / math.sqrt(d))])
 
 
+def attention_softcap(b=2, h=4, s=8, d=16, leak=None, caps=(30.0, 30.0)) -> onnx.ModelProto:
+    """Gemma 2's attention: softmax(cap * tanh(q @ k^T * scale / cap) + mask) @ v (`caps`: the divisor and the
+    multiplier, one constant in a soft cap)."""
+    nodes = [_n("Transpose", ["k"], "kt", perm=[0, 1, 3, 2]), _n("MatMul", ["q", "kt"], "sc"),
+             _n("Mul", ["sc", "scale"], "ss"), _n("Div", ["ss", "cap_in"], "sd"), _n("Tanh", ["sd"], "th"),
+             _n("Mul", ["th", "cap_out"], "capped"), _n("Add", ["capped", "mask"], "sm"),
+             _n("Softmax", ["sm"], "p", axis=-1), _n("MatMul", ["p", "v"], "y")]
+    outs = [_t("y", [b, h, s, d])] + ([_t(leak, [b, h, s, s])] if leak else [])
+    return _model(nodes, [_t("q", [b, h, s, d]), _t("k", [b, h, s, d]), _t("v", [b, h, s, d]),
+                          _t("mask", [b, 1, s, s])], outs,
+                  [_c("scale", 1 / math.sqrt(d)), _c("cap_in", caps[0]), _c("cap_out", caps[1])])
+
+
 def matmul_act(act="gelu_tanh", rows=8, k=32, n=64, leak=None) -> onnx.ModelProto:
     """Dynamo's bias-free linear (an all-zero bias is dropped): Gemm without C, reshape to [2, rows/2, n], act."""
     nodes, consts = _act_nodes(act, "h")
@@ -169,6 +182,7 @@ CASES = {  # pattern[/variant] -> (builder, name of an intermediate to leak)
     "tvmfuse.rotary_embedding": (lambda leak=None: rotary(leak=leak), "rot"),
     "tvmfuse.attention": (lambda leak=None: attention(leak=leak), "p"),
     "tvmfuse.attention/dynamo": (lambda leak=None: attention_dynamo(leak=leak), "kt"),
+    "tvmfuse.attention/softcap": (lambda leak=None: attention_softcap(leak=leak), "th"),
     "tvmfuse.matmul_gelu_tanh": (lambda leak=None: matmul_act("gelu_tanh", leak=leak), "mm"),
     "tvmfuse.matmul_silu": (lambda leak=None: matmul_act("silu", leak=leak), "h"),
     "tvmfuse.rms_norm_residual": (lambda leak=None: onnx_models.rms_norm_residual(leak=leak), "ms"),
@@ -224,6 +238,29 @@ def test_attention_candidate_records_shapes_for_templates():
     assert (info["batch"], info["heads"], info["kv_heads"], info["seq_q"], info["seq_k"], info["head_dim"]) == \
         ("2", "4", "4", "8", "8", "16")
     assert info["mask"] == "additive" and info["causal"] is False
+
+
+def test_soft_capped_scores_are_attention_with_their_cap_and_the_graphs_scale():
+    """cap * tanh(s / cap) between the scaled scores and the mask: the candidate records the cap; the kernel's
+    roles and softmax scale (the cap's divide and multiply cancel) are what the templates take."""
+    from tvmfuse.decide.decision import decide
+    from tvmfuse.kernels.attention.roles import attention_roles
+    from tvmfuse.prepare import bind_params
+
+    imp = import_model(attention_softcap(d=16))
+    (att,) = [c for c in decide(bind_params(imp.mod, imp.params)).kept() if c.match.pattern == "tvmfuse.attention"]
+    assert att.match.info["softcap"] == 30.0
+    _, fused = lower_model(attention_softcap(d=16))
+    (kernel,) = fused.kernel_patterns
+    roles = attention_roles(fused.mod[kernel])
+    assert roles is not None and roles["order"].count("scale") == 3, roles  # the scale, the cap twice
+
+
+def test_a_tanh_between_two_different_constants_is_no_soft_cap():
+    _, fused = lower_model(attention_softcap(caps=(30.0, 20.0)))
+    assert "tvmfuse.attention" not in fused.kernel_patterns.values()
+    assert any("not a soft cap" in why for p, _, why in fused.rejections if p == "tvmfuse.attention"), \
+        fused.rejections
 
 
 def test_key_reshape_that_is_not_a_transpose_is_rejected_with_reason():

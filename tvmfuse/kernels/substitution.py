@@ -65,6 +65,12 @@ def template_sites(mod: tvm.IRModule, patterns: dict[str, str], info: dict[str, 
             log.append((name, f"generic: {guard}"))
             continue
         shapes["scale"] = scale
+        if roles.get("softcap") is not None:
+            cap = _scalar_arg(call, roles["softcap"], mod)
+            if cap is None or not (math.isfinite(cap) and cap > 0):
+                log.append((name, f"generic: soft cap {cap} is not a positive constant"))
+                continue
+            shapes["softcap"] = cap
         if shapes.get("mask") == "additive" and _all_zero(call, roles["order"].index("mask")):
             shapes["mask"] = "none"  # exporters write a constant zero mask where none was given: adding it is a no-op
         if shapes.get("mask") == "additive" and _causal_constant(call, roles["order"].index("mask"), shapes):
@@ -176,6 +182,14 @@ def _scale(roles: dict, call, mod: tvm.IRModule) -> float | None:
             muls, divs = roles["uses"].get(i, (1, 0))
             scale *= exact_scalar(mod, float(value.reshape(()))) ** (muls - divs)
     return scale
+
+
+def _scalar_arg(call, index: int, mod: tvm.IRModule) -> float | None:
+    """The model's fp32 value of the scalar constant the call passes as argument `index`, else None."""
+    value = constant_value(list(call.args[1].fields)[index])
+    if value is None or value.size != 1:
+        return None
+    return exact_scalar(mod, float(value.reshape(())))
 
 
 def _where_guard(order: list, call) -> str | None:

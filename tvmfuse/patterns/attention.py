@@ -41,7 +41,8 @@ def _key_transpose(p: DFPattern) -> DFPattern:
 
 
 def make_attention_pattern() -> Annotated:
-    """softmax(scale * Q @ K^T [+ mask]) @ V with the multi-head transposes (and GQA repeat) around it. In mixed
+    """softmax(softcap(scale * Q @ K^T) [+ mask]) @ V with the multi-head transposes (and GQA repeat) around it,
+    softcap(x) = cap * tanh(x / cap) where the model caps its scores (Gemma 2), else x. In mixed
     precision each matmul accumulates in fp32 and is cast to the compute dtype, the scores are cast back up for
     the mask and softmax (fp32), and the probabilities down again for P @ V: the optional `cast`s. Q and K may
     be scaled in fp32 and cast down before Q K^T, V cast down before P V (a rotary embedding computed in fp32 at
@@ -57,7 +58,11 @@ def make_attention_pattern() -> Annotated:
     scores = _op("matmul", qs, ks)
     scores_out = cast(cast(scores))
     scaled = _op("multiply", scores_out, const()) | _op("divide", scores_out, const()) | scores_out
-    masked = _op("add", scaled, mask) | scaled
+    # Gemma 2's soft cap: cap * tanh(scores / cap), in the compute dtype (cast up for the mask)
+    cap_in = _op("divide", scaled, const())
+    capped = cast(_op("multiply", cast(_op("tanh", cast(cap_in))), const()))
+    capped_or_scaled = capped | scaled
+    masked = _op("add", capped_or_scaled, mask) | capped_or_scaled
     sm = _op("nn.softmax", upcast(masked))
     probs = _op("where", _op("isnan", sm), const(), sm) | sm
     out = _op("matmul", cast(probs), v)
@@ -68,7 +73,7 @@ def make_attention_pattern() -> Annotated:
     out_perm = _op("permute_dims", out_same | out_cast)
     root = out_perm | out_cast
     return root, {"q": q, "k": k, "v": v, "scores": scores, "masked": masked, "softmax": sm, "out": out,
-                  "k_exp": k_exp, "out_same": out_same, "out_perm": out_perm}
+                  "k_exp": k_exp, "out_same": out_same, "out_perm": out_perm, "cap_in": cap_in, "capped": capped}
 
 
 def check_attention(ctx: PatternCheckContext) -> bool:
@@ -111,14 +116,31 @@ def check_attention(ctx: PatternCheckContext) -> bool:
         if len(ms) != 4 or not same_dim(ms[-1], sk) or dim_str(ms[-2]) not in ("1", dim_str(sq)):
             return reject(ctx, name, f"mask shape {[dim_str(x) for x in ms]} does not broadcast to [B,H,Sq,Sk]")
         mask, causal = "additive", _is_causal(m)
+    softcap = 0.0
+    if _in(ctx, ann.get("cap_in")):
+        cap_in, capped = ann["cap_in"], ann["capped"]
+        if capped.op.name == "relax.astype":  # cast up for the mask: the multiply is its argument's binding
+            capped = ctx.matched_bindings.get(capped.args[0])
+        caps = (_const_scalar(cap_in.args[1]), _const_scalar(capped.args[1]) if capped is not None else None)
+        if caps[0] is None or caps[0] != caps[1] or not caps[0] > 0:
+            return reject(ctx, name, f"scores / {caps[0]} -> tanh -> * {caps[1]} is not a soft cap (one positive "
+                          "constant twice)")
+        softcap = caps[0]
     kv = ann.get("k_exp")
     kv_heads = shape_of(kv.args[0])[1] if kv is not None and _in(ctx, kv) else h
     scale = [scalar(a) for c in ctx.matched_bindings.values() if c.op.name in ("relax.multiply", "relax.divide")
              for a in c.args if scalar(a) is not None]
     info = {"batch": dim_str(b), "heads": dim_str(h), "kv_heads": dim_str(kv_heads), "seq_q": dim_str(sq), "seq_k": dim_str(sk),
-            "head_dim": dim_str(d), "mask": mask, "causal": causal, "scale_consts": scale,
+            "head_dim": dim_str(d), "mask": mask, "causal": causal, "scale_consts": scale, "softcap": softcap,
             "layout": "BSHD" if _in(ctx, ann.get("q")) and ann["q"].op.name == "relax.permute_dims" else "BHSD"}
     return finish(ctx, name, info)
+
+
+def _const_scalar(expr) -> float | None:
+    """The value of a scalar constant (through its cast to the compute dtype), else None."""
+    if isinstance(expr, relax.Call) and expr.op.name == "relax.astype":
+        expr = expr.args[0]
+    return scalar(expr)
 
 
 def _in(ctx: PatternCheckContext, expr) -> bool:

@@ -87,6 +87,10 @@ def normalize(shapes: dict) -> dict:
     if s.get("scale") is None:
         s["scale"] = 1.0 / math.sqrt(s["head_dim"])
     s["scale"] = float(s["scale"])
+    if s.get("softcap"):
+        s["softcap"] = float(s["softcap"])
+    else:
+        s.pop("softcap", None)  # only a capped template names it (the tuning records' keys stay as they were)
     if "mask_shape" in s:
         s["mask_shape"] = tuple(_size(x) for x in s["mask_shape"])
     return s
@@ -118,6 +122,15 @@ def extents(s: dict) -> dict:
 def dims(s: dict, ext: dict):
     """(batch, heads, kv heads, seq_q, seq_k, head_dim, dtype, scale), the sizes as `extents` gives them."""
     return ext["batch"], s["heads"], s["kv_heads"], ext["seq_q"], ext["seq_k"], s["head_dim"], s["dtype"], s["scale"]
+
+
+def soft_capped(s: dict, x):
+    """The base-2 logit x (scores * scale * log2(e)) soft-capped as the model caps its scores, cap * tanh(scores /
+    cap) (Gemma 2), in the same base: C * tanh(x / C) with C = cap * log2(e); x where the model has no cap."""
+    if not s.get("softcap"):
+        return x
+    c = float(s["softcap"] * LOG2E)
+    return T.float32(c) * T.tanh(x * T.float32(1.0 / c))
 
 
 def mask_extents(s: dict, ext: dict) -> tuple:

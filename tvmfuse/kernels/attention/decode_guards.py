@@ -1,12 +1,12 @@
 """Decode template's index and logit helpers, shared by its CPU and GPU variants: which keys lie below L (no guard
 when the splits tile a static L), where a query head sits in Q or out, and a key's base-2 logit with the additive
-mask."""
+mask (after the soft cap of a model that caps its scores)."""
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, at, f32
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, f32, soft_capped
 from tvmfuse.kernels.attention.decode_knobs import PAST, chunk_of
 from tvmfuse.kernels.attention.prefill_logits import mask_index
 
@@ -33,8 +33,9 @@ def guards(s: dict, knobs: dict, length, rows: int):
         return value if even else T.if_then_else(pos < length, value, T.float32(0))
 
     def score(x, mask, b, h, pos):
-        """The base-2 logit of a key from its scaled dot product x: plus the mask (kept above NEG, so a -inf mask
-        gives no NaN); PAST at or past L."""
+        """The base-2 logit of a key from its scaled dot product x: soft-capped where the model caps its scores,
+        plus the mask (kept above NEG, so a -inf mask gives no NaN); PAST at or past L."""
+        x = soft_capped(s, x)
         if masked:
             x = T.max(x + bias(mask, b, h, pos) * T.float32(LOG2E), T.float32(NEG))
         return x if even else T.Select(pos < length, x, T.float32(PAST))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, dims, extents, f32, template_func
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, dims, extents, f32, soft_capped, template_func
 from tvmfuse.kernels.attention.prefill_logits import logit_rules
 
 
@@ -64,7 +64,8 @@ def cpu_body(s: dict, knobs: dict, ext: dict):
                             for d in range(D):
                                 sc[j] = sc[j] + f32(q[at(lq, vb, vh, vi, d)]) * f32(k[at(lk, vb, vh // G, jt * BN + j, d)])
                             st[4] = T.max(st[4], alive(sc[j], mask, vb, vh, vi, jt * BN + j))
-                            sc[j] = T.max(sc[j] * qs + bias(mask, vb, vh, vi, jt * BN + j), T.float32(NEG))
+                            sc[j] = T.max(soft_capped(s, sc[j] * qs) + bias(mask, vb, vh, vi, jt * BN + j),
+                                          T.float32(NEG))
                         st[2] = T.max(st[2], sc[j])
                     st[3] = T.exp2(st[0] - st[2])
                     st[1] = st[1] * st[3]

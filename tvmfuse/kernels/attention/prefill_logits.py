@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, f32
+from tvmfuse.kernels.attention.common import LOG2E, NEG, f32, soft_capped
 
 
 def mask_index(s: dict):
@@ -38,8 +38,10 @@ def logit_rules(s: dict, seq_q=None):
         return T.Select(T.isinf(dot * T.float32(scale) + f32(m[mi(b, h, r, c)])), T.float32(0), T.float32(1))
 
     def logit(dot, m, b, h, r, c):
-        """The base-2 logit: dot * scale * log2(e) (+ mask * log2(e), kept above NEG so a -inf mask gives no NaN)."""
-        return T.max(dot * qs + bias(m, b, h, r, c), T.float32(NEG)) if masked else dot * qs
+        """The base-2 logit: dot * scale * log2(e), soft-capped where the model caps its scores (+ mask * log2(e),
+        kept above NEG so a -inf mask gives no NaN)."""
+        x = soft_capped(s, dot * qs)
+        return T.max(x + bias(m, b, h, r, c), T.float32(NEG)) if masked else x
 
     def final(x, flag):
         """x, or 0 for a fully masked row (no finite logit)."""

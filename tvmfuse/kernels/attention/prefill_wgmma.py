@@ -18,6 +18,8 @@ def check(s: dict) -> str | None:
         return f"head_dim {s['head_dim']} is not 64 or 128"
     if s["mask"] == "additive":
         return "an additive mask (the mma.sync template votes on its tiles)"
+    if s.get("softcap"):
+        return "soft-capped scores (the mma.sync template caps them)"
     if symbolic(s):
         return "symbolic sizes (static shapes only)"
     if s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:

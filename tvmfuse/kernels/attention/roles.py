@@ -25,8 +25,8 @@ def attention_roles(fn: tirx.PrimFunc) -> dict | None:
     """{'order': role per parameter ('q','k','v','mask','out','scale','const', or 'dim' for a shape scalar such as
     the past length of a KV cache's view), 'uses': {param index:
     (multiplies, divides)} for the scale scalars, 'shapes': template shapes (with the layout of Q, K, V and
-    out, and the K and V head counts)} for an unscheduled softmax(scale * Q K^T [+ mask]) V PrimFunc, else
-    None."""
+    out, and the K and V head counts), 'softcap': the index of the soft cap's scalar or None} for an unscheduled
+    softmax(softcap(scale * Q K^T) [+ mask]) V PrimFunc, else None."""
     names = [p.name for p in fn.params]
     dims = {p.name for p in fn.params if isinstance(p.ty, tvm.ir.PrimType)}  # shape scalars (a KV length)
     blocks = sblocks(fn)
@@ -99,7 +99,43 @@ def attention_roles(fn: tirx.PrimFunc) -> dict | None:
     shapes = template_shapes(names, order, bufs, labels, q, k, v, out)
     if shapes is None:
         return None
-    return {"order": order, "uses": uses, "shapes": shapes, "scale": None}
+    cap = _soft_cap(blocks, names, order)
+    if cap == -1:
+        return None
+    return {"order": order, "uses": uses, "shapes": shapes, "scale": None, "softcap": cap}
+
+
+def _soft_cap(blocks, names: list, order: list) -> int | None:
+    """The index of the scale parameter the scores are divided by before a tanh (cap * tanh(s / cap): the
+    templates cap the scores by its value); None without a tanh; -1 for a tanh of anything else."""
+    tanhs = [blk for blk in blocks if isinstance(blk.body, tirx.BufferStore) and _calls(blk.body.value, "tirx.tanh")]
+    if not tanhs:
+        return None
+    if len(tanhs) != 1 or len(tanhs[0].reads) != 1:
+        return -1
+    source = tanhs[0].reads[0].source.name
+    for blk in blocks:
+        store = blk.body
+        if not (isinstance(store, tirx.BufferStore) and _store_buffer(store).name == source):
+            continue
+        val = store.value.value if isinstance(store.value, tirx.Cast) else store.value
+        if isinstance(val, tirx.Div):
+            div = val.b.value if isinstance(val.b, tirx.Cast) else val.b
+            if isinstance(div, TensorLoad) and div.source.name in names:
+                i = names.index(div.source.name)
+                return i if order[i] == "scale" else -1
+    return -1
+
+
+def _calls(expr, op: str, depth: int = 0) -> bool:
+    """Whether expression `expr` calls the intrinsic `op` (through casts and arithmetic)."""
+    if isinstance(expr, tvm.ir.expr.Call) and getattr(expr.op, "name", "") == op:
+        return True
+    if depth > 16:
+        return False
+    kids = [getattr(expr, f) for f in ("a", "b", "value", "condition", "true_value", "false_value")
+            if hasattr(expr, f)] + list(getattr(expr, "args", []) or [])
+    return any(isinstance(k, tvm.ir.expr.Expr) and _calls(k, op, depth + 1) for k in kids)
 
 
 def _scalar_use(name: str, blocks, consumers: dict, bufs: dict, depth: int = 0) -> tuple[str, int, int] | None:
@@ -137,7 +173,8 @@ def _scalar_use(name: str, blocks, consumers: dict, bufs: dict, depth: int = 0) 
 
 
 def _store_buffer(store):
-    return getattr(store, "buffer", None) or store.source
+    buf = getattr(store, "buffer", None)  # a Buffer has no truth value
+    return buf if buf is not None else store.source
 
 
 def _loads(expr, name: str, depth: int = 0) -> bool:
@@ -148,7 +185,7 @@ def _loads(expr, name: str, depth: int = 0) -> bool:
         return True  # be conservative
     kids = [getattr(expr, f) for f in ("a", "b", "value", "condition", "true_value", "false_value")
             if hasattr(expr, f)] + list(getattr(expr, "args", []) or [])
-    return any(isinstance(k, tvm.ir.PrimExpr) and _loads(k, name, depth + 1) for k in kids)
+    return any(isinstance(k, tvm.ir.expr.Expr) and _loads(k, name, depth + 1) for k in kids)
 
 
 def _operands(mm):
