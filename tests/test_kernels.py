@@ -72,6 +72,43 @@ def test_prefill_cpu_matches_numpy(variant, dtype, tol):
     assert np.abs(got - want).max() < tol
 
 
+@pytest.mark.parametrize("heads,kv_heads,split", [(8, 4, 1), (8, 1, 4)])
+def test_decode_cpu_at_gemmas_head_dim_256_matches_numpy(heads, kv_heads, split):
+    """Gemma's head dim 256 (2B, 7B, Gemma 2's 2B and 9B): the decode template takes it (a warp's 32 lanes x 8 values
+    hold one key), in GQA and MQA; the CPU variant against numpy."""
+    s = dict(batch=2, heads=heads, kv_heads=kv_heads, seq_q=1, seq_k=100, head_dim=256, dtype="float16")
+    assert ATTENTION_DECODE.check(s) is None
+    rng = np.random.default_rng(heads + split)
+    q, k, v = (rand(rng, (2, h, L, 256), "float16") for h, L in ((heads, 1), (kv_heads, 100), (kv_heads, 100)))
+    got = run_cpu(ATTENTION_DECODE(s, {"split": split}, "llvm"), [q, k, v], q.shape, "float16")
+    assert np.abs(got - ref(q, k, v)).max() < 2e-3
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_cuda_decode_at_head_dim_256_compiles_with_each_default():
+    """The GPU variant at head dim 256 (a lane's 8 values, the 32 lanes' warp sum a key's score) compiles with nvcc
+    under the default knobs of a static and a symbolic KV length, and every knob set fits its combine in 48 KB."""
+    for seq_k in (4096, "past + seq"):
+        s = dict(batch=1, heads=8, kv_heads=4, seq_q=1, seq_k=seq_k, head_dim=256, dtype="bfloat16")
+        knobs = ATTENTION_DECODE.default_knobs(s)
+        assert "__shfl_xor_sync" in _cuda_compiles(ATTENTION_DECODE(s, knobs), H100), knobs
+    assert {k["warps"] for k in ATTENTION_DECODE.knob_space(dict(s, kv_heads=1))} == {2, 4}  # MQA: 8 rows a block
+
+
+@pytest.mark.gpu
+def test_gpu_decode_at_head_dim_256_matches_numpy():
+    """On a GPU: the decode CUDA variant at head dim 256 against numpy, every warps x unroll at split 4 and 16."""
+    dev, rng = tvm.cuda(0), np.random.default_rng(9)
+    s = dict(batch=2, heads=8, kv_heads=4, seq_q=1, seq_k=513, head_dim=256, dtype="float16")
+    q, k, v = rand(rng, (2, 8, 1, 256), "float16"), rand(rng, (2, 4, 513, 256), "float16"), \
+        rand(rng, (2, 4, 513, 256), "float16")
+    for knobs in [k for k in ATTENTION_DECODE.knob_space(s) if k["split"] in (4, 16)]:
+        lib = tvm.compile(tvm.IRModule({"main": ATTENTION_DECODE(s, knobs)}), target=CUDA)
+        out = tvm.runtime.tensor(np.zeros(q.shape, "float16"), dev)
+        lib["main"](*[tvm.runtime.tensor(a, dev) for a in (q, k, v)], out)
+        assert np.abs(out.numpy().astype("f4") - ref(q, k, v)).max() < 5e-3, knobs
+
+
 SOFTCAP = 1.5  # small beside the scores of the inputs below (4 x randn of 64 dims: |s| up to ~15), so it matters
 
 

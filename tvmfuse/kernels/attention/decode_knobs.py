@@ -17,8 +17,8 @@ def check(s: dict) -> str | None:
         return "decode template needs one query token (or, not causal, up to 8 rows of a query head group)"
     if s["v_heads"] != s["kv_heads"]:
         return "decode template needs K and V with the same head count"
-    if s["head_dim"] not in (16, 32, 64, 128) or s["heads"] % s["kv_heads"]:
-        return "head_dim must be 16/32/64/128 and kv heads must divide query heads"
+    if s["head_dim"] not in (16, 32, 64, 128, 256) or s["heads"] % s["kv_heads"]:  # 256: Gemma's (a warp a key)
+        return "head_dim must be 16/32/64/128/256 and kv heads must divide query heads"
     if s["dtype"] not in ("float16", "bfloat16", "float32"):
         return f"decode template is fp16/bf16/fp32 only (got {s['dtype']})"
     if not knob_space(s):
