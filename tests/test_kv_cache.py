@@ -164,12 +164,13 @@ def test_prefill_length_is_the_shortest_seq_bucket_of_the_batch_that_holds_the_p
     assert prefill_length(manifest(grid, mode="onnx"), 1, 300) == 300
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "opt", "qwen2", "gemma", "gemma2"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "opt", "qwen2", "gemma", "gemma2", "qwen3", "phi3", "gemma3"])
 def test_more_decoders_inplace_greedy_tokens_match_onnxruntime(tmp_path, arch):
     """GPT-2 (no GQA, K^T as a permute of the cache's view), GPT-NeoX (fused QKV split by torch.split, partial
     rotary: its present K/V lost their dims at import, an internal error) and OPT (learned positions sliced
     [past:] from the mask's cumsum: total - past, which FuseTIR could not pass, until the mask's `total` became
-    past + seq), Qwen2 (QKV bias) and Gemma (GeGLU, scaled embeddings): in place, no cache copy, onnxruntime's
+    past + seq), Qwen2 (QKV bias) and Gemma (GeGLU, scaled embeddings), Gemma 2 (soft-capped scores, sliding-window
+    layers), Qwen3 (Q/K norms), Phi-3 (one QKV projection), Gemma 3: in place, no cache copy, onnxruntime's
     tokens."""
     path = hf_export.export_with_cache(arch, str(tmp_path))
     assert _cache_copies(_lowered(path, "inplace")) == []
@@ -183,12 +184,13 @@ def test_more_decoders_inplace_greedy_tokens_match_onnxruntime(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch, scale", [("llama", 0.25), ("gpt2", 0.25), ("gpt_neox", 0.25), ("opt", 1.0),
-                                         ("qwen2", 0.25), ("gemma", 0.25), ("gemma2", 256 ** -0.5)])
+                                         ("qwen2", 0.25), ("gemma", 0.25), ("gemma2", 256 ** -0.5),
+                                         ("qwen3", 0.25), ("phi3", 0.25), ("gemma3", 256 ** -0.5)])
 def test_every_decoders_step_attention_takes_the_step_template(tmp_path, arch, scale):
     """One attention kernel per step for each architecture, the step template's, with the softmax scale of the
     graph: 1/sqrt(16) for the tiny models' head dim 16, and 1 for OPT, which scales Q in its projection before the
-    head split (and casts K^T down without a scale: it ran as ~17 generic kernels a layer before); Gemma 2's
-    1/sqrt(query_pre_attn_scalar) and its scores' soft cap (attn_logit_softcapping, 50)."""
+    head split (and casts K^T down without a scale: it ran as ~17 generic kernels a layer before); Gemma 2's and 3's
+    1/sqrt(query_pre_attn_scalar), and Gemma 2's soft cap of its scores (attn_logit_softcapping, 50)."""
     from tvmfuse.kernels import substitute  # pylint: disable=import-outside-toplevel
 
     fused = _lowered(hf_export.export_with_cache(arch, str(tmp_path)), "inplace", "llvm", "fp16")
