@@ -109,6 +109,59 @@ def test_gpu_decode_at_head_dim_256_matches_numpy():
         assert np.abs(out.numpy().astype("f4") - ref(q, k, v)).max() < 5e-3, knobs
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_cpu_at_gemmas_head_dim_256_matches_numpy(causal):
+    """Gemma's head dim 256 in the prefill template (so the step template takes Gemma's in-place cache too): 32-key
+    tiles, one 16-row tile a warp; the CPU variant against numpy."""
+    s = dict(batch=1, heads=4, kv_heads=1, seq_q=64, seq_k=64, head_dim=256, dtype="bfloat16", causal=causal,
+             mask="none" if causal else "additive", mask_shape=(1, 1, 64, 64))
+    assert {(k["block_n"], k["m_tiles"]) for k in ATTENTION_PREFILL.knob_space(s)} == {(32, 1)}
+    from tvmfuse.kernels import ATTENTION_STEP  # pylint: disable=import-outside-toplevel
+
+    step = dict(s, seq_q="seq", seq_k="past + seq", causal=False, mask="additive",
+                mask_shape=(1, 1, "seq", "past + seq"))
+    assert ATTENTION_STEP.check(step) is None  # an in-place cache's step: both branches take head dim 256
+    rng = np.random.default_rng(4)
+    q, k, v = rand(rng, (1, 4, 64, 256), "bfloat16"), rand(rng, (1, 1, 64, 256), "bfloat16"), \
+        rand(rng, (1, 1, 64, 256), "bfloat16")
+    mask = None if causal else (rng.standard_normal((1, 1, 64, 64)) * 3).astype("bfloat16")
+    got = run_cpu(ATTENTION_PREFILL(s, {"warps": 4, "block_n": 32}, "llvm"),
+                  [q, k, v] + ([] if causal else [mask]), q.shape, "bfloat16")
+    assert np.abs(got - ref(q, k, v, mask, causal)).max() < 2e-2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_cuda_prefill_at_head_dim_256_fits_its_registers():
+    """The GPU variant at head dim 256, Gemma 2 9B's heads at 2048 tokens: every knob set compiles, and ptxas spills
+    nothing under the default (255 registers a thread)."""
+    from checks import ptxas_report  # pylint: disable=import-outside-toplevel
+
+    s = dict(batch=1, heads=16, kv_heads=8, seq_q=2048, seq_k=2048, head_dim=256, dtype="float16", causal=True)
+    for knobs in ATTENTION_PREFILL.knob_space(s):
+        src = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL(s, knobs)}), target=H100).mod.imports[0] \
+            .inspect_source("cuda")
+        code, said = ptxas_report(src)
+        assert code == 0, said[-2000:]
+        if knobs == ATTENTION_PREFILL.default_knobs(s):
+            assert " 0 bytes spill stores" in said, said[-2000:]
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_at_head_dim_256_matches_numpy():
+    """On a GPU: the prefill CUDA variant at head dim 256, every knob set, causal and with an additive mask."""
+    dev, rng = tvm.cuda(0), np.random.default_rng(12)
+    for causal in (True, False):
+        s = dict(batch=1, heads=4, kv_heads=2, seq_q=128, seq_k=128, head_dim=256, dtype="float16", causal=causal,
+                 mask="none" if causal else "additive", mask_shape=(1, 1, 128, 128))
+        q, k, v = (rand(rng, (1, h, 128, 256), "float16") for h in (4, 2, 2))
+        mask = None if causal else (rng.standard_normal((1, 1, 128, 128)) * 3).astype("float16")
+        for knobs in ATTENTION_PREFILL.knob_space(s):
+            lib = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL(s, knobs)}), target=CUDA)
+            out = tvm.runtime.tensor(np.zeros(q.shape, "float16"), dev)
+            lib["main"](*[tvm.runtime.tensor(a, dev) for a in [q, k, v] + ([] if causal else [mask])], out)
+            assert np.abs(out.numpy().astype("f4") - ref(q, k, v, mask, causal)).max() < 5e-3, (causal, knobs)
+
+
 SOFTCAP = 1.5  # small beside the scores of the inputs below (4 x randn of 64 dims: |s| up to ~15), so it matters
 
 

@@ -6,8 +6,8 @@ from tvmfuse.kernels.attention.common import q_dtype
 
 
 def check(s: dict) -> str | None:
-    if s["head_dim"] not in (16, 32, 64, 128) or s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:
-        return "head_dim must be 16/32/64/128 and K and V heads must divide query heads"
+    if s["head_dim"] not in (16, 32, 64, 128, 256) or s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:
+        return "head_dim must be 16/32/64/128/256 and K and V heads must divide query heads"
     if s["dtype"] not in ("float16", "bfloat16") and not (s["dtype"] == "float32" and s.get("target") == "llvm"):
         return f"prefill template is fp16/bf16 only, fp32 on llvm (got {s['dtype']})"
     if s["causal"] and s["seq_q"] != s["seq_k"]:
@@ -38,6 +38,7 @@ def knob_space(s: dict) -> list[dict]:
              for n in (32, 64, 128)]
     return [k for k in space if _tiles(s["seq_q"], 16 * k["warps"] * k["m_tiles"]) and _tiles(s["seq_k"], k["block_n"])
             and k["block_n"] * s["head_dim"] <= 8192
+            and not (s["head_dim"] == 256 and k["m_tiles"] > 1)  # ptxas spills 1-3 KB a thread (255 registers)
             and not (k.get("q_smem") and q_dtype(s) != s["dtype"])  # Q staged in shared memory in the compute dtype
             and k["block_n"] * s["head_dim"] // 8 % (32 * k["warps"]) == 0  # every thread loads as many K/V vectors
             and smem_bytes(s, k) <= MAX_SMEM]
