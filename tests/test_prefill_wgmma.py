@@ -37,10 +37,17 @@ def _ref(q, k, v, causal):
     return (p / p.sum(-1, keepdims=True)) @ vv
 
 
+_SOURCES: dict[str, str] = {}
+
+
 def _source(s: dict, knobs: dict | None = None) -> str:
-    fn = ATTENTION_PREFILL_WGMMA(s, knobs)
-    ex = tvm.compile(tvm.IRModule({"main": fn}), target=hopper_target(), tir_pipeline="tirx")
-    return ex.mod.imports[0].inspect_source()
+    """The kernel's CUDA source, compiled once per shapes and knobs in this process (the tests ask for many twice)."""
+    key = json.dumps([s, knobs], sort_keys=True, default=str)
+    if key not in _SOURCES:
+        fn = ATTENTION_PREFILL_WGMMA(s, knobs)
+        ex = tvm.compile(tvm.IRModule({"main": fn}), target=hopper_target(), tir_pipeline="tirx")
+        _SOURCES[key] = ex.mod.imports[0].inspect_source()
+    return _SOURCES[key]
 
 
 def _nvcc(src: str) -> bytes:
