@@ -121,7 +121,7 @@ def check_attention(ctx: PatternCheckContext) -> bool:
         cap_in, capped = ann["cap_in"], ann["capped"]
         if capped.op.name == "relax.astype":  # cast up for the mask: the multiply is its argument's binding
             capped = ctx.matched_bindings.get(capped.args[0])
-        caps = (_const_scalar(cap_in.args[1]), _const_scalar(capped.args[1]) if capped is not None else None)
+        caps = (_const_scalar(ctx, cap_in.args[1]), _const_scalar(ctx, capped.args[1]) if capped is not None else None)
         if caps[0] is None or caps[0] != caps[1] or not caps[0] > 0:
             return reject(ctx, name, f"scores / {caps[0]} -> tanh -> * {caps[1]} is not a soft cap (one positive "
                           "constant twice)")
@@ -136,8 +136,10 @@ def check_attention(ctx: PatternCheckContext) -> bool:
     return finish(ctx, name, info)
 
 
-def _const_scalar(expr) -> float | None:
-    """The value of a scalar constant (through its cast to the compute dtype), else None."""
+def _const_scalar(ctx: PatternCheckContext, expr) -> float | None:
+    """The value of a scalar constant (through its cast to the compute dtype, inline or bound), else None."""
+    if isinstance(expr, relax.Var):
+        expr = ctx.matched_bindings.get(expr, expr)
     if isinstance(expr, relax.Call) and expr.op.name == "relax.astype":
         expr = expr.args[0]
     return scalar(expr)
