@@ -136,16 +136,18 @@ def _cumsum_symbolic(g, x, dim, dtype):
     return symbolic_opset11.cumsum(g, x, dim, dtype)
 
 
-def export(name: str, exporter: str, folder: str, ids_only: bool = False, dtype: str = "float32") -> str:
+def export(name: str, exporter: str, folder: str, ids_only: bool = False, dtype: str = "float32",
+           model: torch.nn.Module | None = None) -> str:
     """Export model `name` through `exporter` ('legacy' opset 17 or 'dynamo' opset 20); return the .onnx path.
     `ids_only`: the model's only input is input_ids. `dtype` "bfloat16": exported after `model.to(torch.bfloat16)`
     (weights and activations stored in bf16; torch 2.13's legacy exporter cannot: "ScalarType ComplexDouble is an
-    unexpected tensor scalar type")."""
+    unexpected tensor scalar type"). `model`: a transformers model to export under `name` instead of
+    `tiny_model(name)` (bench/arch_survey.py's)."""
     suffix = ("_ids" if ids_only else "") + ("_bf16" if dtype == "bfloat16" else "")
     path = os.path.join(folder, f"{name}_{exporter}{suffix}.onnx")
     if os.path.exists(path):
         return path
-    model = tiny_model(name, ids_only)
+    model = tiny_model(name, ids_only) if model is None else (_IdsOnly if ids_only else _LogitsOnly)(model.eval())
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     elif dtype != "float32":
