@@ -64,6 +64,7 @@ def survey(name: str, exporter: str, work: str) -> dict:
     import hf_export  # pylint: disable=import-outside-toplevel
 
     row = {"arch": name, "exporter": exporter}
+    os.makedirs(work, exist_ok=True)
     try:
         path = hf_export.export(name, exporter, work, ids_only=True, model=tiny(name))
     except Exception as err:  # noqa: BLE001  (the exporter's failure is the row's finding)
