@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import ml_dtypes  # noqa: F401  (numpy's "bfloat16" dtype: the bf16 variants' inputs and outputs)
@@ -130,6 +131,39 @@ def test_prefill_cpu_at_gemmas_head_dim_256_matches_numpy(causal):
     assert np.abs(got - ref(q, k, v, mask, causal)).max() < 2e-2
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_prefill_cpu_at_phis_head_dims_matches_numpy(head_dim):
+    """Phi-2's head dim 80 and Phi-3's 96 (five and six 16-wide k-steps) in the prefill template, causal and with an
+    additive mask; the CPU variant against numpy. The decode template does not take them (its lanes split a key by
+    a power of two), so neither does the step template."""
+    rng = np.random.default_rng(head_dim)
+    for causal in (True, False):
+        s = dict(batch=1, heads=4, kv_heads=2, seq_q=64, seq_k=64, head_dim=head_dim, dtype="float16", causal=causal,
+                 mask="none" if causal else "additive", mask_shape=(1, 1, 64, 64))
+        q, k, v = (rand(rng, (1, h, 64, head_dim), "float16") for h in (4, 2, 2))
+        mask = None if causal else (rng.standard_normal((1, 1, 64, 64)) * 3).astype("float16")
+        knobs = ATTENTION_PREFILL.default_knobs(s)
+        got = run_cpu(ATTENTION_PREFILL(s, knobs, "llvm"), [q, k, v] + ([] if causal else [mask]), q.shape, "float16")
+        assert np.abs(got - ref(q, k, v, mask, causal)).max() < 2e-3, (causal, knobs)
+    assert ATTENTION_DECODE.check(dict(s, seq_q=1, causal=False, mask="none")) is not None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_cuda_prefill_at_phis_head_dims_compiles_without_spills(head_dim):
+    """At Phi's head dims, 32 heads at 2048 tokens: every knob set compiles and ptxas spills nothing in any."""
+    from checks import ptxas_report  # pylint: disable=import-outside-toplevel
+
+    s = dict(batch=1, heads=32, kv_heads=32, seq_q=2048, seq_k=2048, head_dim=head_dim, dtype="bfloat16",
+             causal=True)
+    for knobs in ATTENTION_PREFILL.knob_space(s):
+        src = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL(s, knobs)}), target=H100).mod.imports[0] \
+            .inspect_source("cuda")
+        code, said = ptxas_report(src)
+        spills = re.findall(r"(\d+) bytes spill stores", said)
+        assert code == 0 and spills and set(spills) == {"0"}, (knobs, said[-2000:])
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_cuda_prefill_at_head_dim_256_fits_its_registers():
     """The GPU variant at head dim 256, Gemma 2 9B's heads at 2048 tokens: every knob set compiles, and ptxas spills
@@ -147,19 +181,20 @@ def test_cuda_prefill_at_head_dim_256_fits_its_registers():
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_at_head_dim_256_matches_numpy():
-    """On a GPU: the prefill CUDA variant at head dim 256, every knob set, causal and with an additive mask."""
+def test_gpu_prefill_at_head_dims_256_96_80_matches_numpy():
+    """On a GPU: the prefill CUDA variant at head dims 256, 96 and 80, every knob set, causal and with an additive
+    mask."""
     dev, rng = tvm.cuda(0), np.random.default_rng(12)
-    for causal in (True, False):
-        s = dict(batch=1, heads=4, kv_heads=2, seq_q=128, seq_k=128, head_dim=256, dtype="float16", causal=causal,
+    for causal, d in ((True, 256), (False, 256), (True, 96), (False, 96), (True, 80), (False, 80)):
+        s = dict(batch=1, heads=4, kv_heads=2, seq_q=128, seq_k=128, head_dim=d, dtype="float16", causal=causal,
                  mask="none" if causal else "additive", mask_shape=(1, 1, 128, 128))
-        q, k, v = (rand(rng, (1, h, 128, 256), "float16") for h in (4, 2, 2))
+        q, k, v = (rand(rng, (1, h, 128, d), "float16") for h in (4, 2, 2))
         mask = None if causal else (rng.standard_normal((1, 1, 128, 128)) * 3).astype("float16")
         for knobs in ATTENTION_PREFILL.knob_space(s):
             lib = tvm.compile(tvm.IRModule({"main": ATTENTION_PREFILL(s, knobs)}), target=CUDA)
             out = tvm.runtime.tensor(np.zeros(q.shape, "float16"), dev)
             lib["main"](*[tvm.runtime.tensor(a, dev) for a in [q, k, v] + ([] if causal else [mask])], out)
-            assert np.abs(out.numpy().astype("f4") - ref(q, k, v, mask, causal)).max() < 5e-3, (causal, knobs)
+            assert np.abs(out.numpy().astype("f4") - ref(q, k, v, mask, causal)).max() < 5e-3, (causal, d, knobs)
 
 
 SOFTCAP = 1.5  # small beside the scores of the inputs below (4 x randn of 64 dims: |s| up to ~15), so it matters

@@ -5,9 +5,13 @@ from __future__ import annotations
 from tvmfuse.kernels.attention.common import q_dtype
 
 
+#: head dims the template takes: whole 16-wide mma k-steps; 80 Phi-2's, 96 Phi-3's, 256 Gemma's
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+
+
 def check(s: dict) -> str | None:
-    if s["head_dim"] not in (16, 32, 64, 128, 256) or s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:
-        return "head_dim must be 16/32/64/128/256 and K and V heads must divide query heads"
+    if s["head_dim"] not in HEAD_DIMS or s["heads"] % s["kv_heads"] or s["heads"] % s["v_heads"]:
+        return f"head_dim must be one of {'/'.join(map(str, HEAD_DIMS))} and K and V heads must divide query heads"
     if s["dtype"] not in ("float16", "bfloat16") and not (s["dtype"] == "float32" and s.get("target") == "llvm"):
         return f"prefill template is fp16/bf16 only, fp32 on llvm (got {s['dtype']})"
     if s["causal"] and s["seq_q"] != s["seq_k"]:
