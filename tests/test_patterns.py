@@ -3,6 +3,7 @@ the reason recorded, module unchanged there) when an intermediate is used outsid
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -254,6 +255,12 @@ def test_soft_capped_scores_are_attention_with_their_cap_and_the_graphs_scale():
     (kernel,) = fused.kernel_patterns
     roles = attention_roles(fused.mod[kernel])
     assert roles is not None and roles["order"].count("scale") == 3, roles  # the scale, the cap twice
+    assert roles["order"][roles["softcap"]] == "scale"  # the tanh's divisor
+    from tvmfuse.kernels import substitute
+
+    new = substitute(fused.mod, fused.kernel_patterns, target="llvm", log=[])
+    shapes = json.loads(str(new[kernel].attrs["tvmfuse.template"]))["shapes"]
+    assert shapes["scale"] == pytest.approx(0.25) and shapes["softcap"] == 30.0, shapes
 
 
 def test_a_tanh_between_two_different_constants_is_no_soft_cap():
