@@ -285,7 +285,7 @@ def test_registry_lookup_and_knobs():
     assert lookup("tvmfuse.attention", dec) is ATTENTION_DECODE
     assert lookup("tvmfuse.attention", pre) is ATTENTION_PREFILL
     assert lookup("tvmfuse.attention", dict(pre, head_dim=80)) is ATTENTION_PREFILL  # Phi-2's
-    assert lookup("tvmfuse.attention", dict(pre, head_dim=72)) is None  # not whole mma k-steps of a taken size
+    assert lookup("tvmfuse.attention", dict(pre, head_dim=72)) is None  # 4.5 mma k-steps of 16: refused
     assert lookup("tvmfuse.attention", dict(pre, dtype="float32")) is None
     assert lookup("tvmfuse.swiglu", dec) is None
     assert ATTENTION_DECODE.check(dict(dec, kv_heads=5)) is not None
