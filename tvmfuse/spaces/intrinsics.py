@@ -24,34 +24,22 @@ SCOPES = ("shared", "shared.dyn")
 
 
 @functools.cache
-def register() -> tuple[str, ...]:
-    """Register TVM's CUDA tensor intrinsics and the bf16 wmma ones above (once a process); their names."""
+def register():
+    """Register TVM's CUDA tensor intrinsics and the bf16 wmma ones above (once a process); TVM's
+    `tvm.s_tir.tensor_intrin.cuda` module, every intrinsic registered."""
     from tvm.s_tir import TensorIntrin  # pylint: disable=import-outside-toplevel
     from tvm.s_tir.tensor_intrin import cuda  # pylint: disable=import-outside-toplevel  (TVM's fp16/int8, fp32 fill)
-
-    names = []
-
-    def register(name, desc_impl):
-        TensorIntrin.register(name, *desc_impl, override=True)  # idempotent on re-import (importlib.reload)
-        names.append(name)
 
     for scope in SCOPES:
         suffix = scope.replace(".", "_")
         for is_b, col_major, part in ((False, False, "a"), (True, False, "b"), (False, True, "a_trans"),
                                       (True, True, "b_trans")):
-            register(f"wmma_load_16x16x16_bf16_{part}_{suffix}",
-                     cuda.get_wmma_load_intrin(16, 16, 16, "bfloat16", scope, is_b, col_major))
+            TensorIntrin.register(f"wmma_load_16x16x16_bf16_{part}_{suffix}",
+                                  *cuda.get_wmma_load_intrin(16, 16, 16, "bfloat16", scope, is_b, col_major),
+                                  override=True)
     for trans, tail in ((False, ""), (True, "_trans")):
-        register(f"wmma_sync_16x16x16_bf16bf16f32{tail}",
-                 cuda.get_wmma_sync_intrin(16, 16, 16, "bfloat16", "float32", trans))
-    return tuple(names)
-
-
-def _tvm_cuda_intrinsics():
-    """TVM's tvm.s_tir.tensor_intrin.cuda module, every intrinsic registered."""
-    register()
-    from tvm.s_tir.tensor_intrin import cuda  # pylint: disable=import-outside-toplevel
-
+        TensorIntrin.register(f"wmma_sync_16x16x16_bf16bf16f32{tail}",
+                              *cuda.get_wmma_sync_intrin(16, 16, 16, "bfloat16", "float32", trans), override=True)
     return cuda
 
 
@@ -63,8 +51,8 @@ def wmma_intrin_group(in_dtype: str, load_scope: str = "shared.dyn", store_scope
     if in_dtype not in WMMA_IN_DTYPES:
         raise ValueError(f"no wmma intrinsics for {in_dtype!r} operands (tvmfuse has {sorted(WMMA_IN_DTYPES)})")
     if in_dtype == "float16":
-        return _tvm_cuda_intrinsics().get_wmma_intrin_group(load_scope=load_scope, store_scope=store_scope,
-                                                            in_dtype=in_dtype, out_dtype="float32", trans_b=trans_b)
+        return register().get_wmma_intrin_group(load_scope=load_scope, store_scope=store_scope, in_dtype=in_dtype,
+                                                out_dtype="float32", trans_b=trans_b)
     register()
     load, store, b = load_scope.replace(".", "_"), store_scope.replace(".", "_"), "_trans" if trans_b else ""
     return {"init": "wmma_fill_16x16x16_f32", "load_a": f"wmma_load_16x16x16_bf16_a_{load}",
@@ -81,7 +69,7 @@ def wmma_operands(in_dtype: str):
     if in_dtype == "float16":
         yield
         return
-    cuda = _tvm_cuda_intrinsics()
+    cuda = register()
     stock = cuda.get_wmma_intrin_group
 
     wanted = in_dtype
