@@ -131,11 +131,7 @@ def _calls(expr, op: str, depth: int = 0) -> bool:
     """Whether expression `expr` calls the intrinsic `op` (through casts and arithmetic)."""
     if isinstance(expr, tvm.ir.expr.Call) and getattr(expr.op, "name", "") == op:
         return True
-    if depth > 16:
-        return False
-    kids = [getattr(expr, f) for f in ("a", "b", "value", "condition", "true_value", "false_value")
-            if hasattr(expr, f)] + list(getattr(expr, "args", []) or [])
-    return any(isinstance(k, tvm.ir.expr.Expr) and _calls(k, op, depth + 1) for k in kids)
+    return depth <= 16 and any(_calls(k, op, depth + 1) for k in _children(expr))
 
 
 def _scalar_use(name: str, blocks, consumers: dict, bufs: dict, depth: int = 0) -> tuple[str, int, int] | None:
@@ -183,9 +179,14 @@ def _loads(expr, name: str, depth: int = 0) -> bool:
         return expr.source.name == name
     if depth > 16:
         return True  # be conservative
+    return any(_loads(k, name, depth + 1) for k in _children(expr))
+
+
+def _children(expr) -> list:
+    """The operand expressions of `expr` (a cast's value, a binary op's sides, a select's three, a call's args)."""
     kids = [getattr(expr, f) for f in ("a", "b", "value", "condition", "true_value", "false_value")
             if hasattr(expr, f)] + list(getattr(expr, "args", []) or [])
-    return any(isinstance(k, tvm.ir.expr.Expr) and _loads(k, name, depth + 1) for k in kids)
+    return [k for k in kids if isinstance(k, tvm.ir.expr.Expr)]
 
 
 def _operands(mm):
