@@ -173,14 +173,14 @@ def _scale(roles: dict, call, mod: tvm.IRModule) -> float | None:
     times the kernel multiplies it in (Q and K may each get one, or share one), divided by those it divides by.
     The template scales fp32 scores: a constant the precision stage rounded counts with the model's fp32 value
     (fp16's sqrt(1/sqrt(128)) = 0.29736 for 0.29730 moved every score by 4e-4 of itself)."""
-    scale, args = 1.0, list(call.args[1].fields)
-    for i, (role, arg) in enumerate(zip(roles["order"], args)):
+    scale = 1.0
+    for i, role in enumerate(roles["order"]):
         if role == "scale":
-            value = constant_value(arg)
-            if value is None or value.size != 1:
+            value = _scalar_arg(call, i, mod)
+            if value is None:
                 return None
             muls, divs = roles["uses"].get(i, (1, 0))
-            scale *= exact_scalar(mod, float(value.reshape(()))) ** (muls - divs)
+            scale *= value ** (muls - divs)
     return scale
 
 
