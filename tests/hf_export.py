@@ -94,8 +94,13 @@ def tiny_model(name: str, ids_only: bool = False) -> torch.nn.Module:
         model = tf.OPTForCausalLM(cfg)
     else:
         raise ValueError(name)
-    wrap = _IdsOnly if ids_only else _LogitsOnly
-    return wrap(model.eval())  # default attention (sdpa), as a new user would export it
+    return wrap(model, ids_only)  # default attention (sdpa), as a new user would export it
+
+
+def wrap(model, ids_only: bool = False) -> torch.nn.Module:
+    """A transformers model in eval mode, taking input_ids alone (`ids_only`) or with an attention mask, returning
+    its first output."""
+    return (_IdsOnly if ids_only else _LogitsOnly)(model.eval())
 
 
 def example_inputs(batch: int = 2, seq: int = 7, seed: int = 0, ids_only: bool = False):
@@ -147,7 +152,7 @@ def export(name: str, exporter: str, folder: str, ids_only: bool = False, dtype:
     path = os.path.join(folder, f"{name}_{exporter}{suffix}.onnx")
     if os.path.exists(path):
         return path
-    model = tiny_model(name, ids_only) if model is None else (_IdsOnly if ids_only else _LogitsOnly)(model.eval())
+    model = tiny_model(name, ids_only) if model is None else wrap(model, ids_only)
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     elif dtype != "float32":
