@@ -45,9 +45,10 @@ SMALLM_BULK = "smallm_bulk"  # one for that ring filled by bulk copies (off by d
 SMALLM_M1 = "smallm_m1"  # one for M = 1 GEMMs on the small-M kernel (on by default; off: the GEMV schedule)
 WGMMA_WAITS = "wgmma_waits"  # one for the wgmma GEMMs' dependent launch (off by default: after the one before)
 MERGE_SIBLINGS = "merge_siblings"  # one for every sibling group merged (off by default: the estimate decides)
+SPLIT_READS = "split_reads"  # one for the attention reading Q, K and V where a split would cut them (on by default)
 UNTUNED = "untuned"  # the case built again with --trials 0 (its own empty tuning database, the schedules library)
 SWITCHES = (DEPENDENT_LAUNCH, GENERIC_WAITS, EARLY_WEIGHTS, SMALLM_RING, SMALLM_BULK, SMALLM_M1, WGMMA_WAITS,
-            MERGE_SIBLINGS, UNTUNED)
+            MERGE_SIBLINGS, SPLIT_READS, UNTUNED)
 
 
 def off_by_default() -> dict[str, tuple[str, str]]:
@@ -66,8 +67,9 @@ def on_by_default() -> dict[str, str]:
     """The kernel switches that are on by default, NAME -> environment switch: `without_templates` sets it to 0 for
     the before build (`--before NAME`: with it, as built by default, and without)."""
     from tvmfuse.kernels.hopper.mma_smallm import M1_SWITCH
+    from tvmfuse.kernels.split_reads import SWITCH
 
-    return {SMALLM_M1: M1_SWITCH}
+    return {SMALLM_M1: M1_SWITCH, SPLIT_READS: SWITCH}
 
 
 def unknown_names(names) -> list[str]:
@@ -90,7 +92,8 @@ def without_templates(names: tuple[str, ...]):
     (`--before smallm_bulk`); SMALLM_M1: M = 1 GEMMs keep the GEMV
     schedule (`--before smallm_m1`); WGMMA_WAITS: the wgmma GEMMs launch after the kernel before them, as by default
     (`--before wgmma_waits` launches them dependent in the other build); MERGE_SIBLINGS: sibling projections merge
-    only where the estimate says so (`--before merge_siblings`)."""
+    only where the estimate says so (`--before merge_siblings`); SPLIT_READS: every split launched (`--before
+    split_reads`)."""
     from tvmfuse.build import dependent_launch as launch_pass
     from tvmfuse.kernels.dependent_launch import dependent_launch_off, switched_off
     from tvmfuse.kernels.table import TABLE

@@ -236,7 +236,9 @@ def main(argv=None) -> dict:
                    "smallm_bulk (that ring filled by bulk copies, up to 4 stages, likewise), smallm_m1 "
                    "(M = 1 GEMMs on the small-M kernel, on by default: the GEMV schedule in the other build), "
                    "wgmma_waits (the wgmma GEMMs launched dependent, off by default: on in the other build), "
-                   "merge_siblings (every sibling group merged, off by default: on in the other build); untuned: "
+                   "merge_siblings (every sibling group merged, off by default: on in the other build), "
+                   "split_reads (the attention reads Q, K and V where a split would cut them, on by default: every "
+                   "split launched in the other build); untuned: "
                    "built with --trials 0 (with --trials N: what tuning bought, and changed_kernels)")
     p.add_argument("--chart", metavar="MODELS.json", help="only draw the PNG of a finished run (next to it)")
     args = p.parse_args(argv)

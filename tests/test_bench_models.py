@@ -201,7 +201,7 @@ def test_an_unknown_name_to_leave_out_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("error: --before: unknown name 'attention_prefil' (a template of tvmfuse.kernels.table or "
                         "one of dependent_launch, generic_waits, early_weights, smallm_ring, smallm_bulk, smallm_m1, "
-                        "wgmma_waits, merge_siblings, untuned)"), err
+                        "wgmma_waits, merge_siblings, split_reads, untuned)"), err
     assert not (tmp_path / "o").exists()
 
 

@@ -40,6 +40,7 @@ from tvmfuse.jobs import Job
 from tvmfuse.kernels import (GREEDY, add_greedy_tokens, apply_hopper_kernels, hopper_gemm_sites, is_hopper,
                              measured_tiles, sibling_merge_pays, substitute)
 from tvmfuse.kernels.dependent_launch import dependent_launch_off
+from tvmfuse.kernels.split_reads import read_split_parts
 from tvmfuse.prepare import prepare_module
 from tvmfuse.prepare.dtypes import parse_dtype
 from tvmfuse.prepare.decoder_mask import one_kernel_decoder_mask
@@ -195,6 +196,7 @@ def kernels_phase(fused: Fused, target: tvm.target.Target, database: TuningDatab
                    say=log, make_check=VariantCheck)  # wrong knob sets, one line each
     outcomes: list = []
     fused.mod = substitute(fused.mod, fused.kernel_patterns, target=target, log=outcomes, database=database)
+    fused.mod = read_split_parts(fused.mod, target, log=outcomes)  # Q, K and V where the split would cut them
     for kernel, outcome in outcomes:
         log_choice(f"{kernel}: {outcome}")
     if trials > 0:  # with --trials 0 nothing is measured: the tiles come from the records and rules alone

@@ -119,6 +119,11 @@ def _concat_last_axis(parts, widths: list[int]) -> te.Tensor:
 LEGALIZE = {"relax.power": legalize_power, "relax.concat": legalize_concat, **SCAN_LEGALIZE}
 
 
+#: a PrimFunc attribute, [parts, axis]: the one-kernel split of its input into `parts` equal parts on `axis` (the
+#: kernels stage lets attention read those parts where they lie, `kernels/split_reads.py`)
+SPLIT_ATTR = "tvmfuse.split"
+
+
 def one_kernel_splits(mod: tvm.IRModule) -> tvm.IRModule:
     """Equal-part splits (static on the split axis) with a part read by a fused group (a composite function:
     FuseOpsByPattern has run), directly or through reshapes, legalize as one block writing all parts: one kernel
@@ -190,4 +195,5 @@ class _OneKernelSplits(relax.PyExprMutator):
         x, parts = self.visit_expr(call.args[0]), len(call.ty.fields)
         axis = int(call.attrs.axis) % x.ty.ndim
         width = int(_equal_parts(call)[axis])
-        return self.builder_.call_te(_split_one_block, x, parts, axis, width, primfunc_name_hint="split")
+        return self.builder_.call_te(_split_one_block, x, parts, axis, width, primfunc_name_hint="split",
+                                     primfunc_attrs={SPLIT_ATTR: [parts, axis], "op_pattern": 8})

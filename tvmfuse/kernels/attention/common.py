@@ -57,8 +57,9 @@ class Template:
 
     def key(self, shapes: dict, target: str = "cuda") -> str:
         """The template and its shapes, as stored on every variant: records of one kernel share it (the target's kind
-        and arch, which `template_sites` adds to the shapes for the checks, are not part of it)."""
-        s = {k: v for k, v in normalize(shapes).items() if k not in ("target", "arch")}
+        and arch, which `template_sites` adds to the shapes for the checks, are not part of it, nor is `packed`: Q, K
+        and V read in place from one tensor differ from the kernel measured apart in their row stride alone)."""
+        s = {k: v for k, v in normalize(shapes).items() if k not in ("target", "arch", "packed")}
         return json.dumps({"template": self.name, "target": "llvm" if str(target) == "llvm" else "cuda",
                            "shapes": s}, sort_keys=True, default=str)
 
@@ -93,7 +94,32 @@ def normalize(shapes: dict) -> dict:
         s.pop("softcap", None)  # only a capped template names it (the tuning records' keys stay as they were)
     if "mask_shape" in s:
         s["mask_shape"] = tuple(_size(x) for x in s["mask_shape"])
+    if s.get("packed"):
+        s["packed"] = tuple(int(x) for x in s["packed"])
+        _check_packed(s)
+    else:
+        s.pop("packed", None)
     return s
+
+
+def packed(s: dict) -> tuple[int, tuple[int, int, int]] | None:
+    """(row width W, (Q's, K's, V's offset in a row)) where Q, K and V are read in place from one [batch, seq, W]
+    tensor (the input of an equal split the kernel then replaces, `kernels/split_reads.py`), else None."""
+    return (s["packed"][0], tuple(s["packed"][1:])) if s.get("packed") else None
+
+
+def _check_packed(s: dict) -> None:
+    """Q, K and V in one [batch, seq, W] tensor: each BSHD, of one length and dtype, the three column ranges inside W
+    and apart."""
+    if len(s["packed"]) != 4:
+        raise ValueError(f"packed {s['packed']}: (row width, Q offset, K offset, V offset)")
+    width, offsets = s["packed"][0], s["packed"][1:]
+    if any(s[f"{r}_layout"] != "BSHD" for r in "qkv") or s["seq_q"] != s["seq_k"] or "q_dtype" in s:
+        raise ValueError("packed Q, K and V: BSHD, one sequence length, one dtype")
+    spans = sorted((off, off + heads * s["head_dim"]) for off, heads in
+                   zip(offsets, (s["heads"], s["kv_heads"], s["v_heads"])))
+    if spans[0][0] < 0 or spans[-1][1] > width or any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        raise ValueError(f"packed {s['packed']}: Q, K and V must lie apart inside a row of {width}")
 
 
 def _size(x) -> int | str:
@@ -141,10 +167,11 @@ def mask_extents(s: dict, ext: dict) -> tuple:
 
 
 def drop_mask(fn: tirx.PrimFunc, s: dict) -> tirx.PrimFunc:
-    """Without an additive mask, the variant without the unused mask parameter: the signature (q, k, v, out)."""
+    """Without an additive mask, the variant without the unused mask parameter: the signature (q, k, v, out), or
+    (qkv, out) where they are packed."""
     if s["mask"] == "additive":
         return fn
-    return tirx.PrimFunc([p for i, p in enumerate(fn.params) if i != 3], fn.body, fn.ret_type, fn.attrs)
+    return tirx.PrimFunc([p for p in fn.params if p.name != "mask"], fn.body, fn.ret_type, fn.attrs)
 
 
 def ceil_div(a, b):
@@ -184,6 +211,9 @@ def template_func(s: dict, ext: dict, body, name: str, gpu: bool, v_heads=None):
     oshape, mshape, qdt, mdt = tshape(s["out_layout"], B, H, SQ, D), mask_extents(s, ext), q_dtype(s), \
         s.get("mask_dtype", dt)
     attrs = kernel_attrs(s) if gpu else {"tirx.noalias": True}
+    if packed(s):
+        return drop_mask(_packed_func(s, (qshape, kshape, vshape), oshape, mshape, mdt, attrs, body)
+                         .with_attr("global_symbol", name), s)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer(qshape, qdt), k: T.Buffer(kshape, dt), v: T.Buffer(vshape, dt), mask: T.Buffer(mshape, mdt),
@@ -192,6 +222,25 @@ def template_func(s: dict, ext: dict, body, name: str, gpu: bool, v_heads=None):
         body(q, k, v, mask, out)
 
     return drop_mask(func.with_attr("global_symbol", name), s)
+
+
+def _packed_func(s: dict, qkv_shapes: tuple, oshape, mshape, mdt, attrs: dict, body):
+    """`template_func`'s PrimFunc where Q, K and V are column ranges of one parameter, qkv [batch, seq, W]: each a
+    BSHD view of it (its offset in a row, rows W apart), so `body` reads them as it reads three tensors."""
+    width, (oq, ok, ov) = packed(s)
+    B, SQ, dt = qkv_shapes[0][0], qkv_shapes[0][1], s["dtype"]
+    strides = (SQ * width, width, s["head_dim"], 1)
+    qshape, kshape, vshape = qkv_shapes
+
+    @T.prim_func(s_tir=True)
+    def func(qkv: T.Buffer((B, SQ, width), dt), mask: T.Buffer(mshape, mdt), out: T.Buffer(oshape, dt)):
+        T.func_attr(attrs)
+        q = T.decl_buffer(qshape, dt, data=qkv.data, strides=strides, elem_offset=oq)
+        k = T.decl_buffer(kshape, dt, data=qkv.data, strides=strides, elem_offset=ok)
+        v = T.decl_buffer(vshape, dt, data=qkv.data, strides=strides, elem_offset=ov)
+        body(q, k, v, mask, out)
+
+    return func
 
 
 def at(layout: str, b, h, seq, d) -> tuple:

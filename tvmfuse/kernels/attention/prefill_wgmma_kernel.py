@@ -13,7 +13,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, tshape
+from tvmfuse.kernels.attention.common import LOG2E, NEG, at, ceil_div, packed, tshape
 from tvmfuse.kernels.dependent_launch import dependent_launch
 from tvmfuse.kernels.hopper.gemm_analysis import OPERAND_PTX
 from tvmfuse.kernels.hopper.wgmma_gemm import (BAR_SRC, FENCE_SRC, LOADER_REGS, PAIR_STORES, REMOTE_ARRIVE_SRC,
@@ -56,17 +56,20 @@ MAX_SMEM = 220 * 1024
 PANEL = 64  # elements of head dim per 128-byte swizzled shared-memory row (one TMA box, one wgmma K-major atom)
 
 
-def tma_map(layout: str, batch: int, heads: int, seq: int, dim: int, rows: int):
+def tma_map(layout: str, batch: int, heads: int, seq: int, dim: int, rows: int, row: int | None = None):
     """The 4-D tensor map of a [B, H, S, D] tensor stored in `layout` (dims innermost first): the arguments of
     `runtime.cuTensorMapEncodeTiled` after the pointer (box: 64 elements of D x `rows` positions, 128-byte swizzle,
-    zeros past the ends), and coords(b, h, pos, d0) -> the box's coordinates."""
+    zeros past the ends), and coords(b, h, pos, d0) -> the box's coordinates. `row`: BSHD positions that many
+    elements apart (Q, K and V packed in one tensor's rows), not heads x dim."""
     order = {"BHSD": "dshb", "BSHD": "dhsb", "SBHD": "dhbs"}[layout]
     size = {"d": dim, "s": seq, "h": heads, "b": batch}
     dims = [size[x] for x in order]
     strides, run = [], 2
-    for extent in dims[:-1]:
-        run *= extent
+    for x, extent in zip(order, dims[:-1]):
+        run = 2 * row if row is not None and x == "h" else run * extent  # packed: a position is a row apart
         strides.append(run)
+    if row is not None and layout != "BSHD":
+        raise ValueError(f"a row width for the packed BSHD layout only, not {layout}")
     box = [PANEL if x == "d" else rows if x == "s" else 1 for x in order]
     args = [*dims, *strides, *box, 1, 1, 1, 1, 0, 3, 3, 0]  # no interleave, 128B swizzle, 256B L2 promotion, zero fill
 
@@ -159,9 +162,15 @@ def wgmma_attention(s: dict, knobs: dict):
     lq, lk, lv, lo = s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
     Q, K, V, O = (tirx.decl_buffer(tshape(lay, B, heads, n, D), dt, nm, data_alignment=16) for nm, lay, heads, n in
                   (("q", lq, H, SQ), ("k", lk, HKV, L), ("v", lv, HV, L), ("out", lo, H, SQ)))
-    q_args, q_at = tma_map(lq, B, H, SQ, D, BM)
-    k_args, k_at = tma_map(lk, B, HKV, L, D, BN)
-    v_args, v_at = tma_map(lv, B, HV, L, D, BN)
+    width, offsets = packed(s) or (None, None)
+    params, (q_ptr, k_ptr, v_ptr) = [Q, K, V, O], (Q.data, K.data, V.data)
+    if width is not None:  # one [B, S, width] tensor holds Q, K and V: each map starts at its offset in a row
+        QKV = tirx.decl_buffer((B, SQ, width), dt, "qkv", data_alignment=16)
+        params = [QKV, O]
+        q_ptr, k_ptr, v_ptr = (tirx.address_of(tirx.BufferLoad(QKV, [0, 0, off])) for off in offsets)
+    q_args, q_at = tma_map(lq, B, H, SQ, D, BM, width)
+    k_args, k_at = tma_map(lk, B, HKV, L, D, BN, width)
+    v_args, v_at = tma_map(lv, B, HV, L, D, BN, width)
     o_args, o_at = tma_map(lo, B, H, SQ, D, 64)  # tma_store: one consumer's 64 rows a box
 
     TILES = QT * B * H
@@ -387,11 +396,11 @@ def wgmma_attention(s: dict, knobs: dict):
     @T.prim_func(check_well_formed=False)
     def attention():
         q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", q_map, dt, 4, Q.data, *q_args)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", q_map, dt, 4, q_ptr, *q_args)
         k_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", k_map, dt, 4, K.data, *k_args)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", k_map, dt, 4, k_ptr, *k_args)
         v_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", v_map, dt, 4, V.data, *v_args)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", v_map, dt, 4, v_ptr, *v_args)
         if tma_store:
             o_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", o_map, dt, 4, O.data, *o_args)
@@ -587,5 +596,5 @@ def wgmma_attention(s: dict, knobs: dict):
         if cluster == 2:  # neither CTA exits while the other may still multicast into it or arrive on its barriers
             T.cuda.cluster_sync()
     # fmt: on
-    return tirx.PrimFunc([Q, K, V, O], attention.body).with_attrs(
+    return tirx.PrimFunc(params, attention.body).with_attrs(
         {"global_symbol": "main", "tirx.noalias": True, TIRX_ATTR: "wgmma_attention", "tirx.is_scheduled": True})
