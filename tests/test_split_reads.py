@@ -225,8 +225,8 @@ def test_a_cuda_build_of_gpt2_launches_no_split(hf_exports, tmp_path, capsys):
                  "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"), hf_exports("gpt2")])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "template attention_prefill, Q, K and V read in place from the split's input (rows of 192, at 0, 64, " \
-           "128): no split launched" in out, out
+    assert ": template attention_prefill, default knobs (none measured); Q, K and V read in place from the split's " \
+           "input (rows of 192, at 0, 64, 128): no split launched\n" in out, out
     (manifest,) = (tmp_path / "o").glob("*/manifest.json")
     names = [k["name"] for k in json.loads(manifest.read_text())["kernels"]]
     assert not [n for n in names if "split" in n] and any("softmax" in n for n in names), names

@@ -196,8 +196,12 @@ def kernels_phase(fused: Fused, target: tvm.target.Target, database: TuningDatab
                    say=log, make_check=VariantCheck)  # wrong knob sets, one line each
     outcomes: list = []
     fused.mod = substitute(fused.mod, fused.kernel_patterns, target=target, log=outcomes, database=database)
-    fused.mod = read_split_parts(fused.mod, target, log=outcomes)  # Q, K and V where the split would cut them
-    for kernel, outcome in outcomes:
+    packing: list = []
+    fused.mod = read_split_parts(fused.mod, target, log=packing)  # Q, K and V where the split would cut them
+    choices = dict(outcomes)
+    for kernel, outcome in packing:  # one line a kernel: what it runs as, then how it reads its input
+        choices[kernel] = f"{choices[kernel]}; {outcome}" if kernel in choices else outcome
+    for kernel, outcome in choices.items():
         log_choice(f"{kernel}: {outcome}")
     if trials > 0:  # with --trials 0 nothing is measured: the tiles come from the records and rules alone
         tune_sites(hopper_gemm_sites(fused.mod, target), fused.mod, target, database, trials, rpc=rpc,

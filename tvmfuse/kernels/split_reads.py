@@ -76,9 +76,8 @@ def read_split_parts(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cud
             continue
         name = name if site.kernel in whole else f"{name}_packed"
         variants[site.variant] = builder.add_func(fn.with_attr("global_symbol", name), name)
-        log.append((name, f"template {site.template.name}, Q, K and V read in place from the split's input (rows "
-                          f"of {site.shapes['packed'][0]}, at {', '.join(map(str, site.shapes['packed'][1:]))}): "
-                          f"no split launched"))
+        log.append((name, f"Q, K and V read in place from the split's input (rows of {site.shapes['packed'][0]}, "
+                          f"at {', '.join(map(str, site.shapes['packed'][1:]))}): no split launched"))
     out = _Repack(builder.get(), {v: s for v, s in sites.items() if variants[s.variant] is not None}, variants).run()
     return relax.transform.DeadCodeElimination(
         [gv.name_hint for gv, fn in out.functions.items() if isinstance(fn, relax.Function)])(out)
