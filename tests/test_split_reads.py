@@ -103,6 +103,69 @@ def test_gpt2_export_reads_its_qkv_in_place_and_matches_onnxruntime(exporter, hf
     assert np.all(np.abs(got - want) <= tol + tol * np.abs(want)), np.abs(got - want).max()
 
 
+def _two_attentions():
+    """Two of `_split_attention`'s blocks over inputs qkv and qkv2 (one kernel for both), the second's K part also a
+    model output."""
+    import onnx
+
+    one, two = _split_attention(s=64), _split_attention("k", s=64)
+    rename = lambda n: n if n in ("parts", "heads", "scale") else f"{n}_2"  # noqa: E731
+    graph = one.graph
+    for node in two.graph.node:
+        node.input[:] = [rename(n) for n in node.input]
+        node.output[:] = [rename(n) for n in node.output]
+        graph.node.append(node)
+    for value in (*two.graph.input, *two.graph.output):
+        value.name = rename(value.name)
+    graph.input.extend(two.graph.input)
+    graph.output.extend(two.graph.output)
+    onnx.checker.check_model(one)
+    return one
+
+
+def test_a_kernel_packed_at_one_call_and_not_at_another_gets_a_packed_copy(llvm):
+    """The two blocks' attention is one kernel; the first reads its split's input in place, the second (whose K is an
+    output too) keeps its split: the first calls `<kernel>_packed`, the second the kernel itself; both right."""
+    model = _two_attentions()
+    imp, fused = lower_model(model)
+    (name,) = [k for k, p in fused.kernel_patterns.items() if p == "tvmfuse.attention"]
+    log = []
+    mod = substitute(fused.mod, fused.kernel_patterns, target="llvm", log=log)
+    assert _kernels_called(mod).count(name) == 2
+    fused.mod = read_split_parts(mod, "llvm", log=log)
+    called = _kernels_called(fused.mod)
+    assert called.count(name) == 1 and called.count(f"{name}_packed") == 1 and called.count("split") == 1, called
+    assert log[-1][0] == f"{name}_packed"
+    result = check_against_ort(model, imp, fused, llvm)
+    assert result.ok and result.max_abs_err < 1e-5, result
+
+
+def test_a_template_that_refuses_the_packed_shapes_keeps_the_split(monkeypatch, llvm):
+    """Where the template raises for the packed shapes, the call keeps its parts and the split, with a log line."""
+    import dataclasses
+
+    from tvmfuse.kernels import split_reads
+
+    def refusing(build):
+        def build_fn(s, knobs, target):
+            if s.get("packed"):
+                raise ValueError("no packed variant here")
+            return build(s, knobs, target)
+        return build_fn
+
+    table = {k: dataclasses.replace(e, templates=tuple(dataclasses.replace(t, build_fn=refusing(t.build_fn))
+                                                       for t in e.templates)) for k, e in split_reads.TABLE.items()}
+    monkeypatch.setattr(split_reads, "TABLE", table)
+    model = _split_attention(s=64)
+    imp, fused = lower_model(model)
+    log = []
+    mod = substitute(fused.mod, fused.kernel_patterns, target="llvm", log=log)
+    fused.mod = read_split_parts(mod, "llvm", log=log)
+    assert fused.mod is mod and "Q, K and V stay split (ValueError: " in log[-1][1] and "no packed variant" in log[-1][1]
+    result = check_against_ort(model, imp, fused, llvm)
+    assert result.ok and result.max_abs_err < 1e-5, result
+
+
 def test_switched_off_every_split_is_launched(monkeypatch, llvm):
     """`bench/models.py --before split_reads`: the before build keeps the split (the module comes back as it was);
     after it the switch is back and the attention reads the split's input."""

@@ -54,31 +54,36 @@ def read_split_parts(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cud
     sites = {b.var: site for b in bindings if (site := _packed_site(mod, b.value, values, uses)) is not None}
     if not sites:
         return mod
+    built: dict = {}  # variant -> its PrimFunc, or None where the template refused it
+    for site in sites.values():
+        if site.variant in built:
+            continue
+        try:
+            built[site.variant] = site.template(dict(site.shapes, arch=arch) if arch else site.shapes, site.knobs,
+                                                site.shapes["target"])
+        except Exception as err:  # noqa: BLE001 - the template reads the parts apart: such calls stay as they are
+            built[site.variant] = None
+            log.append((site.kernel.name_hint, f"Q, K and V stay split ({type(err).__name__}: {err})"))
+    sites = {v: s for v, s in sites.items() if built[s.variant] is not None}
+    if not sites:
+        return mod
     calls: dict = {}
     for b in bindings:
         if isinstance(b.value, relax.Call) and b.value.op.same_as(CALL_TIR):
             calls.setdefault(b.value.args[0], []).append(b.var)
-    variants: dict = {}  # variant -> GlobalVar of its PrimFunc
     whole = {s.kernel for s in sites.values()  # every call of the kernel packed alike: the kernel keeps its name
              if all(v in sites and sites[v].variant == s.variant for v in calls[s.kernel])}
     builder = relax.BlockBuilder(tvm.IRModule({gv: fn for gv, fn in mod.functions.items() if gv not in whole},
                                               attrs=mod.attrs, global_infos=mod.global_infos))
+    variants: dict = {}  # variant -> GlobalVar of its PrimFunc
     for site in sites.values():
         if site.variant in variants:
             continue
-        shapes = dict(site.shapes, arch=arch) if arch else site.shapes
-        name = site.kernel.name_hint
-        try:
-            fn = site.template(shapes, site.knobs, site.shapes["target"])
-        except ValueError as err:  # the template takes these shapes apart only: such calls stay as they are
-            variants[site.variant] = None
-            log.append((name, f"Q, K and V stay split ({err})"))
-            continue
-        name = name if site.kernel in whole else f"{name}_packed"
-        variants[site.variant] = builder.add_func(fn.with_attr("global_symbol", name), name)
+        name = site.kernel.name_hint if site.kernel in whole else f"{site.kernel.name_hint}_packed"
+        variants[site.variant] = builder.add_func(built[site.variant].with_attr("global_symbol", name), name)
         log.append((name, f"Q, K and V read in place from the split's input (rows of {site.shapes['packed'][0]}, "
                           f"at {', '.join(map(str, site.shapes['packed'][1:]))}): no split launched"))
-    out = _Repack(builder.get(), {v: s for v, s in sites.items() if variants[s.variant] is not None}, variants).run()
+    out = _Repack(builder.get(), sites, variants).run()
     return relax.transform.DeadCodeElimination(
         [gv.name_hint for gv, fn in out.functions.items() if isinstance(fn, relax.Function)])(out)
 
