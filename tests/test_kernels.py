@@ -12,7 +12,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, lookup, substitute
+from tvmfuse.kernels import ATTENTION_DECODE, ATTENTION_PREFILL, ATTENTION_STEP, lookup, substitute
 from tvmfuse.kernels.attention.decode import chunk_of
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
@@ -73,36 +73,56 @@ def test_prefill_cpu_matches_numpy(variant, dtype, tol):
     assert np.abs(got - want).max() < tol
 
 
+@pytest.mark.parametrize("head_dim", [256, 96, 80])
 @pytest.mark.parametrize("heads,kv_heads,split", [(8, 4, 1), (8, 1, 4)])
-def test_decode_cpu_at_gemmas_head_dim_256_matches_numpy(heads, kv_heads, split):
-    """Gemma's head dim 256 (2B, 7B, Gemma 2's 2B and 9B): the decode template takes it (a warp's 32 lanes x 8 values
-    hold one key), in GQA and MQA; the CPU variant against numpy."""
-    s = dict(batch=2, heads=heads, kv_heads=kv_heads, seq_q=1, seq_k=100, head_dim=256, dtype="float16")
+def test_decode_cpu_at_gemmas_and_phis_head_dims_matches_numpy(heads, kv_heads, split, head_dim):
+    """Gemma's head dim 256 (2B, 7B, Gemma 2's 2B and 9B: a warp's 32 lanes x 8 values hold one key) and Phi-2's 80
+    and Phi-3's 96 (16 lanes a key, the last idle): the decode template takes them, in GQA and MQA; the CPU variant
+    against numpy."""
+    s = dict(batch=2, heads=heads, kv_heads=kv_heads, seq_q=1, seq_k=100, head_dim=head_dim, dtype="float16")
     assert ATTENTION_DECODE.check(s) is None
     rng = np.random.default_rng(heads + split)
-    q, k, v = (rand(rng, (2, h, L, 256), "float16") for h, L in ((heads, 1), (kv_heads, 100), (kv_heads, 100)))
+    q, k, v = (rand(rng, (2, h, L, head_dim), "float16") for h, L in ((heads, 1), (kv_heads, 100), (kv_heads, 100)))
     got = run_cpu(ATTENTION_DECODE(s, {"split": split}, "llvm"), [q, k, v], q.shape, "float16")
     assert np.abs(got - ref(q, k, v)).max() < 2e-3
 
 
+def test_the_decode_lanes_of_a_key_are_a_power_of_two():
+    """The warp sums' shuffles need a power of two of lanes a key: 80 and 96 take 16 (two keys a warp, as 128 does),
+    so a step of 4 warps x 2 unroll is 16 keys; the CUDA source of a power-of-two head dim has no lane guard."""
+    from tvmfuse.kernels.attention.decode_knobs import keys_per_warp, lanes
+
+    assert [lanes(d) for d in (16, 32, 64, 80, 96, 128, 256)] == [2, 4, 8, 16, 16, 16, 32]
+    assert [keys_per_warp(d) for d in (64, 80, 96, 128)] == [4, 2, 2, 2]
+    s = dict(batch=1, heads=8, kv_heads=8, seq_q=1, seq_k=100, head_dim=96, dtype="float16")
+    assert chunk_of(s, {"split": 4, "warps": 4, "unroll": 2}) == 32  # ceil(100 / 4) = 25 -> whole steps of 16
+    assert "d0 < 96" in ATTENTION_DECODE(s, {"split": 4, "warps": 4, "unroll": 2}).script()
+    assert "d0 < " not in ATTENTION_DECODE(dict(s, head_dim=128), {"split": 4, "warps": 4, "unroll": 2}).script()
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
-def test_cuda_decode_at_head_dim_256_compiles_with_each_default():
-    """The GPU variant at head dim 256 (a lane's 8 values, the 32 lanes' warp sum a key's score) compiles with nvcc
-    under the default knobs of a static and a symbolic KV length, and every knob set fits its combine in 48 KB."""
+@pytest.mark.parametrize("head_dim", [256, 96, 80])
+def test_cuda_decode_at_head_dim_256_compiles_with_each_default(head_dim):
+    """The GPU variant at head dims 256 (a lane's 8 values, the 32 lanes' warp sum a key's score), 96 and 80 (16 lanes
+    a key) compiles with nvcc under the default knobs of a static and a symbolic KV length, and every knob set fits
+    its combine in 48 KB."""
     for seq_k in (4096, "past + seq"):
-        s = dict(batch=1, heads=8, kv_heads=4, seq_q=1, seq_k=seq_k, head_dim=256, dtype="bfloat16")
+        s = dict(batch=1, heads=8, kv_heads=4, seq_q=1, seq_k=seq_k, head_dim=head_dim, dtype="bfloat16")
         knobs = ATTENTION_DECODE.default_knobs(s)
         assert "__shfl_xor_sync" in _cuda_compiles(ATTENTION_DECODE(s, knobs), H100), knobs
-    assert {k["warps"] for k in ATTENTION_DECODE.knob_space(dict(s, kv_heads=1))} == {2, 4}  # MQA: 8 rows a block
+    if head_dim == 256:
+        assert {k["warps"] for k in ATTENTION_DECODE.knob_space(dict(s, kv_heads=1))} == {2, 4}  # MQA: 8 rows a block
 
 
 @pytest.mark.gpu
-def test_gpu_decode_at_head_dim_256_matches_numpy():
-    """On a GPU: the decode CUDA variant at head dim 256 against numpy, every warps x unroll at split 4 and 16."""
+@pytest.mark.parametrize("head_dim", [256, 96, 80])
+def test_gpu_decode_at_head_dim_256_matches_numpy(head_dim):
+    """On a GPU: the decode CUDA variant at head dims 256, 96 and 80 against numpy, every warps x unroll at split 4
+    and 16."""
     dev, rng = tvm.cuda(0), np.random.default_rng(9)
-    s = dict(batch=2, heads=8, kv_heads=4, seq_q=1, seq_k=513, head_dim=256, dtype="float16")
-    q, k, v = rand(rng, (2, 8, 1, 256), "float16"), rand(rng, (2, 4, 513, 256), "float16"), \
-        rand(rng, (2, 4, 513, 256), "float16")
+    s = dict(batch=2, heads=8, kv_heads=4, seq_q=1, seq_k=513, head_dim=head_dim, dtype="float16")
+    q, k, v = rand(rng, (2, 8, 1, head_dim), "float16"), rand(rng, (2, 4, 513, head_dim), "float16"), \
+        rand(rng, (2, 4, 513, head_dim), "float16")
     for knobs in [k for k in ATTENTION_DECODE.knob_space(s) if k["split"] in (4, 16)]:
         lib = tvm.compile(tvm.IRModule({"main": ATTENTION_DECODE(s, knobs)}), target=CUDA)
         out = tvm.runtime.tensor(np.zeros(q.shape, "float16"), dev)
@@ -117,7 +137,6 @@ def test_prefill_cpu_at_gemmas_head_dim_256_matches_numpy(causal):
     s = dict(batch=1, heads=4, kv_heads=1, seq_q=64, seq_k=64, head_dim=256, dtype="bfloat16", causal=causal,
              mask="none" if causal else "additive", mask_shape=(1, 1, 64, 64))
     assert {(k["block_n"], k["m_tiles"]) for k in ATTENTION_PREFILL.knob_space(s)} == {(32, 1)}
-    from tvmfuse.kernels import ATTENTION_STEP  # pylint: disable=import-outside-toplevel
 
     step = dict(s, seq_q="seq", seq_k="past + seq", causal=False, mask="additive",
                 mask_shape=(1, 1, "seq", "past + seq"))
@@ -134,8 +153,7 @@ def test_prefill_cpu_at_gemmas_head_dim_256_matches_numpy(causal):
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_prefill_cpu_at_phis_head_dims_matches_numpy(head_dim):
     """Phi-2's head dim 80 and Phi-3's 96 (five and six 16-wide k-steps) in the prefill template, causal and with an
-    additive mask; the CPU variant against numpy. The decode template does not take them (its lanes split a key by
-    a power of two), so neither does the step template."""
+    additive mask; the CPU variant against numpy. The decode template takes them too, so the step template does."""
     rng = np.random.default_rng(head_dim)
     for causal in (True, False):
         s = dict(batch=1, heads=4, kv_heads=2, seq_q=64, seq_k=64, head_dim=head_dim, dtype="float16", causal=causal,
@@ -145,7 +163,10 @@ def test_prefill_cpu_at_phis_head_dims_matches_numpy(head_dim):
         knobs = ATTENTION_PREFILL.default_knobs(s)
         got = run_cpu(ATTENTION_PREFILL(s, knobs, "llvm"), [q, k, v] + ([] if causal else [mask]), q.shape, "float16")
         assert np.abs(got - ref(q, k, v, mask, causal)).max() < 2e-3, (causal, knobs)
-    assert ATTENTION_DECODE.check(dict(s, seq_q=1, causal=False, mask="none")) is not None
+    step = dict(s, batch="batch", seq_q="seq", seq_k="past + seq", mask="additive",
+                mask_shape=(1, 1, "seq", "past + seq"))
+    assert ATTENTION_DECODE.check(dict(s, seq_q=1, causal=False, mask="none")) is None
+    assert ATTENTION_STEP.check(step) is None
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")

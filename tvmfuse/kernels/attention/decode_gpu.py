@@ -7,7 +7,7 @@ from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, extents, f32, template_func
 from tvmfuse.kernels.attention.decode_guards import guards
-from tvmfuse.kernels.attention.decode_knobs import VEC, chunk_of, group
+from tvmfuse.kernels.attention.decode_knobs import VEC, chunk_of, group, lanes
 
 
 def gpu_kernel(s: dict, knobs: dict):
@@ -23,8 +23,9 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
     split, lq, lk, lv, lo = knobs["split"], s["q_layout"], s["k_layout"], s["v_layout"], s["out_layout"]
     HQ, G = H * rows, group(dict(s, seq_q=rows))  # rows as heads: row r of head h is head h * rows + r
     chunk, qs = chunk_of(s, knobs, L), float(scale * LOG2E)
-    LANES = D // VEC
+    LANES = lanes(D)
     RPW, W, U = 32 // LANES, knobs["warps"], knobs["unroll"]
+    partial = LANES * VEC != D  # head dims 80 and 96: lanes whose vector lies past D load zeros, store nothing
     SLOTS, NT, steps = W * RPW, W * 32, chunk // (W * RPW * U)
     NOUT = G * D
     masked = s["mask"] == "additive"
@@ -32,6 +33,15 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
     # the zeros of a slot without keys: one vector store where VEC elements are 16 bytes; fp32's 32 bytes element by
     # element (TVM 0.27 writes a float32x8 constant as make_ulonglong4 of 8 floats, which nvcc rejects)
     zero_fill = T.vectorized if dt in ("float16", "bfloat16") else T.unroll
+
+    def lane_in(d0):
+        """Whether the lane's vector [d0, d0 + VEC) lies inside the head dim: always (no guard) at a power of two."""
+        return True if not partial else d0 < D
+
+    def loads(pos, d0):
+        """Whether the lane loads key `pos`: it lies below L and the lane's vector inside the head dim."""
+        key = has(pos)
+        return key if not partial else (d0 < D if key is True else T.And(key, d0 < D))
 
     def live(x, flag):
         """x, or 0 for a slot none of whose keys the mask lets through (it then weighs 0 in the combines)."""
@@ -70,7 +80,11 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
                         d0: T.let[T.int32] = tx % LANES * VEC
                         for g in T.unroll(G):
                             for e in T.unroll(VEC):
-                                qr[g, e] = f32(q[qo(lq, b, hk * G + g, d0 + e)]) * qs
+                                if partial:  # a lane past D: a zero query vector
+                                    qr[g, e] = T.if_then_else(d0 < D, f32(q[qo(lq, b, hk * G + g, d0 + e)]) * qs,
+                                                              T.float32(0))
+                                else:
+                                    qr[g, e] = f32(q[qo(lq, b, hk * G + g, d0 + e)]) * qs
                                 acc[g, e] = T.float32(0)
                             m[g] = T.float32(NEG)
                             l[g] = T.float32(0)
@@ -79,7 +93,7 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
                         for it in T.serial(steps):
                             if has(sp * chunk + it * U * SLOTS):  # the block's step holds keys (block-uniform)
                                 for u in T.unroll(U):
-                                    if has(sp * chunk + (it * U + u) * SLOTS + slot):
+                                    if loads(sp * chunk + (it * U + u) * SLOTS + slot, d0):
                                         for e in T.vectorized(VEC):
                                             kr[u, e] = k[at(lk, b, hk, sp * chunk + (it * U + u) * SLOTS + slot, d0 + e)]
                                         for e in T.vectorized(VEC):
@@ -113,8 +127,9 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
                                             acc[g, e] = acc[g, e] + sc[u, g] * f32(vr[u, e])
                                     m[g] = t[0]
                         for g in T.unroll(G):  # a slot whose keys are all masked weighs 0
-                            for e in T.unroll(VEC):
-                                o_sm[slot, g, d0 + e] = live(acc[g, e], al[g])
+                            if lane_in(d0):
+                                for e in T.unroll(VEC):
+                                    o_sm[slot, g, d0 + e] = live(acc[g, e], al[g])
                             ml_sm[0, slot, g] = m[g]
                             ml_sm[1, slot, g] = live(l[g], al[g])
                         T.tvm_storage_sync("shared")

@@ -6,6 +6,8 @@ from tvmfuse.kernels.attention.common import ceil_div
 from tvmfuse.targets import SMS
 
 VEC = 8  # 16-byte loads of fp16/bf16
+#: 256: Gemma's (a warp a key); 80 and 96: Phi-2's and Phi-3's (16 lanes a key, the last 6 or 4 idle)
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 PAST = -3.0e38  # the score of a key at or past L: below NEG, so it never raises a running max and weighs exp2(.) = 0
 _SMEM = 48 * 1024  # static shared memory for the in-block combine
 
@@ -17,8 +19,8 @@ def check(s: dict) -> str | None:
         return "decode template needs one query token (or, not causal, up to 8 rows of a query head group)"
     if s["v_heads"] != s["kv_heads"]:
         return "decode template needs K and V with the same head count"
-    if s["head_dim"] not in (16, 32, 64, 128, 256) or s["heads"] % s["kv_heads"]:  # 256: Gemma's (a warp a key)
-        return "head_dim must be 16/32/64/128/256 and kv heads must divide query heads"
+    if s["head_dim"] not in HEAD_DIMS or s["heads"] % s["kv_heads"]:
+        return f"head_dim must be one of {'/'.join(map(str, HEAD_DIMS))} and kv heads must divide query heads"
     if s["dtype"] not in ("float16", "bfloat16", "float32"):
         return f"decode template is fp16/bf16/fp32 only (got {s['dtype']})"
     if not knob_space(s):
@@ -32,17 +34,27 @@ def group(s: dict) -> int:
     return s["heads"] * s["seq_q"] // s["kv_heads"]
 
 
+def lanes(head_dim: int) -> int:
+    """Lanes of a warp that hold one key: head_dim / VEC (a 16-byte vector each), rounded up to a power of two for
+    the warp sums' shuffles; at head dims 80 and 96 the last of 16 lanes load nothing."""
+    return 1 << (ceil_div(head_dim, VEC) - 1).bit_length()
+
+
+def keys_per_warp(head_dim: int) -> int:
+    return 32 // lanes(head_dim)
+
+
 def chunk_of(s: dict, knobs: dict, length=None):
-    """Keys per split: ceil(L / split) rounded up to whole steps of warps x (32 x 8 / head_dim) x unroll keys;
+    """Keys per split: ceil(L / split) rounded up to whole steps of warps x keys a warp x unroll keys;
     `length`: L as the kernel has it (a TIR size when the KV length is symbolic), else the shapes' seq_k."""
-    rows = knobs.get("warps", 4) * (32 * VEC // s["head_dim"]) * knobs.get("unroll", 1)
+    rows = knobs.get("warps", 4) * keys_per_warp(s["head_dim"]) * knobs.get("unroll", 1)
     return ceil_div(ceil_div(s["seq_k"] if length is None else length, knobs["split"]), rows) * rows
 
 
 def knob_space(s: dict) -> list[dict]:
     """split (blocks per KV head), warps, unroll (steps of keys in flight per thread), for any L; those whose
     in-block combine (per key slot: the G heads' D partial outputs, max and sum) fits in static shared memory."""
-    slots = {w: w * 32 * VEC // s["head_dim"] for w in (2, 4, 8)}  # keys in flight per step, per unroll
+    slots = {w: w * keys_per_warp(s["head_dim"]) for w in (2, 4, 8)}  # keys in flight per step, per unroll
     return [{"split": split, "warps": w, "unroll": u} for split in (1, 4, 8, 16, 32, 64) for w in (2, 4, 8)
             for u in (1, 2, 4) if 4 * slots[w] * group(s) * (s["head_dim"] + 2) <= _SMEM]
 
