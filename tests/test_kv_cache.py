@@ -434,7 +434,9 @@ def test_a_step_of_a_fixed_length_builds_and_verifies_in_place(kv_model, tmp_pat
     code = tune_main([kv_model, "--target", "llvm", "--trials", "0", "--schedules", "none", "--max-seq", "64",
                       "--shape", "seq=8", *batch, "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l")])
     out = capsys.readouterr().out
-    assert code == 0 and "decoder mask: the 2 masks are one launch" in out, out
+    # one mask kernel (since the prepare stage drops reshapes to the same shape it finds one mask, not two of the
+    # same values)
+    assert code == 0 and re.search(r"decoder mask: the mask \w+: one kernel", out), out
     manifest = json.loads((tmp_path / "o" / "llama_kv-llvm" / "manifest.json").read_text())
     assert manifest["verification"]["status"] == "passed" and manifest["kv_cache"]["capacity"] == 64
 

@@ -1,4 +1,4 @@
-"""tvmfuse.prepare.prepare_module: what the prepare stage does to a whole model before decide and fuse."""
+"""tvmfuse.prepare (prepare_module, same_shape_reshapes): what the prepare stage does to a model before decide and fuse."""
 
 from __future__ import annotations
 
@@ -41,3 +41,33 @@ def test_reshapes_to_the_same_shape_go_and_each_layer_launches_one_kernel_less(n
     after = prepare_module(imp, "fp16")
     assert same_shape(before) >= 2 and same_shape(after) == 0
     assert launches(lower(after, plan=decide(after)).mod) == launches(lower(before, plan=decide(before)).mod) - 2
+
+
+def test_only_reshapes_to_the_same_shape_go():
+    """A reshape to another shape, and a reshape of a reshape (the GQA repeat's, which the attention pattern reads),
+    stay; a reshape to its input's shape goes, its user reading the input."""
+    import tvm_ffi
+    from tvm.script import relax as R
+
+    from tvmfuse.prepare.same_shape_reshapes import drop_same_shape_reshapes
+
+    @tvm.script.ir_module
+    class Mod:  # pylint: disable=too-few-public-methods
+        @R.function
+        def main(x: R.Tensor((2, 4, 8), "float32")):
+            with R.dataflow():
+                a = R.reshape(x, R.shape([2, 4, 8]))
+                b = R.add(a, a)
+                c = R.reshape(b, R.shape([8, 8]))
+                d = R.reshape(c, R.shape([64]))
+                R.output(d)
+            return d
+
+    out = drop_same_shape_reshapes(Mod)
+    calls = []
+    relax.analysis.post_order_visit(out["main"], lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
+    ops = [c.op.name for c in calls]
+    assert ops == ["relax.add", "relax.reshape", "relax.reshape"], ops
+    assert calls[0].args[0].same_as(out["main"].params[0])
+    assert tvm_ffi.structural_equal(drop_same_shape_reshapes(out), out)  # nothing left to drop
+    assert not tvm_ffi.structural_equal(out, Mod)
