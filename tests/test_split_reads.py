@@ -195,6 +195,7 @@ PACKED = dict(batch=2, heads=4, kv_heads=4, seq_q=128, seq_k=128, head_dim=64, d
     (dict(q_layout="BHSD"), "BSHD, one sequence length"),
     (dict(seq_k=256), "BSHD, one sequence length"),
     (dict(packed=(768, 0, 256)), "(row width, Q offset, K offset, V offset)"),
+    (dict(packed=(772, 4, 260, 516)), "multiples of 8 elements"),  # 16-byte loads off their alignment
 ])
 def test_packed_shapes_are_checked(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

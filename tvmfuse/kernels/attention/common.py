@@ -120,6 +120,8 @@ def _check_packed(s: dict) -> None:
                    zip(offsets, (s["heads"], s["kv_heads"], s["v_heads"])))
     if spans[0][0] < 0 or spans[-1][1] > width or any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         raise ValueError(f"packed {s['packed']}: Q, K and V must lie apart inside a row of {width}")
+    if any(x % 8 for x in s["packed"]):  # the 16-byte loads (cp.async, TMA) of fp16/bf16 rows
+        raise ValueError(f"packed {s['packed']}: the row width and offsets must be multiples of 8 elements")
 
 
 def _size(x) -> int | str:
