@@ -92,16 +92,20 @@ def matmul_multiply(rows=8, k=32, n=64, leak=None) -> onnx.ModelProto:
     return _model(nodes, [_t("x", [rows, k]), _t("g", [rows, n])], outs, [_c("W", RNG.standard_normal((k, n)) * 0.2)])
 
 
-def rotary(b=2, h=4, s=8, d=16, split=None, leak=None) -> onnx.ModelProto:
-    """y = x*cos + concat(-x[..., split:], x[..., :split])*sin (split = d/2: rotate-half)."""
+def rotary(b=2, h=4, s=8, d=16, split=None, leak=None, permuted=False) -> onnx.ModelProto:
+    """y = x*cos + concat(-x[..., split:], x[..., :split])*sin (split = d/2: rotate-half); `permuted`: x comes in
+    [B, S, H, D] and is permuted to heads first (Qwen3's and Gemma 2's Q and K)."""
     split = d // 2 if split is None else split
-    nodes = [_n("Slice", ["x", "s_mid", "s_end", "s_ax"], "hi"), _n("Neg", ["hi"], "nhi"),
-             _n("Slice", ["x", "s_zero", "s_mid", "s_ax"], "lo"), _n("Concat", ["nhi", "lo"], "rot", axis=-1),
-             _n("Mul", ["x", "cos"], "xc"), _n("Mul", ["rot", "sin"], "rs"), _n("Add", ["xc", "rs"], "y")]
+    src = "xt" if permuted else "x"
+    nodes = [_n("Transpose", ["x"], "xt", perm=[0, 2, 1, 3])] if permuted else []
+    nodes += [_n("Slice", [src, "s_mid", "s_end", "s_ax"], "hi"), _n("Neg", ["hi"], "nhi"),
+              _n("Slice", [src, "s_zero", "s_mid", "s_ax"], "lo"), _n("Concat", ["nhi", "lo"], "rot", axis=-1),
+              _n("Mul", [src, "cos"], "xc"), _n("Mul", ["rot", "sin"], "rs"), _n("Add", ["xc", "rs"], "y")]
     outs = [_t("y", [b, h, s, d])] + ([_t(leak, [b, h, s, d])] if leak else [])
     i64 = np.int64
-    return _model(nodes, [_t("x", [b, h, s, d]), _t("cos", [s, d]), _t("sin", [s, d])], outs,
-                  [_c("s_mid", [split], i64), _c("s_end", [d], i64), _c("s_zero", [0], i64), _c("s_ax", [-1], i64)])
+    return _model(nodes, [_t("x", [b, s, h, d] if permuted else [b, h, s, d]), _t("cos", [s, d]), _t("sin", [s, d])],
+                  outs, [_c("s_mid", [split], i64), _c("s_end", [d], i64), _c("s_zero", [0], i64),
+                         _c("s_ax", [-1], i64)])
 
 
 def attention(b=2, h=4, s=8, d=16, leak=None, seq_k=None) -> onnx.ModelProto:
@@ -181,6 +185,7 @@ CASES = {  # pattern[/variant] -> (builder, name of an intermediate to leak)
     "tvmfuse.swiglu": (lambda leak=None: swiglu(leak=leak), "g"),
     "tvmfuse.matmul_multiply": (lambda leak=None: matmul_multiply(leak=leak), "u"),
     "tvmfuse.rotary_embedding": (lambda leak=None: rotary(leak=leak), "rot"),
+    "tvmfuse.rotary_embedding/permuted": (lambda leak=None: rotary(leak=leak, permuted=True), "rot"),
     "tvmfuse.attention": (lambda leak=None: attention(leak=leak), "p"),
     "tvmfuse.attention/dynamo": (lambda leak=None: attention_dynamo(leak=leak), "kt"),
     "tvmfuse.attention/softcap": (lambda leak=None: attention_softcap(leak=leak), "th"),
@@ -220,6 +225,14 @@ def test_unsupported_dtype_is_rejected_with_reason():
     _, fused = lower_model(matmul_bias("relu", dtype=np.float64))
     assert not fused.kernel_patterns
     assert any(p == "tvmfuse.matmul_bias_relu" and "float64" in why for p, _, why in fused.rejections)
+
+
+def test_a_head_permute_before_both_halves_is_in_the_rotary_kernel():
+    """Qwen3's and Gemma 2's Q and K: permute(x) * cos + rotate_half(permute(x)) * sin is one kernel with the permute
+    (it was a transpose kernel of its own)."""
+    _, fused = lower_model(rotary(permuted=True))
+    (name,) = fused.kernel_patterns
+    assert name.startswith("fused_relax_permute_dims") and len(fused.kernels()) == 1, fused.kernels()
 
 
 def test_rotate_not_by_half_is_rejected_with_reason():

@@ -192,7 +192,9 @@ def batched_transpose_source(call, bound) -> relax.Expr | None:
 
 def make_rotary_embedding_pattern() -> Annotated:
     """y = x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]); or with the
-    head split's permute inside, as TVM imports Llama's Q: permute(x * cos) + rotate_half(permute(x)) * sin."""
+    head split's permute inside, as TVM imports Llama's Q: permute(x * cos) + rotate_half(permute(x)) * sin; or
+    before both halves, as Qwen3 (after its per-head Q/K norms) and Gemma 2 have it: permute(x) * cos +
+    rotate_half(permute(x)) * sin (where the permute stayed outside, it was a transpose kernel of its own)."""
     x = wildcard()
     xh = _op("permute_dims", x)
     src = xh | x
@@ -201,20 +203,22 @@ def make_rotary_embedding_pattern() -> Annotated:
     rot = _op("concat", is_tuple([_op("negative", hi), lo]))
     cos, sin = wildcard(), wildcard()
     xc = _op("multiply", x, cos)
-    y = _op("add", _op("permute_dims", xc) | xc, _op("multiply", rot, sin))
-    return y, {"hi": hi, "lo": lo, "rot": rot, "y": y, "xh": xh, "xc": xc}
+    xhc = _op("multiply", xh, cos)
+    y = _op("add", _op("permute_dims", xc) | xhc | xc, _op("multiply", rot, sin))
+    return y, {"hi": hi, "lo": lo, "rot": rot, "y": y, "xh": xh, "xc": xc, "xhc": xhc}
 
 
 def check_rotary_embedding(ctx: PatternCheckContext) -> bool:
     name = "tvmfuse.rotary_embedding"
     ann = dict(ctx.annotated_expr.items())
     x = ann["hi"].args[0]
-    first = ctx.matched_bindings.get(ann["y"].args[0])  # x * cos, or its permute
-    if first is None or _in(ctx, ann.get("xh")) != (first.op.name == "relax.permute_dims"):
+    first = ctx.matched_bindings.get(ann["y"].args[0])  # x * cos, its permute, or permute(x) * cos
+    before_both = first is not None and _in(ctx, ann.get("xhc"))  # the permute before both halves
+    if first is None or _in(ctx, ann.get("xh")) != (first.op.name == "relax.permute_dims" or before_both):
         return reject(ctx, name, "the head permute is on one side of the sum only")
     if _in(ctx, ann.get("xh")):
-        axes = [[as_int(a) for a in c.attrs.axes or []] for c in (ann["xh"], first)]
-        if axes[0] != axes[1] or not axes[0] or axes[0][-1] != len(axes[0]) - 1:
+        axes = [[as_int(a) for a in c.attrs.axes or []] for c in ((ann["xh"],) if before_both else (ann["xh"], first))]
+        if axes[0] != axes[-1] or not axes[0] or axes[0][-1] != len(axes[0]) - 1:
             return reject(ctx, name, f"permutes {axes} differ or move the head dim")
     d = as_int(shape_of(x)[-1])
     if d is None or d % 2:
