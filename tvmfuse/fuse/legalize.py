@@ -122,6 +122,9 @@ LEGALIZE = {"relax.power": legalize_power, "relax.concat": legalize_concat, **SC
 #: a PrimFunc attribute, [parts, axis]: the one-kernel split of its input into `parts` equal parts on `axis` (the
 #: kernels stage lets attention read those parts where they lie, `kernels/split_reads.py`)
 SPLIT_ATTR = "tvmfuse.split"
+#: TVM's OpPatternKind kOpaque: FuseOps fuses no producer into the one-kernel split, so a reshape before it (GPT-2's
+#: [B*S, W] -> [B, S, W]) stays a view and the split's input is the tensor the attention can read in place
+OPAQUE = 8
 
 
 def one_kernel_splits(mod: tvm.IRModule) -> tvm.IRModule:
@@ -196,4 +199,4 @@ class _OneKernelSplits(relax.PyExprMutator):
         axis = int(call.attrs.axis) % x.ty.ndim
         width = int(_equal_parts(call)[axis])
         return self.builder_.call_te(_split_one_block, x, parts, axis, width, primfunc_name_hint="split",
-                                     primfunc_attrs={SPLIT_ATTR: [parts, axis], "op_pattern": 8})
+                                     primfunc_attrs={SPLIT_ATTR: [parts, axis], "op_pattern": OPAQUE})

@@ -1,6 +1,6 @@
-"""Prepare stage: the imported module as the later stages see it: weights bound, redundant reshapes gone, attention
-masks at the scores' rank (mask_rank), kernels computing in the compute dtype (precision, interface dtypes, opmath),
-constant weights stored [N, K] (layout)."""
+"""Prepare stage: the imported module as the later stages see it: weights bound, reshapes to their own shape gone,
+attention masks at the scores' rank (mask_rank), kernels computing in the compute dtype (precision, interface
+dtypes, opmath), constant weights stored [N, K] (layout)."""
 
 from __future__ import annotations
 
