@@ -515,7 +515,8 @@ def test_substitute_takes_the_export_form(kv_heads):
 @pytest.mark.parametrize("name", ["gpt2", "llama", "gemma2"])
 def test_hf_fp16_export_builds_for_cuda_with_the_template(name, hf_exports, tmp_path, capsys):
     """The product path (`tune --target cuda --dtype fp16 --trials 0`, compile only): the job log says the
-    attention kernel was replaced by the prefill template, and the export has one attention kernel."""
+    attention kernel was replaced by the prefill template, and the export has one attention kernel. GPT-2's reads
+    Q, K and V from c_attn's output (`kernels/split_reads.py`): its line says so and no split kernel is left."""
     import json
     from tvmfuse.cli.tune import main
 
@@ -531,6 +532,10 @@ def test_hf_fp16_export_builds_for_cuda_with_the_template(name, hf_exports, tmp_
         manifest = json.load(f)
     assert [k["pattern"] for k in manifest["kernels"]].count("tvmfuse.attention") == 1
     assert manifest["precision"]["compute_dtype"] == "float16"
+    if name == "gpt2":
+        assert lines[0].endswith("; Q, K and V read in place from the split's input (rows of 192, at 0, 64, 128): "
+                                 "no split launched"), lines
+        assert not [k["name"] for k in manifest["kernels"] if "split" in k["name"]], manifest["kernels"]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")

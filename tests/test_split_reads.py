@@ -276,23 +276,3 @@ def test_gpu_gpt2_job_launches_no_split_and_verifies(hf_exports, tmp_path):
     assert result.ok and result.verification.startswith("ok"), (result.error, result.verification, said[-20:])
     assert any("no split launched" in line for line in said), said
 
-
-def test_a_cuda_build_of_gpt2_launches_no_split(hf_exports, tmp_path, capsys):
-    """The product path without a GPU (`--target cuda --trials 0`, fp16, batch 2, seq 64): the log says the attention
-    reads Q, K and V from c_attn's output, and the manifest lists no split kernel, the attention kernel under its
-    name with the template's schedule."""
-    import json
-
-    from tvmfuse.cli.tune import main
-
-    if tvm.cuda(0).exist:
-        pytest.skip("this machine has a GPU (the job would verify and time on it)")
-    code = main(["--target", "cuda", "--trials", "0", "--dtype", "fp16", "--shape", "batch=2", "--shape", "seq=64",
-                 "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "l"), hf_exports("gpt2")])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert ": template attention_prefill, default knobs (none measured); Q, K and V read in place from the split's " \
-           "input (rows of 192, at 0, 64, 128): no split launched\n" in out, out
-    (manifest,) = (tmp_path / "o").glob("*/manifest.json")
-    names = [k["name"] for k in json.loads(manifest.read_text())["kernels"]]
-    assert not [n for n in names if "split" in n] and any("softmax" in n for n in names), names
