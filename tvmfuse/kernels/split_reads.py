@@ -3,6 +3,7 @@ QKV projection, BERT's merged sibling projections), so the split is not launched
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ class _Site:
     source: relax.Expr  # the split's input, [batch, seq, width]
     rest: list  # the call's other arguments (the mask)
 
-    @property
+    @functools.cached_property
     def variant(self) -> str:
+        """The packed kernel this call needs: the sites of one variant share one PrimFunc."""
         return json.dumps([self.template.name, self.shapes, self.knobs], sort_keys=True, default=str)
 
 
@@ -50,7 +52,8 @@ def read_split_parts(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cud
     arch = str(target.attrs.get("arch", "")) if isinstance(target, tvm.target.Target) else ""
     funcs = [fn for fn in mod.functions.values() if isinstance(fn, relax.Function)]
     bindings = [b for fn in funcs for blk in fn.body.blocks for b in blk.bindings]
-    values, uses = {b.var: b.value for b in bindings}, _use_counts(funcs)
+    values = {var: value for fn in funcs for var, value in relax.analysis.get_var2val(fn).items()}
+    uses = _use_counts(funcs)
     sites = {b.var: site for b in bindings if (site := _packed_site(mod, b.value, values, uses)) is not None}
     if not sites:
         return mod

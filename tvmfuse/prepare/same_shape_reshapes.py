@@ -24,11 +24,8 @@ def drop_same_shape_reshapes(mod: tvm.IRModule) -> tvm.IRModule:
             and tvm_ffi.structural_equal(src.ty.shape, expr.ty.shape)
         return src if same else expr
 
-    out = mod
+    out = mod.clone()
     for gv, fn in mod.functions.items():
         if isinstance(fn, relax.Function):
-            new = rewrite_call(pattern, rewriter, fn)
-            if not new.same_as(fn):
-                out = out if out is not mod else mod.clone()
-                out[gv] = new
+            out[gv] = rewrite_call(pattern, rewriter, fn)
     return out

@@ -40,8 +40,8 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
 
     def loads(pos, d0):
         """Whether the lane loads key `pos`: it lies below L and the lane's vector inside the head dim."""
-        key = has(pos)
-        return key if not partial else (d0 < D if key is True else T.And(key, d0 < D))
+        key, lane = has(pos), lane_in(d0)
+        return key if lane is True else lane if key is True else T.And(key, lane)
 
     def live(x, flag):
         """x, or 0 for a slot none of whose keys the mask lets through (it then weighs 0 in the combines)."""
