@@ -22,6 +22,8 @@ ATOL = 1e-4
 SHAPES = [(1, 5), (3, 11)]
 DYNAMO = [(m, "dynamo") for m in ("gpt2", "llama") + hf_export.MORE_DECODERS]
 SLOW = ("qwen2", "gpt_neox", "gemma", "opt", "qwen3", "phi3", "gemma2", "gemma3")
+#: more groups each export must keep: Phi-3's Q and K rotary kernels read their slices of its QKV projection
+KEPT = {"phi3": {"tvmfuse.slice_rotary_embedding": 2 * hf_export.LAYERS}}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,8 @@ def test_ids_only_symbolic_dims_build_and_match_onnxruntime(ids_exports, tmp_pat
     assert built["manifest"]["failures"] == []
     kept = built["manifest"]["fusion"]["kept_by_pattern"]
     assert kept.get("tvmfuse.attention", 0) == hf_export.LAYERS, kept  # each layer's (Gemma 2's soft-capped too)
+    for pattern, count in KEPT.get(name, {}).items():
+        assert kept.get(pattern, 0) == count, kept
     _check(path, built["folder"], SHAPES)  # one build, two shapes
 
 

@@ -92,20 +92,28 @@ def matmul_multiply(rows=8, k=32, n=64, leak=None) -> onnx.ModelProto:
     return _model(nodes, [_t("x", [rows, k]), _t("g", [rows, n])], outs, [_c("W", RNG.standard_normal((k, n)) * 0.2)])
 
 
-def rotary(b=2, h=4, s=8, d=16, split=None, leak=None, permuted=False) -> onnx.ModelProto:
+def rotary(b=2, h=4, s=8, d=16, split=None, leak=None, permuted=False, sliced=False) -> onnx.ModelProto:
     """y = x*cos + concat(-x[..., split:], x[..., :split])*sin (split = d/2: rotate-half); `permuted`: x comes in
-    [B, S, H, D] and is permuted to heads first (Qwen3's and Gemma 2's Q and K)."""
+    [B, S, H, D] and is permuted to heads first (Qwen3's and Gemma 2's Q and K); `sliced`: that x is the middle
+    third of an input `qkv` [B, S, 3*H*D] through a head reshape (Phi-3's K, cut from its one QKV projection)."""
     split = d // 2 if split is None else split
+    permuted = permuted or sliced
     src = "xt" if permuted else "x"
-    nodes = [_n("Transpose", ["x"], "xt", perm=[0, 2, 1, 3])] if permuted else []
+    nodes = [_n("Slice", ["qkv", "q_begin", "q_end", "s_ax"], "xs"), _n("Reshape", ["xs", "heads"], "x")] \
+        if sliced else []
+    nodes += [_n("Transpose", ["x"], "xt", perm=[0, 2, 1, 3])] if permuted else []
     nodes += [_n("Slice", [src, "s_mid", "s_end", "s_ax"], "hi"), _n("Neg", ["hi"], "nhi"),
               _n("Slice", [src, "s_zero", "s_mid", "s_ax"], "lo"), _n("Concat", ["nhi", "lo"], "rot", axis=-1),
               _n("Mul", [src, "cos"], "xc"), _n("Mul", ["rot", "sin"], "rs"), _n("Add", ["xc", "rs"], "y")]
-    outs = [_t("y", [b, h, s, d])] + ([_t(leak, [b, h, s, d])] if leak else [])
+    leaked = {"xs": [b, s, h * d], "x": [b, s, h, d]}.get(leak, [b, h, s, d])
+    outs = [_t("y", [b, h, s, d])] + ([_t(leak, leaked)] if leak else [])
     i64 = np.int64
-    return _model(nodes, [_t("x", [b, s, h, d] if permuted else [b, h, s, d]), _t("cos", [s, d]), _t("sin", [s, d])],
+    x = _t("qkv", [b, s, 3 * h * d]) if sliced else _t("x", [b, s, h, d] if permuted else [b, h, s, d])
+    consts = [_c("q_begin", [h * d], i64), _c("q_end", [2 * h * d], i64), _c("heads", [b, s, h, d], i64)] \
+        if sliced else []
+    return _model(nodes, [x, _t("cos", [s, d]), _t("sin", [s, d])],
                   outs, [_c("s_mid", [split], i64), _c("s_end", [d], i64), _c("s_zero", [0], i64),
-                         _c("s_ax", [-1], i64)])
+                         _c("s_ax", [-1], i64)] + consts)
 
 
 def attention(b=2, h=4, s=8, d=16, leak=None, seq_k=None) -> onnx.ModelProto:
@@ -186,6 +194,7 @@ CASES = {  # pattern[/variant] -> (builder, name of an intermediate to leak)
     "tvmfuse.matmul_multiply": (lambda leak=None: matmul_multiply(leak=leak), "u"),
     "tvmfuse.rotary_embedding": (lambda leak=None: rotary(leak=leak), "rot"),
     "tvmfuse.rotary_embedding/permuted": (lambda leak=None: rotary(leak=leak, permuted=True), "rot"),
+    "tvmfuse.slice_rotary_embedding": (lambda leak=None: rotary(leak=leak, sliced=True), "rot"),
     "tvmfuse.attention": (lambda leak=None: attention(leak=leak), "p"),
     "tvmfuse.attention/dynamo": (lambda leak=None: attention_dynamo(leak=leak), "kt"),
     "tvmfuse.attention/softcap": (lambda leak=None: attention_softcap(leak=leak), "th"),
@@ -233,6 +242,20 @@ def test_a_head_permute_before_both_halves_is_in_the_rotary_kernel():
     _, fused = lower_model(rotary(permuted=True))
     (name,) = fused.kernel_patterns
     assert name.startswith("fused_relax_permute_dims") and len(fused.kernels()) == 1, fused.kernels()
+
+
+@pytest.mark.parametrize("leak", ["xs", "x"])
+def test_a_slice_read_elsewhere_stays_outside_the_rotary_kernel(leak, llvm):
+    """Where the slice (or its head reshape) is also an output, the rotary kernel cannot take it: the sliced entry is
+    rejected for it, the plain rotary embedding is fused instead, and the slice stays a kernel of its own."""
+    model = rotary(sliced=True, leak=leak)
+    imp, fused = lower_model(model)
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.rotary_embedding"], fused.rejections
+    assert any(p == "tvmfuse.slice_rotary_embedding" and "used outside the match" in why
+               for p, _, why in fused.rejections), fused.rejections
+    assert fused.launches() == 2, fused.kernels()  # the slice, the rotary embedding (the reshape is a view)
+    check = check_against_ort(model, imp, fused, llvm)
+    assert check.ok, check.as_dict()
 
 
 def test_rotate_not_by_half_is_rejected_with_reason():

@@ -13,7 +13,7 @@ from tvmfuse.prepare.opmath import BFLOAT16, FLOAT16, FLOAT32, Const, dtype_of, 
 #: rotary embedding's q*cos + rotate_half(q)*sin rounded its products and its sum to fp16 one by one (with the q/k
 #: scale, 25% of the fp16 Llama layer's error variance: bench/fp16_error.py); bf16, 3 significant bits fewer,
 #: rounded the same way (one element in 3 of a test rope differed from rounding once: tests/test_opmath.py)
-OPMATH_COMPOSITES = ("tvmfuse.rotary_embedding",)
+OPMATH_COMPOSITES = ("tvmfuse.rotary_embedding", "tvmfuse.slice_rotary_embedding")
 
 
 #: the table's matmul groups with an epilogue (bias, activation, a multiply): it runs on the fp32 accumulator and rounds once at the store: the

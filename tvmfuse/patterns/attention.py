@@ -190,12 +190,17 @@ def batched_transpose_source(call, bound) -> relax.Expr | None:
     return x if ok else None
 
 
-def make_rotary_embedding_pattern() -> Annotated:
+def make_rotary_embedding_pattern(sliced: bool = False) -> Annotated:
     """y = x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]); or with the
     head split's permute inside, as TVM imports Llama's Q: permute(x * cos) + rotate_half(permute(x)) * sin; or
     before both halves, as Qwen3 (after its per-head Q/K norms) and Gemma 2 have it: permute(x) * cos +
-    rotate_half(permute(x)) * sin (where the permute stayed outside, it was a transpose kernel of its own)."""
+    rotate_half(permute(x)) * sin (where the permute stayed outside, it was a transpose kernel of its own).
+    `sliced`: x is a slice of a wider tensor, through its head reshape or not (Phi-3's Q and K, cut from its one
+    QKV projection's output: each slice was a kernel writing a copy for the rotary kernel to read)."""
     x = wildcard()
+    if sliced:
+        cut = _op("strided_slice", wildcard(), wildcard(), wildcard(), wildcard(), wildcard())
+        x = _op("reshape", cut, wildcard()) | cut
     xh = _op("permute_dims", x)
     src = xh | x
     hi = _op("strided_slice", src, wildcard(), wildcard(), wildcard(), wildcard())
@@ -208,8 +213,16 @@ def make_rotary_embedding_pattern() -> Annotated:
     return y, {"hi": hi, "lo": lo, "rot": rot, "y": y, "xh": xh, "xc": xc, "xhc": xhc}
 
 
-def check_rotary_embedding(ctx: PatternCheckContext) -> bool:
-    name = "tvmfuse.rotary_embedding"
+def make_slice_rotary_embedding_pattern() -> Annotated:
+    """The rotary embedding of a slice (`make_rotary_embedding_pattern(sliced=True)`)."""
+    return make_rotary_embedding_pattern(sliced=True)
+
+
+def check_slice_rotary_embedding(ctx: PatternCheckContext) -> bool:
+    return check_rotary_embedding(ctx, "tvmfuse.slice_rotary_embedding")
+
+
+def check_rotary_embedding(ctx: PatternCheckContext, name: str = "tvmfuse.rotary_embedding") -> bool:
     ann = dict(ctx.annotated_expr.items())
     x = ann["hi"].args[0]
     first = ctx.matched_bindings.get(ann["y"].args[0])  # x * cos, its permute, or permute(x) * cos

@@ -1,4 +1,4 @@
-"""Prepare stage: the imported module as the later stages see it: weights bound, reshapes to their own shape gone,
+"""Prepare stage: the imported module as the later stages see it: weights bound, operators that change nothing gone,
 attention masks at the scores' rank (mask_rank), kernels computing in the compute dtype (precision, interface
 dtypes, opmath), constant weights stored [N, K] (layout)."""
 
@@ -9,8 +9,8 @@ from tvm import relax
 
 from tvmfuse.prepare.layout import transpose_weights
 from tvmfuse.prepare.mask_rank import full_rank_masks
+from tvmfuse.prepare.no_ops import drop_no_ops
 from tvmfuse.prepare.precision import to_compute_dtype
-from tvmfuse.prepare.same_shape_reshapes import drop_same_shape_reshapes
 from tvmfuse.prepare.siblings import MergeRule, merge_sibling_matmuls
 
 
@@ -34,15 +34,15 @@ def bind_params(mod: tvm.IRModule, params: list | None) -> tvm.IRModule:
 def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None,
                    low_lookups: bool = True, one_copy: bool = False, merge_pays: MergeRule | None = None,
                    merged: list | None = None, merge_sizes: list[dict[str, int]] | None = None) -> tvm.IRModule:
-    """The imported model as decide and fuse see it: weights bound as constants, reshapes to their input's own
-    shape gone (`same_shape_reshapes`), rank-2/3 attention masks read as
+    """The imported model as decide and fuse see it: weights bound as constants, operators that change nothing
+    gone (`no_ops`: reshapes to their input's own shape, whole-tensor slices, zero-width concat parts), rank-2/3 attention masks read as
     rank 4 (`mask_rank.full_rank_masks`), precision (fp16/bf16 kernels),
     sibling projections merged where `merge_pays` says so (`siblings.merge_sibling_matmuls`; `merged` gets each
     group; symbolic row counts are judged at each of `merge_sizes`, the build's bucket shapes), then the weight
     layout (constant weights [N, K], read through a permute the kernel absorbs).
     `one_copy` (big models): `imported.params` is emptied once bound and the layout transposes in place (no second
     copy)."""
-    bound = full_rank_masks(drop_same_shape_reshapes(bind_params(imported.mod, imported.params)))
+    bound = full_rank_masks(drop_no_ops(bind_params(imported.mod, imported.params)))
     if one_copy:
         imported.params = []  # the module's constants are the one copy of the weights from here on
     computing = merge_sibling_matmuls(to_compute_dtype(bound, dtype, io_dtype, low_lookups), merge_pays, merged,
