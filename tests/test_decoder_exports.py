@@ -22,8 +22,10 @@ ATOL = 1e-4
 SHAPES = [(1, 5), (3, 11)]
 DYNAMO = [(m, "dynamo") for m in ("gpt2", "llama") + hf_export.MORE_DECODERS]
 SLOW = ("qwen2", "gpt_neox", "gemma", "opt", "qwen3", "phi3", "gemma2", "gemma3")
-#: more groups each export must keep: Phi-3's Q and K rotary kernels read their slices of its QKV projection
-KEPT = {"phi3": {"tvmfuse.slice_rotary_embedding": 2 * hf_export.LAYERS}}
+#: more groups each export must keep: Phi-3's Q and K rotary kernels read their slices of its QKV projection,
+#: GPT-NeoX's rotate the first quarter of each head and pass the rest through
+KEPT = {"phi3": {"tvmfuse.slice_rotary_embedding": 2 * hf_export.LAYERS},
+        "gpt_neox": {"tvmfuse.partial_rotary_embedding": 2 * hf_export.LAYERS}}
 
 
 @pytest.fixture(scope="module")

@@ -258,6 +258,51 @@ def test_split_feeding_a_fused_group_is_one_kernel(dyn, leak, llvm):
     assert result.ok and result.max_abs_err < 1e-5, result
 
 
+def _split_attention_relax(b=2, s=8, h=4, d=16, heads_first=True) -> tvm.IRModule:
+    """In Relax (onnxruntime's clean-up of an ONNX graph this small moves a permute past the split): GPT-NeoX's
+    [B, S, 3*H*D] reshaped to [B, S, H, 3*D], permuted to [B, H, S, 3*D] and split in three on the last axis; or (not
+    `heads_first`) GPT-2's [B*S, 3*H*D] reshaped to [B, S, 3*H*D], split, each part reshaped to heads and permuted;
+    then softmax(q k^T / sqrt(d)) v."""
+    bb = relax.BlockBuilder()
+    qkv = relax.Var("qkv", relax.TensorType((b, s, 3 * h * d) if heads_first else (b * s, 3 * h * d), "float32"))
+    with bb.function("main", [qkv]):
+        with bb.dataflow():
+            if heads_first:
+                heads = bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(qkv, (b, s, h, 3 * d))), [0, 2, 1, 3]))
+                parts = bb.emit(relax.op.split(heads, 3, axis=-1))
+                q, k, v = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+            else:
+                parts = bb.emit(relax.op.split(bb.emit(relax.op.reshape(qkv, (b, s, 3 * h * d))), 3, axis=-1))
+                q, k, v = (bb.emit(relax.op.permute_dims(relax.op.reshape(relax.TupleGetItem(parts, i), (b, s, h, d)),
+                                                         [0, 2, 1, 3])) for i in range(3))
+            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])),
+                                               relax.const(d ** -0.5, "float32")))
+            out = bb.emit_output(relax.op.matmul(relax.op.nn.softmax(scores, axis=-1), v))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_a_one_kernel_split_takes_the_permute_before_it_and_no_reshape(heads_first, llvm):
+    """After a head permute (GPT-NeoX's), FuseOps fuses the permute into the one-kernel split (it was a transpose
+    kernel of its own); after a reshape (GPT-2's [B*S, W] -> [B, S, W]) the split is opaque to it: the reshape stays
+    a view, so the attention can read the split's input in place (`kernels/split_reads.py`). Two launches either way,
+    the split and the attention, equal to numpy."""
+    fused = lower(_split_attention_relax(heads_first=heads_first))
+    assert "tvmfuse.attention" in fused.kernel_patterns.values(), fused.rejections
+    (split,) = [k for k in fused.kernels() if "split" in k]
+    assert "transpose" in split if heads_first else split == "split", fused.kernels()  # (NeoX's reshape in it too)
+    assert fused.launches() == 2, fused.kernels()
+    x = np.random.default_rng(0).standard_normal((2, 8, 3 * 64)).astype("float32")
+    got = relax.VirtualMachine(tvm.compile(fused.mod, target=llvm), tvm.cpu())["main"](
+        tvm.runtime.tensor(x if heads_first else x.reshape(16, 192))).numpy()
+    q, k, v = (np.split(x.reshape(2, 8, 4, 48), 3, axis=-1) if heads_first
+               else [p.reshape(2, 8, 4, 16) for p in np.split(x, 3, axis=-1)])
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+    p = np.exp(q @ k.transpose(0, 1, 3, 2) / 4.0)
+    np.testing.assert_allclose(got, p / p.sum(-1, keepdims=True) @ v, rtol=1e-5, atol=1e-5)
+
+
 def test_split_read_by_elementwise_ops_only_keeps_tvm_split(llvm):
     """q + k * v from one split: FuseOps fuses TVM's split into the elementwise kernel (its blocks inlined, no
     part written to memory), so it stays TVM's."""

@@ -92,25 +92,39 @@ def matmul_multiply(rows=8, k=32, n=64, leak=None) -> onnx.ModelProto:
     return _model(nodes, [_t("x", [rows, k]), _t("g", [rows, n])], outs, [_c("W", RNG.standard_normal((k, n)) * 0.2)])
 
 
-def rotary(b=2, h=4, s=8, d=16, split=None, leak=None, permuted=False, sliced=False) -> onnx.ModelProto:
+def rotary(b=2, h=4, s=8, d=16, split=None, leak=None, permuted=False, sliced=False, partial=None,
+           rest_begin=None) -> onnx.ModelProto:
     """y = x*cos + concat(-x[..., split:], x[..., :split])*sin (split = d/2: rotate-half); `permuted`: x comes in
     [B, S, H, D] and is permuted to heads first (Qwen3's and Gemma 2's Q and K); `sliced`: that x is the middle
-    third of an input `qkv` [B, S, 3*H*D] through a head reshape (Phi-3's K, cut from its one QKV projection)."""
+    third of an input `qkv` [B, S, 3*H*D] through a head reshape (Phi-3's K, cut from its one QKV projection);
+    `partial` = r: the rotary embedding of the first r of the head's `d` dims, y = concat(rope(x[..., :r]),
+    x[..., rest_begin:]) (GPT-NeoX's; `rest_begin` r unless given)."""
+    head = d
+    d = partial or d
     split = d // 2 if split is None else split
     permuted = permuted or sliced
-    src = "xt" if permuted else "x"
+    src = "xr" if partial else "xt" if permuted else "x"
     nodes = [_n("Slice", ["qkv", "q_begin", "q_end", "s_ax"], "xs"), _n("Reshape", ["xs", "heads"], "x")] \
         if sliced else []
     nodes += [_n("Transpose", ["x"], "xt", perm=[0, 2, 1, 3])] if permuted else []
+    if partial:
+        whole = "xt" if permuted else "x"
+        nodes += [_n("Slice", [whole, "s_zero", "r_end", "s_ax"], "xr"),
+                  _n("Slice", [whole, "rest_begin", "s_head", "s_ax"], "xp")]
     nodes += [_n("Slice", [src, "s_mid", "s_end", "s_ax"], "hi"), _n("Neg", ["hi"], "nhi"),
               _n("Slice", [src, "s_zero", "s_mid", "s_ax"], "lo"), _n("Concat", ["nhi", "lo"], "rot", axis=-1),
               _n("Mul", [src, "cos"], "xc"), _n("Mul", ["rot", "sin"], "rs"), _n("Add", ["xc", "rs"], "y")]
-    leaked = {"xs": [b, s, h * d], "x": [b, s, h, d]}.get(leak, [b, h, s, d])
-    outs = [_t("y", [b, h, s, d])] + ([_t(leak, leaked)] if leak else [])
+    if partial:
+        nodes[-1].output[0] = "yr"
+        nodes.append(_n("Concat", ["yr", "xp"], "y", axis=-1))
+    leaked = {"xs": [b, s, h * head], "x": [b, s, h, head]}.get(leak, [b, h, s, d])
+    outs = [_t("y", [b, h, s, head])] + ([_t(leak, leaked)] if leak else [])
     i64 = np.int64
-    x = _t("qkv", [b, s, 3 * h * d]) if sliced else _t("x", [b, s, h, d] if permuted else [b, h, s, d])
-    consts = [_c("q_begin", [h * d], i64), _c("q_end", [2 * h * d], i64), _c("heads", [b, s, h, d], i64)] \
+    x = _t("qkv", [b, s, 3 * h * head]) if sliced else _t("x", [b, s, h, head] if permuted else [b, h, s, head])
+    consts = [_c("q_begin", [h * head], i64), _c("q_end", [2 * h * head], i64), _c("heads", [b, s, h, head], i64)] \
         if sliced else []
+    consts += [_c("r_end", [d], i64), _c("rest_begin", [rest_begin or d], i64), _c("s_head", [head], i64)] \
+        if partial else []
     return _model(nodes, [x, _t("cos", [s, d]), _t("sin", [s, d])],
                   outs, [_c("s_mid", [split], i64), _c("s_end", [d], i64), _c("s_zero", [0], i64),
                          _c("s_ax", [-1], i64)] + consts)
@@ -195,6 +209,9 @@ CASES = {  # pattern[/variant] -> (builder, name of an intermediate to leak)
     "tvmfuse.rotary_embedding": (lambda leak=None: rotary(leak=leak), "rot"),
     "tvmfuse.rotary_embedding/permuted": (lambda leak=None: rotary(leak=leak, permuted=True), "rot"),
     "tvmfuse.slice_rotary_embedding": (lambda leak=None: rotary(leak=leak, sliced=True), "rot"),
+    "tvmfuse.partial_rotary_embedding": (lambda leak=None: rotary(leak=leak, partial=4), "xr"),
+    "tvmfuse.partial_rotary_embedding/permuted": (lambda leak=None: rotary(leak=leak, partial=4, permuted=True), "xp"),
+    "tvmfuse.slice_partial_rotary_embedding": (lambda leak=None: rotary(leak=leak, partial=8, sliced=True), "rot"),
     "tvmfuse.attention": (lambda leak=None: attention(leak=leak), "p"),
     "tvmfuse.attention/dynamo": (lambda leak=None: attention_dynamo(leak=leak), "kt"),
     "tvmfuse.attention/softcap": (lambda leak=None: attention_softcap(leak=leak), "th"),
@@ -256,6 +273,16 @@ def test_a_slice_read_elsewhere_stays_outside_the_rotary_kernel(leak, llvm):
     assert fused.launches() == 2, fused.kernels()  # the slice, the rotary embedding (the reshape is a view)
     check = check_against_ort(model, imp, fused, llvm)
     assert check.ok, check.as_dict()
+
+
+def test_a_rest_that_is_not_the_heads_remainder_is_rejected_with_reason():
+    """concat(rope(x[..., :4]), x[..., 6:]) is no partial rotary embedding (the output would be two dims short of the
+    head): rejected for that with the reason; the rotary embedding of the slice x[..., :4] is fused instead."""
+    model = rotary(partial=4, rest_begin=6)
+    model.graph.output[0].type.tensor_type.shape.dim[3].dim_value = 14
+    _, fused = lower_model(model)
+    assert list(fused.kernel_patterns.values()) == ["tvmfuse.slice_rotary_embedding"], fused.rejections
+    assert any(p == "tvmfuse.partial_rotary_embedding" and "rest slice" in why for p, _, why in fused.rejections)
 
 
 def test_rotate_not_by_half_is_rejected_with_reason():

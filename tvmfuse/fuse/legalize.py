@@ -122,9 +122,10 @@ LEGALIZE = {"relax.power": legalize_power, "relax.concat": legalize_concat, **SC
 #: a PrimFunc attribute, [parts, axis]: the one-kernel split of its input into `parts` equal parts on `axis` (the
 #: kernels stage lets attention read those parts where they lie, `kernels/split_reads.py`)
 SPLIT_ATTR = "tvmfuse.split"
-#: TVM's OpPatternKind kOpaque: FuseOps fuses no producer into the one-kernel split, so a reshape before it (GPT-2's
-#: [B*S, W] -> [B, S, W]) stays a view and the split's input is the tensor the attention can read in place
-OPAQUE = 8
+#: TVM's OpPatternKind kOpaque, for a one-kernel split of a reshape: FuseOps fuses no producer into it, so the reshape
+#: (GPT-2's [B*S, W] -> [B, S, W]) stays a view and the split's input is the tensor the attention can read in place;
+#: kInjective for any other: a producer that is a kernel of its own otherwise (GPT-NeoX's head permute) is fused in
+OPAQUE, INJECTIVE = 8, 2
 
 
 def one_kernel_splits(mod: tvm.IRModule) -> tvm.IRModule:
@@ -198,5 +199,8 @@ class _OneKernelSplits(relax.PyExprMutator):
         x, parts = self.visit_expr(call.args[0]), len(call.ty.fields)
         axis = int(call.attrs.axis) % x.ty.ndim
         width = int(_equal_parts(call)[axis])
+        source = self.builder_.lookup_binding(x) if isinstance(x, relax.Var) else None
+        of_reshape = isinstance(source, relax.Call) and source.op.same_as(tvm.ir.Op.get("relax.reshape"))
         return self.builder_.call_te(_split_one_block, x, parts, axis, width, primfunc_name_hint="split",
-                                     primfunc_attrs={SPLIT_ATTR: [parts, axis], "op_pattern": OPAQUE})
+                                     primfunc_attrs={SPLIT_ATTR: [parts, axis],
+                                                     "op_pattern": OPAQUE if of_reshape else INJECTIVE})

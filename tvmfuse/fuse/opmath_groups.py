@@ -12,8 +12,9 @@ from tvmfuse.prepare.opmath import BFLOAT16, FLOAT16, FLOAT32, Const, dtype_of, 
 #: fused groups whose arithmetic runs in fp32 between their fp16/bf16 loads and their one fp16/bf16 store: the
 #: rotary embedding's q*cos + rotate_half(q)*sin rounded its products and its sum to fp16 one by one (with the q/k
 #: scale, 25% of the fp16 Llama layer's error variance: bench/fp16_error.py); bf16, 3 significant bits fewer,
-#: rounded the same way (one element in 3 of a test rope differed from rounding once: tests/test_opmath.py)
-OPMATH_COMPOSITES = ("tvmfuse.rotary_embedding", "tvmfuse.slice_rotary_embedding")
+#: rounded the same way (one element in 3 of a test rope differed from rounding once: tests/test_opmath.py); every
+#: variant of the table's (of a slice, of a head's first dims)
+OPMATH_COMPOSITES = tuple(name for name, _, _ in PATTERN_TABLE if name.endswith("rotary_embedding"))
 
 
 #: the table's matmul groups with an epilogue (bias, activation, a multiply): it runs on the fp32 accumulator and rounds once at the store: the

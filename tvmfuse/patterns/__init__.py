@@ -11,8 +11,8 @@ from typing import Callable
 
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
-from tvmfuse.patterns.attention import check_attention, check_rotary_embedding, check_slice_rotary_embedding, \
-    make_attention_pattern, make_rotary_embedding_pattern, make_slice_rotary_embedding_pattern
+from tvmfuse.patterns.attention import check_attention, check_rotary_embedding, make_attention_pattern, \
+    make_rotary_embedding_pattern, rotary_embedding_name
 from tvmfuse.patterns.builders import Annotated
 from tvmfuse.patterns.common import Match, Recorder, check_private_intermediates, current, reject, start, stop
 from tvmfuse.patterns.matmul import check_geglu, check_matmul, check_matmul_act, check_matmul_bias, check_matmul_multiply, \
@@ -30,8 +30,8 @@ PATTERN_TABLE: list[tuple[str, Callable[[], Annotated], Check]] = [
     ("tvmfuse.attention", make_attention_pattern, check_attention),
     ("tvmfuse.swiglu", make_swiglu_pattern, check_swiglu),
     ("tvmfuse.geglu", make_geglu_pattern, check_geglu),
-    ("tvmfuse.slice_rotary_embedding", make_slice_rotary_embedding_pattern, check_slice_rotary_embedding),
-    ("tvmfuse.rotary_embedding", make_rotary_embedding_pattern, check_rotary_embedding),
+    *[(rotary_embedding_name(*v), make_rotary_embedding_pattern(*v), check_rotary_embedding(*v))  # (sliced, partial)
+      for v in ((True, True), (False, True), (True, False), (False, False))],
     ("tvmfuse.rms_norm_residual", make_rms_norm_residual_pattern, check_rms_norm_residual),
     ("tvmfuse.rms_norm", make_rms_norm_pattern, check_rms_norm),
     ("tvmfuse.skip_layer_norm_bias", make_skip_layer_norm_bias_pattern, check_skip_layer_norm_bias),

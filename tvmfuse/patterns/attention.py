@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, is_tuple, wildcard
 from tvm.relax.transform import PatternCheckContext
@@ -190,17 +192,44 @@ def batched_transpose_source(call, bound) -> relax.Expr | None:
     return x if ok else None
 
 
-def make_rotary_embedding_pattern(sliced: bool = False) -> Annotated:
+def make_rotary_embedding_pattern(sliced: bool = False, partial: bool = False) -> Callable[[], Annotated]:
     """y = x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]); or with the
     head split's permute inside, as TVM imports Llama's Q: permute(x * cos) + rotate_half(permute(x)) * sin; or
     before both halves, as Qwen3 (after its per-head Q/K norms) and Gemma 2 have it: permute(x) * cos +
     rotate_half(permute(x)) * sin (where the permute stayed outside, it was a transpose kernel of its own).
     `sliced`: x is a slice of a wider tensor, through its head reshape or not (Phi-3's Q and K, cut from its one
-    QKV projection's output: each slice was a kernel writing a copy for the rotary kernel to read)."""
+    QKV projection's output: each slice was a kernel writing a copy for the rotary kernel to read). `partial`: the
+    rotary embedding of the first r dims of each head, the rest passed through, concat(rope(h[..., :r]), h[..., r:]),
+    h the heads or their permute (GPT-NeoX and Pythia, Phi-2, StableLM: the two slices and the concatenation were
+    three kernels beside the rotary one)."""
+    def make() -> Annotated:
+        return _rotary(sliced, partial)
+    make.__name__ = f"make_{rotary_embedding_name(sliced, partial).split('.')[1]}_pattern"
+    return make
+
+
+def rotary_embedding_name(sliced: bool = False, partial: bool = False) -> str:
+    """The table's name of the rotary embedding with (`sliced`) a slice in front, (`partial`) of a head's first dims."""
+    return "tvmfuse." + "slice_" * sliced + "partial_" * partial + "rotary_embedding"
+
+
+def check_rotary_embedding(sliced: bool = False, partial: bool = False) -> Callable[[PatternCheckContext], bool]:
+    name = rotary_embedding_name(sliced, partial)
+
+    def check(ctx: PatternCheckContext) -> bool:
+        return (_check_partial(ctx, name) if partial else True) and _check_rotary(ctx, name)
+    check.__name__ = f"check_{name.split('.')[1]}"
+    return check
+
+
+def _rotary(sliced: bool, partial: bool) -> Annotated:
     x = wildcard()
     if sliced:
         cut = _op("strided_slice", wildcard(), wildcard(), wildcard(), wildcard(), wildcard())
         x = _op("reshape", cut, wildcard()) | cut
+    if partial:
+        heads = _op("permute_dims", x) | x
+        x = _op("strided_slice", heads, wildcard(), wildcard(), wildcard(), wildcard())
     xh = _op("permute_dims", x)
     src = xh | x
     hi = _op("strided_slice", src, wildcard(), wildcard(), wildcard(), wildcard())
@@ -210,19 +239,33 @@ def make_rotary_embedding_pattern(sliced: bool = False) -> Annotated:
     xc = _op("multiply", x, cos)
     xhc = _op("multiply", xh, cos)
     y = _op("add", _op("permute_dims", xc) | xhc | xc, _op("multiply", rot, sin))
-    return y, {"hi": hi, "lo": lo, "rot": rot, "y": y, "xh": xh, "xc": xc, "xhc": xhc}
+    ann = {"hi": hi, "lo": lo, "rot": rot, "y": y, "xh": xh, "xc": xc, "xhc": xhc}
+    if not partial:
+        return y, ann
+    rest = _op("strided_slice", heads, wildcard(), wildcard(), wildcard(), wildcard())
+    root = _op("concat", is_tuple([y, rest]))
+    return root, {**ann, "rotated": x, "rest": rest, "joined": root}
 
 
-def make_slice_rotary_embedding_pattern() -> Annotated:
-    """The rotary embedding of a slice (`make_rotary_embedding_pattern(sliced=True)`)."""
-    return make_rotary_embedding_pattern(sliced=True)
+def _check_partial(ctx: PatternCheckContext, name: str) -> bool:
+    """The rotated part is h[..., :r] and the rest h[..., r:] of one h on its last axis, joined on that axis."""
+    ann = dict(ctx.annotated_expr.items())
+    heads = ann["rotated"].args[0]
+    rank, width = ndim(heads), as_int(shape_of(heads)[-1])
+    r = as_int(shape_of(ann["rotated"])[-1])
+    for part, begin, extent in (("rotated", 0, r), ("rest", r, None if width is None or r is None else width - r)):
+        call = ann[part]
+        axes, begins = [as_int(a) for a in call.args[1]], [as_int(a) for a in call.args[2]]
+        strides = [as_int(a) for a in call.args[4]] if len(call.args) > 4 else [1]
+        if axes not in ([rank - 1], [-1]) or begins != [begin] or strides != [1] or extent is None \
+                or as_int(shape_of(call)[-1]) != extent:
+            return reject(ctx, name, f"{part} slice is not h[..., {':r' if part == 'rotated' else 'r:'}] of the last axis")
+    if as_int(ann["joined"].attrs.axis) not in (-1, rank - 1):
+        return reject(ctx, name, "the rotated part and the rest are not joined on the last axis")
+    return True
 
 
-def check_slice_rotary_embedding(ctx: PatternCheckContext) -> bool:
-    return check_rotary_embedding(ctx, "tvmfuse.slice_rotary_embedding")
-
-
-def check_rotary_embedding(ctx: PatternCheckContext, name: str = "tvmfuse.rotary_embedding") -> bool:
+def _check_rotary(ctx: PatternCheckContext, name: str) -> bool:
     ann = dict(ctx.annotated_expr.items())
     x = ann["hi"].args[0]
     first = ctx.matched_bindings.get(ann["y"].args[0])  # x * cos, its permute, or permute(x) * cos
