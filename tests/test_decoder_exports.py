@@ -160,3 +160,26 @@ def test_scan_legalization_at_symbolic_shapes():
         np.testing.assert_allclose(got[2], np.cumprod(a.astype("float32"), 0), rtol=1e-6)
         np.testing.assert_array_equal(got[3], np.cumsum(a))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, pattern", [("phi3", "tvmfuse.slice_rotary_embedding"),
+                                           ("gpt_neox", "tvmfuse.slice_partial_rotary_embedding")])
+def test_gpu_rotary_variants_verify_in_fp16(hf_exports, tmp_path, name, pattern):
+    """The product path on the GPU: tiny legacy Phi-3 and GPT-NeoX exports at batch 2, seq 64, fp16, their Q and K
+    rotary kernels reading slices (and GPT-NeoX's passing the rest of each head through), verify against
+    onnxruntime."""
+    import tvm
+
+    from tvmfuse.jobs import Job
+    from tvmfuse.pipeline import run_job
+    from tvmfuse.targets import resolve_target
+
+    if not tvm.cuda(0).exist:
+        pytest.skip("no GPU")
+    said = []
+    job = Job(name, hf_exports(name), trials=0, dtype="fp16", shapes={"batch": [2], "seq": [64]})
+    result = run_job(job, resolve_target("cuda"), str(tmp_path / "out"), str(tmp_path / "logs"), say=said.append,
+                     schedules=None)
+    assert result.ok and result.verification.startswith("ok"), (result.error, result.verification, said[-20:])
+    assert result.details["fusion"]["kept_by_pattern"].get(pattern) == 2 * hf_export.LAYERS, result.details["fusion"]
