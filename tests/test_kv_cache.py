@@ -170,10 +170,13 @@ def test_more_decoders_inplace_greedy_tokens_match_onnxruntime(tmp_path, arch):
     rotary: its present K/V lost their dims at import, an internal error) and OPT (learned positions sliced
     [past:] from the mask's cumsum: total - past, which FuseTIR could not pass, until the mask's `total` became
     past + seq), Qwen2 (QKV bias) and Gemma (GeGLU, scaled embeddings), Gemma 2 (soft-capped scores, sliding-window
-    layers), Qwen3 (Q/K norms), Phi-3 (one QKV projection), Gemma 3: in place, no cache copy, onnxruntime's
-    tokens."""
+    layers), Qwen3 (Q/K norms), Phi-3 (one QKV projection, its V written into the cache from the projection's rows,
+    not through a slice's copy), Gemma 3: in place, no cache copy, onnxruntime's tokens."""
     path = hf_export.export_with_cache(arch, str(tmp_path))
-    assert _cache_copies(_lowered(path, "inplace")) == []
+    fused = _lowered(path, "inplace")
+    assert _cache_copies(fused) == []
+    from_rows = [k for k in fused.kernels() if k.startswith("kv_cache_write") and "_of_rows_" in k]
+    assert bool(from_rows) == (arch == "phi3"), from_rows
     out = tmp_path / "out"
     assert tune_main([path, "--target", "llvm", "--trials", "0", "--schedules", "none", "--out", str(out),
                       "--logs", str(out / "logs"), "--max-seq", str(CAPACITY)]) == 0  # in place by default
@@ -309,16 +312,18 @@ def _cache_copies(fused) -> list[str]:
     return copies
 
 
-def test_cache_write_reads_past_exact_casts_and_the_heads_major_transpose_only():
-    """_write_source: a cast to fp32 of a value already in the cache's dtype (exact back) and one transpose of
-    [batch, seq, heads, dim] to heads-major are skipped; a rounding cast and any other permutation are not."""
+def test_cache_write_reads_past_exact_casts_the_heads_major_transpose_and_a_slice_of_rows_only():
+    """_write_source: a cast to fp32 of a value already in the cache's dtype (exact back), one transpose of
+    [batch, seq, heads, dim] to heads-major, and under that transpose a head split of a unit-stride slice of the last
+    axis of [batch, seq, width] in the cache's dtype (Phi-3's V: the write reads those rows where they lie) are
+    skipped; a rounding cast, any other permutation, a strided slice and a slice in another dtype are not."""
     from tvm import relax  # pylint: disable=import-outside-toplevel
 
     from tvmfuse.prepare.kv_cache import _write_source  # pylint: disable=import-outside-toplevel
 
-    def chain(dtype, *ops):
-        """([x, each op's var], {var: value}) of a function applying `ops` in turn to x [2, 3, 4, 8]."""
-        x = relax.Var("x", relax.TensorType([2, 3, 4, 8], dtype))
+    def chain(dtype, *ops, shape=(2, 3, 4, 8)):
+        """([x, each op's var], {var: value}) of a function applying `ops` in turn to x of `shape`."""
+        x = relax.Var("x", relax.TensorType(list(shape), dtype))
         bb, last = relax.BlockBuilder(), x
         with bb.function("f", [x]):
             with bb.dataflow():
@@ -334,17 +339,24 @@ def test_cache_write_reads_past_exact_casts_and_the_heads_major_transpose_only()
     down = lambda v: relax.op.astype(v, "float16")  # noqa: E731
     heads_major = lambda v: relax.op.permute_dims(v, [0, 2, 1, 3])  # noqa: E731
     v, bound = chain("float16", heads_major, up)  # V as exported: transpose, then the cast for the fp32 past
-    assert _write_source(v[-1], bound, "float16") == (v[0], True)
+    assert _write_source(v[-1], bound, "float16") == (v[0], True, None)
     v, bound = chain("float16", up, heads_major)
-    assert _write_source(v[-1], bound, "float16") == (v[0], True)
+    assert _write_source(v[-1], bound, "float16") == (v[0], True, None)
     v, bound = chain("float32", down, up)  # fp32 -> fp16 rounds: only the exact cast back up is skipped
-    assert _write_source(v[-1], bound, "float16") == (v[1], False)
+    assert _write_source(v[-1], bound, "float16") == (v[1], False, None)
     v, bound = chain("float32", up)
-    assert _write_source(v[-1], bound, "float16") == (v[-1], False)  # fp32 into an fp16 cache: the write casts
+    assert _write_source(v[-1], bound, "float16") == (v[-1], False, None)  # fp32 into an fp16 cache: the write casts
     v, bound = chain("float16", lambda x: relax.op.permute_dims(x, [0, 1, 3, 2]), up)
-    assert _write_source(v[-1], bound, "float16") == (v[1], False)
+    assert _write_source(v[-1], bound, "float16") == (v[1], False, None)
     v, bound = chain("float16", heads_major, heads_major)  # one transpose only: the write has one layout of each
-    assert _write_source(v[-1], bound, "float16") == (v[1], True)
+    assert _write_source(v[-1], bound, "float16") == (v[1], True, None)
+    to_heads = lambda v: relax.op.reshape(v, [2, 3, 4, 8])  # noqa: E731
+    for dtype, stride, taken in (("float16", 1, True), ("float16", 2, False), ("float32", 1, False)):
+        cut = lambda x, stride=stride: relax.op.strided_slice(x, [2], [32], [32 + 32 * stride], [stride])  # noqa: E731
+        casts = (up,) if dtype == "float16" else ()  # fp32 rows into an fp16 cache: the write reads the slice's copy
+        v, bound = chain(dtype, cut, to_heads, heads_major, *casts, shape=(2, 3, 96))
+        got = _write_source(v[-1], bound, "float16")
+        assert got == ((v[0], True, (96, 32)) if taken else (v[2], True, None)), (dtype, stride, got)
 
 
 def test_inplace_step_has_no_concat_or_copy_of_the_cache(kv_model):

@@ -259,7 +259,8 @@ def _check_partial(ctx: PatternCheckContext, name: str) -> bool:
         strides = [as_int(a) for a in call.args[4]] if len(call.args) > 4 else [1]
         if axes not in ([rank - 1], [-1]) or begins != [begin] or strides != [1] or extent is None \
                 or as_int(shape_of(call)[-1]) != extent:
-            return reject(ctx, name, f"{part} slice is not h[..., {':r' if part == 'rotated' else 'r:'}] of the last axis")
+            which = ":r" if part == "rotated" else "r:"
+            return reject(ctx, name, f"{part} slice is not h[..., {which}] of the last axis")
     if as_int(ann["joined"].attrs.axis) not in (-1, rank - 1):
         return reject(ctx, name, "the rotated part and the rest are not joined on the last axis")
     return True

@@ -35,8 +35,8 @@ def prepare_module(imported, dtype: str = "fp32", io_dtype: str | None = None,
                    low_lookups: bool = True, one_copy: bool = False, merge_pays: MergeRule | None = None,
                    merged: list | None = None, merge_sizes: list[dict[str, int]] | None = None) -> tvm.IRModule:
     """The imported model as decide and fuse see it: weights bound as constants, operators that change nothing
-    gone (`no_ops`: reshapes to their input's own shape, whole-tensor slices, zero-width concat parts), rank-2/3 attention masks read as
-    rank 4 (`mask_rank.full_rank_masks`), precision (fp16/bf16 kernels),
+    gone (`no_ops`: reshapes to their input's own shape, whole-tensor slices, zero-width concat parts), rank-2/3
+    attention masks read as rank 4 (`mask_rank.full_rank_masks`), precision (fp16/bf16 kernels),
     sibling projections merged where `merge_pays` says so (`siblings.merge_sibling_matmuls`; `merged` gets each
     group; symbolic row counts are judged at each of `merge_sizes`, the build's bucket shapes), then the weight
     layout (constant weights [N, K], read through a permute the kernel absorbs).

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
@@ -91,20 +92,27 @@ def find_cache_sites(mod: tvm.IRModule) -> list[tuple[relax.Var, relax.Var, rela
     return sorted(sites, key=lambda site: order[site[0]])  # as the past inputs are ordered
 
 
-def _write_kernel(capacity: int, kv_heads: int, head_dim: int, dtype: str, seq_major: bool) -> tirx.PrimFunc:
+def _write_kernel(capacity: int, kv_heads: int, head_dim: int, dtype: str, seq_major: bool,
+                  rows: tuple[int, int] | None = None) -> tirx.PrimFunc:
     """cache[pos + s, b, h, d] = new[b, h, s, d] (`seq_major`: new[b, s, h, d], the step's K/V before the export's
-    transpose to heads-major): the step's K or V written into the cache in place."""
+    transpose to heads-major; `rows` = (width, offset): new[b, s, offset + h * head_dim + d], the K/V a slice of
+    rows of `width`, as Phi-3's V of its one QKV projection): the step's K or V written into the cache in place."""
     heads, dim = T.int64(kv_heads), T.int64(head_dim)
 
     def new_index(b, s, h, d) -> tuple:  # where position s of head h is in `new`
+        if rows is not None:
+            return (b, s, T.int64(rows[1]) + h * dim + d)
         return (b, s, h, d) if seq_major else (b, h, s, d)
+
+    def new_shape(batch, seq) -> tuple:
+        return (batch, seq, T.int64(rows[0])) if rows is not None else new_index(batch, seq, heads, dim)
 
     @T.prim_func(s_tir=True)
     def kv_cache_write(cache_h: T.handle, new_h: T.handle, pos: T.int64):
         T.func_attr({"op_pattern": 8, "tirx.noalias": True})
         batch, seq = T.int64(), T.int64()
         cache = T.match_buffer(cache_h, (T.int64(capacity), batch, heads, dim), dtype)
-        new = T.match_buffer(new_h, new_index(batch, seq, heads, dim), dtype)
+        new = T.match_buffer(new_h, new_shape(batch, seq), dtype)
         assert pos + seq <= T.int64(capacity), "KV cache overflow: past_len + seq exceeds the cache's capacity"
         for b, s, h, d in T.grid(batch, seq, heads, dim):  # cache rows in order
             with T.sblock("kv_cache_write"):
@@ -115,9 +123,11 @@ def _write_kernel(capacity: int, kv_heads: int, head_dim: int, dtype: str, seq_m
 
 
 def _write_source(expr, bound: dict, dtype: str) -> tuple:
-    """(what the cache write reads, whether it is seq-major) for the step's K/V `expr`: past its casts to fp32 from
-    the cache's `dtype` (the exported concatenation with an fp32 past; the cast back is exact) and a transpose of
-    [batch, seq, heads, dim] to heads-major, which the write does itself. Each is a launch less a step."""
+    """(what the cache write reads, whether it is seq-major, its rows) for the step's K/V `expr`: past its casts to
+    fp32 from the cache's `dtype` (the exported concatenation with an fp32 past; the cast back is exact), a
+    transpose of [batch, seq, heads, dim] to heads-major, which the write does itself, and a head split of a slice
+    of the last axis of [batch, seq, width] in `dtype` (rows: (width, the slice's offset); else None), which it
+    reads where it lies. Each is a launch less a step."""
     seq_major = False
     while isinstance(expr, relax.Var):
         value = bound.get(expr)
@@ -131,7 +141,31 @@ def _write_source(expr, bound: dict, dtype: str) -> tuple:
             expr, seq_major = source, True
         else:
             break
-    return expr, seq_major
+    rows = _sliced_rows(expr, bound, dtype) if seq_major else None
+    return (rows[0], True, rows[1]) if rows is not None else (expr, seq_major, None)
+
+
+def _sliced_rows(expr, bound: dict, dtype: str) -> tuple | None:
+    """(x, (width, offset)) where `expr` [B, S, H, D] is reshape(x[:, :, offset:offset + H*D]) of an x [B, S, width]
+    in `dtype` with static width and offset (Phi-3's V), else None."""
+    heads, dims = bound.get(expr), list(getattr(getattr(expr.ty, "shape", None), "values", None) or [])
+    part = heads.args[0] if isinstance(heads, relax.Call) and getattr(heads.op, "name", "") == "relax.reshape" else None
+    cut = bound.get(part) if isinstance(part, relax.Var) else None
+    if len(dims) != 4 or not isinstance(cut, relax.Call) or getattr(cut.op, "name", "") != "relax.strided_slice":
+        return None
+    x = cut.args[0]
+    shape = list(getattr(getattr(x.ty, "shape", None), "values", None) or [])
+    axes, begin = [int(a.value) for a in cut.args[1].fields], cut.args[2].fields[0].value
+    strides = [getattr(a, "value", None) for a in cut.args[4].fields] if len(cut.args) > 4 else [1]
+    if len(shape) != 3 or str(x.ty.dtype) != dtype or axes not in ([2], [-1]) or strides not in ([1],) \
+            or not isinstance(shape[2], tirx.IntImm) or not isinstance(begin, (int, tirx.IntImm)) \
+            or not all(isinstance(d, tirx.IntImm) for d in dims[2:]) \
+            or not all(tvm_ffi.structural_equal(a, b) for a, b in zip(shape[:2], dims[:2])):
+        return None
+    width, offset, used, extent = int(shape[2]), int(begin), int(dims[2]) * int(dims[3]), cut.ty.shape.values[2]
+    if offset < 0 or offset + used > width or not isinstance(extent, tirx.IntImm) or int(extent) != used:
+        return None
+    return x, (width, offset)
 
 
 @relax.expr_functor.mutator
@@ -146,12 +180,14 @@ class _InPlace(relax.PyExprMutator):
         self.bound = bound
         self.writers: dict = {}
 
-    def _writer(self, cache: relax.Var, seq_major: bool) -> relax.GlobalVar:
+    def _writer(self, cache: relax.Var, seq_major: bool, rows: tuple | None) -> relax.GlobalVar:
         _, _, heads, dim = cache.ty.shape.values
-        key = (str(cache.ty.dtype), int(heads), int(dim), seq_major)
+        key = (str(cache.ty.dtype), int(heads), int(dim), seq_major, rows)
         if key not in self.writers:
-            self.writers[key] = self.builder_.add_func(_write_kernel(self.capacity, key[1], key[2], key[0], seq_major),
-                                                       f"kv_cache_write_{key[0]}" + ("_seq_major" if seq_major else ""))
+            name = f"kv_cache_write_{key[0]}" + ("_seq_major" if seq_major else "") + (
+                f"_of_rows_{rows[0]}_at_{rows[1]}" if rows else "")
+            self.writers[key] = self.builder_.add_func(
+                _write_kernel(self.capacity, key[1], key[2], key[0], seq_major, rows), name)
         return self.writers[key]
 
     def visit_var_binding_(self, binding):
@@ -161,12 +197,13 @@ class _InPlace(relax.PyExprMutator):
             return super().visit_var_binding_(binding)
         past, new = self.sites[binding.var]
         cache = self.caches[past]
-        source, seq_major = _write_source(new, self.bound, str(cache.ty.dtype))
+        source, seq_major, rows = _write_source(new, self.bound, str(cache.ty.dtype))
         new = self.visit_expr(source)
         if new.ty.dtype != cache.ty.dtype:
             new = self.builder_.emit(relax.op.astype(new, cache.ty.dtype))
         written = self.builder_.emit(relax.op.call_tir_inplace(
-            self._writer(cache, seq_major), relax.Tuple([cache, new, relax.prim_value(self.past_len)]), [0], cache.ty))
+            self._writer(cache, seq_major, rows), relax.Tuple([cache, new, relax.prim_value(self.past_len)]), [0],
+            cache.ty))
         _, batch, heads, dim = cache.ty.shape.values
         length = self.past_len + new.ty.shape.values[1 if seq_major else 2]
         view = self.builder_.emit(relax.op.memory.view(written, relax.ShapeExpr([length, batch, heads, dim])))
