@@ -73,6 +73,27 @@ def test_plan_command_prints_text_and_json(hf_exports, capsys):
             assert row["predicted_saved_us"] <= 5.0
 
 
+def test_plan_shows_the_fusions_of_the_dtype_asked_for(tmp_path, capsys):
+    """--dtype fp16: the report of the module an fp16 job fuses: the same group as in fp32, with the casts of its
+    fp32 island inside (more ops, other bytes); a dtype tvmfuse has not is one error line, exit 2."""
+    import onnx
+    import onnx_models
+
+    path = str(tmp_path / "rms.onnx")
+    onnx.save(onnx_models.rms_norm_residual(rows=64, hidden=256), path)
+    reports = {}
+    for dtype in ("fp32", "fp16"):
+        capsys.readouterr()
+        assert plan_main([path, "--target", "cuda", "--json", "--dtype", dtype]) == 0
+        reports[dtype] = json.loads(capsys.readouterr().out)
+    kept = {d: [(c["pattern"], c["ops"], c.get("bytes_saved")) for c in r["candidates"] if c["decision"] == "kept"]
+            for d, r in reports.items()}
+    assert [k[0] for k in kept["fp16"]] == [k[0] for k in kept["fp32"]] == ["tvmfuse.rms_norm_residual"], kept
+    assert kept["fp16"][0][1] > kept["fp32"][0][1] and kept["fp16"][0][2] != kept["fp32"][0][2], kept
+    assert plan_main([path, "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --dtype 'fp8' is not supported: use fp32, fp16 or bf16"]
+
+
 def test_report_is_saved_beside_the_export(tmp_path, llvm):
     from tvmfuse.jobs import Job
     from tvmfuse.pipeline import run_job

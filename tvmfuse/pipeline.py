@@ -461,11 +461,14 @@ def _run(job: Job, target, out: str, logs_root: str, say: Say, rpc, schedules) -
                      verification=verified.text, output=output, details=manifest)
 
 
-def plan_model(path: str, target: str, settings: Settings, shapes: dict | None = None) -> dict:
-    """`python -m tvmfuse plan`: the fusion report of a model (fp32, as a job sees it), beside stock TVM fusion."""
+def plan_model(path: str, target: str, settings: Settings, shapes: dict | None = None, dtype: str = "fp32") -> dict:
+    """`python -m tvmfuse plan`: the fusion report of a model computing in `dtype` (as a job sees it: sibling
+    projections merged where the job would), beside stock TVM fusion."""
     imported = import_model(load_onnx(path), shapes, path, os.path.dirname(os.path.abspath(path)))
-    bound = prepare_module(imported)
-    fused = fuse_phase(bound, resolve_target(target), settings)
+    resolved, dtype = resolve_target(target), parse_dtype(dtype, "--dtype")
+    check_compute_dtype(resolved, dtype)
+    bound = prepare_module(imported, dtype, merge_pays=_merge_rule(resolved, dtype))
+    fused = fuse_phase(bound, resolved, settings)
     return fusion_report(fused.plan, fused, stock=lower(bound, patterns=[]))
 
 

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", action="append", default=[], metavar="NAME=N",
                    help="value assumed for a symbolic dim in the cost model (default batch=1, others 128)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS", help="fix input dims, as tune.py")
+    p.add_argument("--dtype", default="fp32", help="compute dtype, as tune.py (fp16 and bf16 fuse around their casts)")
     args = p.parse_args(argv)
     from tvmfuse.decide import Settings, format_text  # pylint: disable=import-outside-toplevel  (TVM: after --help)
     from tvmfuse.pipeline import plan_model  # pylint: disable=import-outside-toplevel
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dims = {"batch": 1, **{k: int(v) for k, v in (d.split("=", 1) for d in args.dim)}}
         settings = Settings(threshold_us=args.threshold_us, device=args.device, dims=dims)
-        report = plan_model(args.model, args.target, settings, dict(parse_shape(s) for s in args.shape))
+        report = plan_model(args.model, args.target, settings, dict(parse_shape(s) for s in args.shape), args.dtype)
     except TvmfuseError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
