@@ -1,5 +1,6 @@
-"""Random-weight GPT-2, BERT and a Llama layer (Llama-2-7B's shapes, or Llama-3-8B's with grouped-query attention),
-wrapped for ONNX export at decode (with a KV cache) and prefill shapes."""
+"""Random-weight GPT-2, BERT and one layer of Llama (Llama-2-7B's shapes, or Llama-3-8B's with grouped-query
+attention), Phi-3-mini and Pythia-1.4B (GPT-NeoX), wrapped for ONNX export at decode (with a KV cache) and prefill
+shapes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ NOTES = {
              "vocab 256: embedding + 1 layer + norm + small head",
     "llama3": "LlamaForCausalLM with 1 decoder layer of Llama-3-8B's shapes (hidden 4096, intermediate 14336, 32 "
               "heads, 8 KV heads: grouped-query attention), vocab 256",
+    "phi3": "Phi3ForCausalLM with 1 decoder layer of Phi-3-mini's shapes (hidden 3072, intermediate 8192, 32 heads of "
+            "96, 32 KV heads; Q, K, V one projection, gate and up one), vocab 256",
+    "pythia": "GPTNeoXForCausalLM with 1 layer of Pythia-1.4B's shapes (hidden 2048, intermediate 8192, 16 heads of "
+              "128, a quarter of each head rotated, parallel residual), vocab 256",
 }
 
 
@@ -40,7 +45,16 @@ def config(name: str, smoke: bool):
             dict(hidden_size=4096, intermediate_size=14336 if gqa else 11008, num_attention_heads=32,
                  num_key_value_heads=8 if gqa else 32, max_position_embeddings=4096)
         return tf.LlamaConfig(num_hidden_layers=1, vocab_size=256, **size)
-    raise ValueError(f"unknown model {name!r} (gpt2, bert, llama, llama3)")
+    if name == "phi3":
+        size = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, max_position_embeddings=64) if smoke \
+            else dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=32, max_position_embeddings=4096)
+        return tf.Phi3Config(num_hidden_layers=1, vocab_size=256, num_key_value_heads=size["num_attention_heads"],
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, **size)
+    if name == "pythia":
+        size = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, max_position_embeddings=64) if smoke \
+            else dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, max_position_embeddings=4096)
+        return tf.GPTNeoXConfig(num_hidden_layers=1, vocab_size=256, rotary_pct=0.25, **size)
+    raise ValueError(f"unknown model {name!r} (gpt2, bert, llama, llama3, phi3, pythia)")
 
 
 def build(name: str, smoke: bool, seed: int = 0):
@@ -50,7 +64,7 @@ def build(name: str, smoke: bool, seed: int = 0):
 
     torch.manual_seed(seed)
     cls = {"gpt2": tf.GPT2LMHeadModel, "bert": tf.BertModel, "llama": tf.LlamaForCausalLM,
-           "llama3": tf.LlamaForCausalLM}[name]
+           "llama3": tf.LlamaForCausalLM, "phi3": tf.Phi3ForCausalLM, "pythia": tf.GPTNeoXForCausalLM}[name]
     cfg = config(name, smoke)
     try:
         cfg._attn_implementation = "sdpa"  # pylint: disable=protected-access  (what a user gets by default)

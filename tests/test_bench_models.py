@@ -83,6 +83,25 @@ def test_smoke_llama3_has_grouped_query_attention(tmp_path):
     assert row["patterns"].get("tvmfuse.attention") == 1
 
 
+@pytest.mark.parametrize("name, rotary", [("phi3", "tvmfuse.slice_rotary_embedding"),
+                                          ("pythia", "tvmfuse.slice_partial_rotary_embedding")])
+def test_smoke_phi3_and_pythia_layers_build_and_match_torch(tmp_path, name, rotary):
+    """--models phi3 / pythia: a layer of Phi-3-mini's shapes (Q, K, V one projection) and of Pythia-1.4B's (GPT-NeoX,
+    a quarter of each head rotated), built by the product at prefill and checked against torch; their Q and K rotary
+    kernels read their slices of the QKV projection (and Pythia's pass the rest of each head through)."""
+    from bench import hf_models
+
+    full = hf_models.config(name, False)
+    assert (full.hidden_size // full.num_attention_heads, full.num_hidden_layers) == ((96, 1) if name == "phi3"
+                                                                                      else (128, 1))
+    out = tmp_path / "out"
+    models.main(["--smoke", "--models", name, "--cases", "prefill_512", "--jobs", "0", "--contenders", "tvmfuse",
+                 "--out", str(out), "--work", str(tmp_path / "work")])
+    (row,) = json.loads((out / "models.json").read_text())["rows"]
+    assert "error" not in row and row["within_tol"] and row["run_job_ok"], row
+    assert row["patterns"].get(rotary) == 2 and row["patterns"].get("tvmfuse.attention") == 1, row["patterns"]
+
+
 def test_without_templates_leaves_a_template_out_of_the_table_for_the_build_only():
     """`--without-templates attention_prefill_wgmma`: the build's table lacks it (the mma.sync prefill comes next);
     the table is whole again afterwards."""
