@@ -113,11 +113,10 @@ def rotary(b=2, h=4, s=8, d=16, split=None, leak=None, permuted=False, sliced=Fa
                   _n("Slice", [whole, "rest_begin", "s_head", "s_ax"], "xp")]
     nodes += [_n("Slice", [src, "s_mid", "s_end", "s_ax"], "hi"), _n("Neg", ["hi"], "nhi"),
               _n("Slice", [src, "s_zero", "s_mid", "s_ax"], "lo"), _n("Concat", ["nhi", "lo"], "rot", axis=-1),
-              _n("Mul", [src, "cos"], "xc"), _n("Mul", ["rot", "sin"], "rs"), _n("Add", ["xc", "rs"], "y")]
-    if partial:
-        nodes[-1].output[0] = "yr"
-        nodes.append(_n("Concat", ["yr", "xp"], "y", axis=-1))
-    leaked = {"xs": [b, s, h * head], "x": [b, s, h, head]}.get(leak, [b, h, s, d])
+              _n("Mul", [src, "cos"], "xc"), _n("Mul", ["rot", "sin"], "rs"),
+              _n("Add", ["xc", "rs"], "yr" if partial else "y")]
+    nodes += [_n("Concat", ["yr", "xp"], "y", axis=-1)] if partial else []
+    leaked = {"xs": [b, s, h * head], "x": [b, s, h, head], "xp": [b, h, s, head - d]}.get(leak, [b, h, s, d])
     outs = [_t("y", [b, h, s, head])] + ([_t(leak, leaked)] if leak else [])
     i64 = np.int64
     x = _t("qkv", [b, s, 3 * h * head]) if sliced else _t("x", [b, s, h, head] if permuted else [b, h, s, head])

@@ -68,6 +68,8 @@ def drop_no_ops(mod: tvm.IRModule) -> tvm.IRModule:
             for op, arities, rule in RULES:
                 for arity in arities:
                     call = is_op(op)(*[wildcard() for _ in range(arity)])
+                    # (the matcher also offers a variable bound to such a call: the call itself is rewritten where
+                    # it is bound)
                     fn = rewrite_call(call, lambda expr, matches, call=call, rule=rule:
                                       rule(matches[call]) if isinstance(expr, relax.Call) else expr, fn)
             out[gv] = fn
