@@ -247,6 +247,16 @@ def _rotary(sliced: bool, partial: bool) -> Annotated:
     return root, {**ann, "rotated": x, "rest": rest, "joined": root}
 
 
+def _last_axis_cut(call, rank: int) -> tuple | None:
+    """(begin, extent, stride) of a strided_slice of the last axis alone (None where one is not a known int), else
+    None."""
+    axes, begins = [as_int(a) for a in call.args[1]], [as_int(a) for a in call.args[2]]
+    strides = [as_int(a) for a in call.args[4]] if len(call.args) > 4 else [1]
+    if axes not in ([rank - 1], [-1]) or len(begins) != 1 or len(strides) != 1:
+        return None
+    return begins[0], as_int(shape_of(call)[-1]), strides[0]
+
+
 def _check_partial(ctx: PatternCheckContext, name: str) -> bool:
     """The rotated part is h[..., :r] and the rest h[..., r:] of one h on its last axis, joined on that axis."""
     ann = dict(ctx.annotated_expr.items())
@@ -254,11 +264,7 @@ def _check_partial(ctx: PatternCheckContext, name: str) -> bool:
     rank, width = ndim(heads), as_int(shape_of(heads)[-1])
     r = as_int(shape_of(ann["rotated"])[-1])
     for part, begin, extent in (("rotated", 0, r), ("rest", r, None if width is None or r is None else width - r)):
-        call = ann[part]
-        axes, begins = [as_int(a) for a in call.args[1]], [as_int(a) for a in call.args[2]]
-        strides = [as_int(a) for a in call.args[4]] if len(call.args) > 4 else [1]
-        if axes not in ([rank - 1], [-1]) or begins != [begin] or strides != [1] or extent is None \
-                or as_int(shape_of(call)[-1]) != extent:
+        if extent is None or _last_axis_cut(ann[part], rank) != (begin, extent, 1):
             which = ":r" if part == "rotated" else "r:"
             return reject(ctx, name, f"{part} slice is not h[..., {which}] of the last axis")
     if as_int(ann["joined"].attrs.axis) not in (-1, rank - 1):
@@ -282,9 +288,8 @@ def _check_rotary(ctx: PatternCheckContext, name: str) -> bool:
         return reject(ctx, name, f"head dim {shape_of(x)[-1]} is not a known even size")
     rank = ndim(x)
     for part, begin in (("hi", d // 2), ("lo", 0)):
-        call = ann[part]
-        axes, begins = [as_int(a) for a in call.args[1]], [as_int(a) for a in call.args[2]]
-        if axes not in ([rank - 1], [-1]) or begins != [begin] or as_int(shape_of(call)[-1]) != d // 2:
+        cut = _last_axis_cut(ann[part], rank)
+        if cut is None or cut[:2] != (begin, d // 2):
             return reject(ctx, name, f"{part} slice is not the {'upper' if begin else 'lower'} half of the last axis")
     if as_int(ann["rot"].attrs.axis) not in (-1, rank - 1):
         return reject(ctx, name, "rotate-half concat is not on the last axis")

@@ -7,7 +7,7 @@ from tvm.script import tirx as T
 
 from tvmfuse.kernels.attention.common import LOG2E, NEG, at, dims, extents, f32, template_func
 from tvmfuse.kernels.attention.decode_guards import guards
-from tvmfuse.kernels.attention.decode_knobs import VEC, chunk_of, group, lanes
+from tvmfuse.kernels.attention.decode_knobs import VEC, chunk_of, group, keys_per_warp, lanes
 
 
 def gpu_kernel(s: dict, knobs: dict):
@@ -24,7 +24,7 @@ def gpu_body(s: dict, knobs: dict, ext: dict, rows: int):
     HQ, G = H * rows, group(dict(s, seq_q=rows))  # rows as heads: row r of head h is head h * rows + r
     chunk, qs = chunk_of(s, knobs, L), float(scale * LOG2E)
     LANES = lanes(D)
-    RPW, W, U = 32 // LANES, knobs["warps"], knobs["unroll"]
+    RPW, W, U = keys_per_warp(D), knobs["warps"], knobs["unroll"]
     partial = LANES * VEC != D  # head dims 80 and 96: lanes whose vector lies past D load zeros, store nothing
     SLOTS, NT, steps = W * RPW, W * 32, chunk // (W * RPW * U)
     NOUT = G * D
